@@ -1,0 +1,103 @@
+"""Engine and speculative-decoding settings, with vLLM's names and meanings."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from blockspec.errors import ConfigError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+          "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "half": torch.float16,
+          "float": torch.float32}
+
+
+@dataclass
+class SpeculativeConfig:
+    """`--speculative-config` JSON: {"method": "dflash", "model": ..., "num_speculative_tokens": k,
+    "max_model_len": drafter context window}."""
+
+    model: str | None = None
+    num_speculative_tokens: int | None = None  # None: the drafter's block_size - 1
+    draft_window: int | None = None  # drafter sees at most this many context tokens
+
+    @classmethod
+    def from_json(cls, text: str) -> SpeculativeConfig:
+        try:
+            raw: dict[str, Any] = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"--speculative-config is not valid JSON ({exc.msg}): "
+                              """e.g. '{"method": "dflash", "model": "/draft", "num_speculative_tokens": 15}'""") from None
+        if not isinstance(raw, dict):
+            raise ConfigError("--speculative-config must be a JSON object")
+        method = raw.get("method", "dflash")
+        if method != "dflash":
+            raise ConfigError(f"speculative method {method!r} is not supported: blockspec runs \"dflash\"")
+        k = raw.get("num_speculative_tokens")
+        window = raw.get("max_model_len", raw.get("draft_window"))
+        return cls(model=raw.get("model"), num_speculative_tokens=None if k is None else int(k),
+                   draft_window=None if window is None else int(window))
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # None: the embedded default model
+    tokenizer: str | None = None
+    chat_template: str | None = None
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory: int | None = None  # bytes; CPU default 1 GiB
+    seed: int = 0
+    enforce_eager: bool = False
+    load_format: str = "auto"  # auto | dummy (random weights in the checkpoint's shapes)
+    generation_config: str = "auto"  # auto: the model's generation_config.json | vllm: ignore it
+
+    def resolve_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        dev = torch.device(self.device)
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("--device cuda requested but no CUDA GPU is visible: use --device cpu")
+        if dev.type not in ("cpu", "cuda"):
+            raise ConfigError(f"--device {self.device!r} is not supported: use cpu or cuda")
+        return dev
+
+    def resolve_dtype(self, device: torch.device, checkpoint_dtype: str | None) -> torch.dtype:
+        if self.dtype != "auto":
+            if self.dtype not in DTYPES:
+                raise ConfigError(f"--dtype {self.dtype!r} is not one of auto, float32, bfloat16, float16")
+            dtype = DTYPES[self.dtype]
+            if device.type == "cpu" and dtype == torch.float16:
+                raise ConfigError("--dtype float16 is not supported on CPU: use float32 or bfloat16")
+            return dtype
+        if device.type == "cpu":
+            return torch.float32  # CPU runs are the correctness reference
+        if checkpoint_dtype in ("float16", "bfloat16"):
+            return DTYPES[checkpoint_dtype]
+        return torch.bfloat16
+
+    def validate(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ConfigError("--max-num-seqs must be at least 1")
+        if self.max_num_batched_tokens < 1:
+            raise ConfigError("--max-num-batched-tokens must be at least 1")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError("--gpu-memory-utilization must be in (0, 1]")
+        if self.block_size not in (8, 16, 32, 64, 128):
+            raise ConfigError("--block-size must be one of 8, 16, 32, 64, 128")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ConfigError("--max-model-len must be at least 2")
+        k = self.speculative.num_speculative_tokens
+        if k is not None and k < 0:
+            raise ConfigError("num_speculative_tokens must be non-negative")
+        if self.load_format not in ("auto", "dummy"):
+            raise ConfigError(f"--load-format {self.load_format!r}: blockspec reads auto (safetensors/GGUF) or dummy")

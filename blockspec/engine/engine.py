@@ -1,0 +1,248 @@
+"""The engine: add requests, step, read outputs. Everything runs through one step function.
+
+A step is "schedule -> draft -> verify in one target pass -> accept"; plain autoregressive decoding
+is the k = 0 case of the same step. The engine is single-threaded by design: the server drives it
+from one worker thread and talks to it through queues.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+
+from blockspec.config import EngineConfig
+from blockspec.engine.detokenizer import IncrementalDetokenizer
+from blockspec.engine.kv_cache import BlockAllocator
+from blockspec.engine.memory import plan_kv_blocks
+from blockspec.engine.outputs import RequestOutput, SpecDecodeCounters
+from blockspec.engine.sampling_params import SamplingParams
+from blockspec.engine.scheduler import Scheduler
+from blockspec.engine.sequence import Sequence
+from blockspec.errors import ConfigError, RequestError
+from blockspec.loader.tokenizer import load_eos_token_ids, load_tokenizer
+from blockspec.loader.weights import load_weights, resolve_model_path
+from blockspec.models.model_config import ModelConfig
+from blockspec.models.registry import model_class
+from blockspec.runner.model_runner import ModelRunner
+from blockspec.spec.dflash import DFlashDrafter, DrafterConfig
+
+log = logging.getLogger("blockspec")
+
+
+def build_module(factory, device: torch.device, dtype: torch.dtype):
+    """Construct a module directly on `device` in `dtype` (no full-precision CPU copy first)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            module = factory()
+    finally:
+        torch.set_default_dtype(previous)
+    return module.eval().requires_grad_(False)
+
+
+class Engine:
+    def __init__(self, config: EngineConfig) -> None:
+        config.validate()
+        self.config = config
+        self.device = config.resolve_device()
+        self.model_dir: Path = resolve_model_path(config.model)
+        self.model_config = ModelConfig.from_dir(self.model_dir)
+        self.dtype = config.resolve_dtype(self.device, self.model_config.torch_dtype)
+        self.tokenizer = load_tokenizer(self.model_dir, config.tokenizer, config.chat_template)
+        self.eos_ids = load_eos_token_ids(self.model_dir, self.tokenizer) if config.generation_config != "vllm" \
+            else [self.tokenizer.eos_token_id]
+        self.max_model_len = self._max_model_len()
+        torch.manual_seed(config.seed)
+
+        drafter, self.drafter_config = self._load_drafter()
+        block = self.drafter_config.block_size if self.drafter_config else 1
+        k = config.speculative.num_speculative_tokens
+        self.num_speculative_tokens = (block - 1 if k is None else k) if drafter is not None else 0
+        if self.num_speculative_tokens > block - 1:
+            raise ConfigError(f"num_speculative_tokens {self.num_speculative_tokens} exceeds the drafter's "
+                              f"block_size - 1 = {block - 1}: lower it")
+        target = self._load_target()
+        self.runner = ModelRunner(target, drafter, self.device, self.dtype, config.block_size,
+                                  config.speculative.draft_window)
+        num_blocks = plan_kv_blocks(self)
+        self.runner.allocate_kv_cache(num_blocks)
+        self.allocator = BlockAllocator(num_blocks, config.block_size)
+        self.scheduler = Scheduler(self.allocator, config.max_num_seqs, config.max_num_batched_tokens,
+                                   self.max_model_len, self.num_speculative_tokens)
+        self.requests: dict[str, Sequence] = {}
+        self.spec_counters = SpecDecodeCounters(accepted_per_pos=[0] * self.num_speculative_tokens)
+        self._generator = torch.Generator(device=self.device)
+        self._generator.manual_seed(config.seed)
+
+    # ---- loading ------------------------------------------------------------------------------
+
+    def _max_model_len(self) -> int:
+        limit = self.model_config.max_position_embeddings
+        want = self.config.max_model_len or limit
+        if want > limit:
+            raise ConfigError(f"--max-model-len {want} exceeds the model's max_position_embeddings {limit}: lower it")
+        return want
+
+    def _load_target(self) -> torch.nn.Module:
+        cls = model_class(self.model_config)
+        rope_len = self.max_model_len + self.config.block_size  # verify blocks may look past the end
+        model = build_module(lambda: cls(self.model_config, max_positions=rope_len), self.device, self.dtype)
+        if self.config.load_format != "dummy":
+            load_weights(model, self.model_dir, self.device, self.dtype)
+        return model
+
+    def _load_drafter(self) -> tuple[DFlashDrafter | None, DrafterConfig | None]:
+        spec = self.config.speculative
+        if spec.model is None:
+            return None, None
+        draft_dir = Path(spec.model)
+        if not draft_dir.is_dir():
+            raise ConfigError(f"draft model {spec.model} is not a directory: pass a z-lab DFlash checkpoint directory")
+        cfg = DrafterConfig.from_dir(draft_dir)
+        cfg.check_target(self.model_config)
+        rope_len = self.max_model_len + cfg.block_size
+        drafter = build_module(lambda: DFlashDrafter(cfg, rope_len), self.device, self.dtype)
+        if self.config.load_format != "dummy":
+            load_weights(drafter, draft_dir, self.device, self.dtype)
+        return drafter, cfg
+
+    # ---- requests -----------------------------------------------------------------------------
+
+    def apply_chat_template(self, messages: list[dict], **kwargs) -> str:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise RequestError("this model has no chat template: pass --chat-template or use a raw prompt", "messages")
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
+
+    def encode(self, prompt: str) -> list[int]:
+        return self.tokenizer.encode(prompt, add_special_tokens=False) if prompt else []
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
+        """Queue a request; raises RequestError (with the numbers) if it cannot run."""
+        if request_id in self.requests:
+            raise RequestError(f"request id {request_id!r} is already running", "request_id")
+        params.validate()
+        ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise RequestError("the prompt is empty", "prompt")
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in ids):
+            raise RequestError(f"prompt token ids must be in [0, {vocab})", "prompt")
+        room = self.max_model_len - len(ids)
+        if room < 1:
+            raise RequestError(f"the prompt has {len(ids)} tokens but max_model_len is {self.max_model_len}: "
+                               "shorten the prompt or raise --max-model-len", "prompt")
+        if params.max_tokens is None:
+            params.max_tokens = room
+        elif params.max_tokens > room:
+            raise RequestError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = "
+                               f"{len(ids) + params.max_tokens} exceeds max_model_len {self.max_model_len}: "
+                               "lower max_tokens or shorten the prompt", "max_tokens")
+        generator = self._generator
+        if params.seed is not None:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(params.seed)
+        detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
+        seq = Sequence(request_id, ids, params, detok, self.eos_ids, generator)
+        seq.max_tokens = params.max_tokens
+        self.requests[request_id] = seq
+        self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request now and free its KV blocks; False if it is unknown or already done."""
+        seq = self.requests.pop(request_id, None)
+        if seq is None:
+            return False
+        seq.finish_reason = "abort"
+        self.scheduler.finish(seq)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    @property
+    def kv_usage(self) -> float:
+        return self.allocator.usage
+
+    # ---- the step -----------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if not sched.items:
+            return []
+        now = time.perf_counter()
+        for item in sched.items:
+            if item.seq.stats.first_scheduled_time is None:
+                item.seq.stats.first_scheduled_time = now
+        results = self.runner.execute(sched)
+        outputs = []
+        now = time.perf_counter()
+        for res in results:
+            if res.tokens:
+                outputs.append(self._commit(res.seq, res.tokens, res.num_drafts, res.num_accepted, res.logprobs, now))
+        return outputs
+
+    def _commit(self, seq: Sequence, tokens: list[int], num_drafts: int, num_accepted: int,
+                logprobs, now: float) -> RequestOutput:
+        decoding = seq.num_output > 0
+        new_ids: list[int] = []
+        delta = ""
+        for tok in tokens:
+            new_ids.append(tok)
+            delta += seq.append_token(tok)
+            if seq.finish_reason is not None:
+                break
+        st = seq.stats
+        if decoding:
+            st.steps += 1
+            st.decode_tokens += len(new_ids)
+            st.num_draft_tokens += num_drafts
+            if not st.accepted_per_position:
+                st.accepted_per_position = [0] * self.num_speculative_tokens
+            for i in range(min(num_accepted, len(new_ids))):
+                st.accepted_per_position[i] += 1
+                self.spec_counters.accepted_per_pos[i] += 1
+            if num_drafts:
+                self.spec_counters.num_drafts += 1
+                self.spec_counters.num_draft_tokens += num_drafts
+                self.spec_counters.num_accepted_tokens += min(num_accepted, len(new_ids))
+        elif st.first_token_time is None:
+            st.first_token_time = now
+        if logprobs:
+            seq.logprobs.extend(logprobs[:len(new_ids)])
+        if seq.finish_reason is not None:
+            st.finish_time = now
+            self.scheduler.finish(seq)
+            self.requests.pop(seq.request_id, None)
+        return RequestOutput(
+            request_id=seq.request_id, prompt_token_ids=seq.prompt_ids, token_ids=list(seq.output_ids),
+            new_token_ids=new_ids, text=seq.text, new_text=delta, finished=seq.finished,
+            finish_reason=seq.finish_reason, stop_reason=seq.stop_reason, stats=st,
+            new_logprobs=logprobs[:len(new_ids)] if logprobs else None)
+
+    def generate(self, prompts: Iterable[str | list[int]], params: SamplingParams | list[SamplingParams]
+                 ) -> list[RequestOutput]:
+        """Run prompts to completion together (continuous batching); outputs in prompt order."""
+        prompts = list(prompts)
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [f"gen-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
+        for rid, prompt, p in zip(ids, prompts, plist):
+            self.add_request(rid, prompt, SamplingParams(**vars(p)))
+        final: dict[str, RequestOutput] = {}
+        while len(final) < len(ids) and self.has_unfinished_requests():
+            for out in self.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[rid] for rid in ids]

@@ -1,0 +1,82 @@
+"""How many KV blocks the engine may allocate, or a clear refusal when the minimum does not fit.
+
+On CUDA the budget is `gpu_memory_utilization` of the card, minus what other processes hold, minus
+the weights and the activation peak of the largest step (measured by running one, vLLM-style).
+On CPU it is `--kv-cache-memory` (default 1 GiB), capped at what max_num_seqs full-length
+sequences could use.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from blockspec.errors import OutOfMemoryError
+
+if TYPE_CHECKING:
+    from blockspec.engine.engine import Engine
+
+GIB = 1 << 30
+MIB = 1 << 20
+CPU_DEFAULT_KV_BYTES = 1 * GIB
+
+
+def blocks_per_sequence(engine: Engine) -> int:
+    """Blocks one sequence of max_model_len needs, with room for a full verify block at its end."""
+    return -(-(engine.max_model_len + engine.num_speculative_tokens + 1) // engine.config.block_size)
+
+
+def plan_kv_blocks(engine: Engine) -> int:
+    per_block = engine.runner.kv_bytes_per_block()
+    min_blocks = blocks_per_sequence(engine)
+    need = min_blocks * per_block
+    cfg = engine.config
+    if engine.device.type == "cuda":
+        budget = _cuda_kv_budget(engine)
+        flag = "raise --gpu-memory-utilization, lower --max-model-len, or lower --max-num-batched-tokens"
+        have = f"{budget / GIB:.2f} GiB left for the KV cache after weights and activations"
+    else:
+        budget = cfg.kv_cache_memory or min(CPU_DEFAULT_KV_BYTES, cfg.max_num_seqs * need)
+        flag = "raise --kv-cache-memory or lower --max-model-len"
+        have = f"--kv-cache-memory allows {budget / MIB:.0f} MiB"
+    if budget < need:
+        raise OutOfMemoryError(
+            f"not enough memory for the KV cache: one {engine.max_model_len}-token sequence needs "
+            f"{need / MIB:.0f} MiB, {have}: {flag}")
+    return int(budget // per_block)
+
+
+def _cuda_kv_budget(engine: Engine) -> int:
+    dev = engine.device
+    torch.cuda.synchronize(dev)
+    free, total = torch.cuda.mem_get_info(dev)
+    others = (total - free) - torch.cuda.memory_reserved(dev)
+    peak = profile_step_peak(engine)
+    return int(total * engine.config.gpu_memory_utilization - others - peak)
+
+
+def profile_step_peak(engine: Engine) -> int:
+    """Peak bytes (weights included) of the largest prefill step plus a full drafter pass."""
+    from blockspec.engine.scheduler import ScheduledSeq, SchedulerOutput
+    from blockspec.engine.sampling_params import SamplingParams
+    from blockspec.engine.sequence import Sequence
+
+    runner, dev = engine.runner, engine.device
+    tokens = min(engine.config.max_num_batched_tokens, engine.max_model_len - 1)
+    k = engine.num_speculative_tokens
+    blocks = -(-(tokens + k + 2) // engine.config.block_size)
+    runner.allocate_kv_cache(blocks)
+    cache_bytes = blocks * runner.kv_bytes_per_block()
+    torch.cuda.reset_peak_memory_stats(dev)
+    seq = Sequence("profile", [0] * tokens, SamplingParams(temperature=0, max_tokens=k + 2), None, [], None)
+    seq.block_table = list(range(blocks))
+    runner.execute(SchedulerOutput([ScheduledSeq(seq, tokens, 0)]))
+    if k:
+        seq.output_ids.append(0)
+        runner.execute(SchedulerOutput([ScheduledSeq(seq, 1, k)]))
+    torch.cuda.synchronize(dev)
+    peak = torch.cuda.max_memory_allocated(dev) - cache_bytes
+    runner.allocate_kv_cache(0)
+    torch.cuda.empty_cache()
+    return peak

@@ -1,0 +1,96 @@
+"""Stream a Hugging Face safetensors checkpoint tensor by tensor, straight onto the target device.
+
+Large models only fit when no full CPU copy is ever made, so each shard is opened with
+``safe_open(device=...)`` and tensors are yielded one at a time; the caller copies each into its
+parameter and drops it before the next one is read.
+"""
+
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from blockspec.loader.errors import ModelLoadError
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def checkpoint_shards(model_dir: Path) -> dict[Path, list[str] | None]:
+    """Map each shard file to the tensor names the index assigns it (None: every tensor in it).
+
+    All shards are checked to exist before any is read, so a half-downloaded model fails at once
+    instead of after minutes of loading.
+    """
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise ModelLoadError(f"model directory {model_dir} does not exist: pass a Hugging Face model directory")
+    index_path = model_dir / INDEX_FILE
+    if index_path.is_file():
+        try:
+            weight_map = json.loads(index_path.read_text())["weight_map"]
+            if not isinstance(weight_map, dict):
+                raise TypeError("weight_map is not an object")
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise ModelLoadError(f"cannot read {index_path} ({err}): re-download the checkpoint's index file") from None
+        shards: dict[Path, list[str] | None] = {}
+        for name, shard in weight_map.items():
+            names = shards.setdefault(model_dir / shard, [])
+            assert names is not None
+            names.append(name)
+        missing = [p.name for p in shards if not p.is_file()]
+        if missing:
+            raise ModelLoadError(
+                f"{INDEX_FILE} in {model_dir} references missing shard(s) {', '.join(missing[:3])}"
+                f"{' ...' if len(missing) > 3 else ''}: the download is incomplete, fetch them again"
+            )
+        return shards
+    single = model_dir / SINGLE_FILE
+    if single.is_file():
+        return {single: None}
+    hint = " (it holds .bin weights: convert them to safetensors)" if any(model_dir.glob("*.bin")) else ""
+    raise ModelLoadError(
+        f"no {SINGLE_FILE} or {INDEX_FILE} in {model_dir}{hint}: "
+        "pass a Hugging Face model directory with safetensors weights"
+    )
+
+
+def iter_safetensors(
+    model_dir: Path,
+    device: torch.device | str,
+    skip: Callable[[str], bool] | None = None,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(name, tensor)`` for every tensor of the checkpoint, materialised on ``device``.
+
+    ``skip(name)`` returning True leaves that tensor unread (e.g. a VLM's vision tower when only
+    the language model is served).
+    """
+    for shard, listed in checkpoint_shards(Path(model_dir)).items():
+        try:
+            handle = safe_open(str(shard), framework="pt", device=str(device))
+        except Exception as err:  # safetensors raises its own error type or OSError
+            raise ModelLoadError(
+                f"cannot open {shard} ({err}): the file is corrupt or truncated, re-download it"
+            ) from None
+        with handle as f:
+            present = set(f.keys())
+            names = list(f.keys()) if listed is None else listed
+            for name in names:
+                if skip is not None and skip(name):
+                    continue
+                if name not in present:
+                    raise ModelLoadError(
+                        f"{INDEX_FILE} says {name} is in {shard.name} but that shard lacks it: "
+                        "the checkpoint is inconsistent, re-download it"
+                    )
+                try:
+                    tensor = f.get_tensor(name)
+                except Exception as err:
+                    raise ModelLoadError(
+                        f"cannot read tensor {name} from {shard} ({err}): "
+                        "the file is corrupt or truncated, re-download it"
+                    ) from None
+                yield name, tensor
+                del tensor  # hold at most the tensor the caller is copying

@@ -1,0 +1,148 @@
+"""Find a model's files and load its weights into a blockspec model.
+
+Checkpoint names are normalised here (VLM wrapper prefixes removed, vision and MTP weights never
+read) so model code only knows plain Hugging Face causal-LM names; the model's own
+``load_weight(name, tensor) -> bool`` does the copy, because only it knows fused or sharded layouts.
+"""
+
+import hashlib
+import json
+import logging
+from pathlib import Path
+
+import torch
+
+from blockspec.loader.cache import cache_root
+from blockspec.loader.default_model import default_model_dir
+from blockspec.loader.errors import ModelLoadError
+from blockspec.loader.gguf_convert import convert_gguf
+from blockspec.loader.safetensors_loader import iter_safetensors
+
+logger = logging.getLogger(__name__)
+
+# (checkpoint prefix, model prefix), first match wins.
+PREFIX_RENAMES = (
+    ("model.language_model.", "model."),
+    ("language_model.model.", "model."),
+    ("language_model.lm_head.", "lm_head."),
+)
+# Parts of multimodal / multi-token-prediction checkpoints a text-only target never uses.
+SKIPPED_MARKERS = ("visual.", "vision_tower", "multi_modal_projector", "mtp.")
+# Dtypes that are plain precision choices; anything else (int, fp8) is a quantized payload that
+# the model's load_weight must see as stored.
+CASTABLE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def resolve_model_path(model: str | None, cache_dir: Path | None = None) -> Path:
+    """The Hugging Face directory to serve for ``--model`` (None: the embedded default model)."""
+    if model is None:
+        return default_model_dir(cache_dir)
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        stat = path.stat()
+        key = hashlib.sha256(f"{path.name}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()
+        root = cache_dir if cache_dir is not None else cache_root()
+        return convert_gguf(path, root / "gguf" / f"{path.stem}-{key[:12]}")
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            ggufs = sorted(p.name for p in path.glob("*.gguf"))
+            hint = f" (it holds {ggufs[0]}: pass that file)" if ggufs else ""
+            raise ModelLoadError(f"no config.json in {path}{hint}: pass a Hugging Face model directory or a .gguf file")
+        return path
+    if path.exists():
+        raise ModelLoadError(
+            f"{path} is neither a directory nor a .gguf file: pass a Hugging Face model directory or a .gguf file"
+        )
+    raise ModelLoadError(
+        f"model {model!r} not found: pass a local Hugging Face model directory or a .gguf file "
+        "(no model hub is reachable)"
+    )
+
+
+def checkpoint_name(name: str) -> str:
+    """The plain causal-LM name of a checkpoint tensor name (VLM wrapper prefixes removed)."""
+    for old, new in PREFIX_RENAMES:
+        if name.startswith(old):
+            return new + name[len(old) :]
+    return name
+
+
+def is_skipped(name: str) -> bool:
+    """True for vision-tower and MTP-head tensors, which are never read."""
+    return any(marker in name for marker in SKIPPED_MARKERS)
+
+
+def load_weights(model: torch.nn.Module, model_dir: Path, device: torch.device | str, dtype: torch.dtype) -> None:
+    """Stream every checkpoint tensor of ``model_dir`` into ``model`` and check nothing is missing."""
+    model_dir = Path(model_dir)
+    loaded: set[str] = set()
+    unknown: list[str] = []
+    for raw_name, tensor in iter_safetensors(model_dir, device, skip=is_skipped):
+        name = checkpoint_name(raw_name)
+        if tensor.dtype in CASTABLE_DTYPES and tensor.dtype != dtype:
+            tensor = tensor.to(dtype)
+        if _load_one(model, name, tensor):
+            loaded.add(name)
+        else:
+            unknown.append(raw_name)
+        del tensor  # let the device memory go before the next tensor is read
+    if unknown:
+        logger.warning(
+            "ignored %d checkpoint tensors the model does not use: %s%s",
+            len(unknown),
+            ", ".join(unknown[:5]),
+            " ..." if len(unknown) > 5 else "",
+        )
+    _tie_lm_head(model, model_dir, loaded)
+    missing = _missing_parameters(model, loaded)
+    if missing:
+        raise ModelLoadError(
+            f"{len(missing)} model parameters are not in the checkpoint {model_dir} "
+            f"(e.g. {', '.join(missing[:4])}): the weights do not match the architecture in "
+            "config.json; check that the directory holds the complete model"
+        )
+
+
+def _load_one(model: torch.nn.Module, name: str, tensor: torch.Tensor) -> bool:
+    try:
+        return bool(model.load_weight(name, tensor))
+    except (RuntimeError, ValueError) as err:  # shape or dtype mismatch inside the copy
+        raise ModelLoadError(
+            f"checkpoint tensor {name} {tuple(tensor.shape)} does not fit the model "
+            f"({' '.join(str(err).split())[:160]}): the checkpoint does not match config.json"
+        ) from None
+
+
+def _tie_lm_head(model: torch.nn.Module, model_dir: Path, loaded: set[str]) -> None:
+    """Fill an untied lm_head from the embedding when the config ties them and it was absent."""
+    if "lm_head.weight" in loaded or "model.embed_tokens.weight" not in loaded:
+        return
+    if not _ties_embeddings(model_dir):
+        return
+    params = dict(model.named_parameters(remove_duplicate=False))
+    if "lm_head.weight" in params and "model.embed_tokens.weight" in params:
+        embedding = params["model.embed_tokens.weight"].detach()
+        if _load_one(model, "lm_head.weight", embedding):
+            loaded.add("lm_head.weight")
+
+
+def _ties_embeddings(model_dir: Path) -> bool:
+    path = model_dir / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except FileNotFoundError:
+        return False
+    except (OSError, ValueError) as err:
+        raise ModelLoadError(f"cannot parse {path} ({err}): fix or re-download the file") from None
+    text_config = config.get("text_config")
+    if isinstance(text_config, dict) and "tie_word_embeddings" in text_config:
+        return bool(text_config["tie_word_embeddings"])
+    return bool(config.get("tie_word_embeddings", False))
+
+
+def _missing_parameters(model: torch.nn.Module, loaded: set[str]) -> list[str]:
+    """Parameters no checkpoint tensor reached; a parameter shared under several names counts once."""
+    names_of: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(param), []).append(name)
+    return [names[0] for names in names_of.values() if not any(name in loaded for name in names)]

@@ -1,0 +1,1 @@
+"""Target model families, written in plain PyTorch over a paged KV cache."""

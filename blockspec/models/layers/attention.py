@@ -1,0 +1,106 @@
+"""Paged attention: the per-step metadata, the KV write, and the plain-PyTorch reference kernel.
+
+A step runs a flat, ragged batch of tokens (prefill chunks and k+1-token verify blocks side by side).
+The runner describes the batch once per step in an `AttentionMetadata`; every attention layer reads
+it from the forward context, writes its new K/V into its paged cache and attends. The reference
+kernel gathers each sequence's keys into a padded [batch, max_len] view and runs SDPA under a mask;
+it is the oracle for the Triton kernels and the path used on CPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class AttentionMetadata:
+    """Where a step's tokens go in the paged cache and which keys each query sees.
+
+    slot_mapping: [T] cache slot (block * block_size + offset) for each new token's K/V.
+    query_index:  [B, Qmax] flat token index of each (padded) query; padding points at token 0.
+    query_unpad:  [T] index into the flattened [B * Qmax] padded queries of each real token.
+    kv_slots:     [B, Lmax] cache slot of key position j of sequence b (padding points at slot 0).
+    mask:         [B, 1, Qmax, Lmax] True where query i of sequence b may attend to key j.
+    """
+
+    slot_mapping: torch.Tensor
+    query_index: torch.Tensor
+    query_unpad: torch.Tensor
+    kv_slots: torch.Tensor
+    mask: torch.Tensor
+
+
+_CONTEXT: list[AttentionMetadata] = []
+
+
+@contextmanager
+def forward_context(meta: AttentionMetadata) -> Iterator[None]:
+    """Make `meta` visible to every attention layer for the duration of one forward pass."""
+    _CONTEXT.append(meta)
+    try:
+        yield
+    finally:
+        _CONTEXT.pop()
+
+
+def current_metadata() -> AttentionMetadata:
+    if not _CONTEXT:
+        raise RuntimeError("attention called outside forward_context(): the runner sets the metadata")
+    return _CONTEXT[-1]
+
+
+def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+             k: torch.Tensor, v: torch.Tensor) -> None:
+    """Write K/V of shape [T, Hkv, D] into caches of shape [num_blocks, block_size, Hkv, D]."""
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k.to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v.to(v_cache.dtype))
+
+
+def gather_kv(cache: torch.Tensor, kv_slots: torch.Tensor) -> torch.Tensor:
+    """[num_blocks, block_size, Hkv, D] cache -> [B, Hkv, Lmax, D] keys or values by slot."""
+    flat = cache.view(-1, *cache.shape[2:])
+    return flat[kv_slots].transpose(1, 2)
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [B, H, Q, D], k/v [B, Hkv, L, D] -> [B, H, Q, D] with grouped-query heads."""
+    return F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale,
+                                          enable_gqa=k.shape[1] != q.shape[1])
+
+
+def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                              meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q [T, H, D] -> [T, H * D]; keys and values come from the paged cache (already written)."""
+    num_tokens, num_heads, head_dim = q.shape
+    qp = q[meta.query_index].transpose(1, 2)  # [B, H, Qmax, D]
+    k = gather_kv(k_cache, meta.kv_slots)
+    v = gather_kv(v_cache, meta.kv_slots)
+    out = sdpa(qp, k, v, meta.mask, scale)  # [B, H, Qmax, D]
+    out = out.transpose(1, 2).reshape(-1, num_heads * head_dim)
+    return out[meta.query_unpad]
+
+
+class PagedAttention(nn.Module):
+    """Attention over a paged KV cache that the runner binds after allocating it."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        meta = current_metadata()
+        if self.k_cache is None or self.v_cache is None:
+            raise RuntimeError("KV cache not bound: the runner allocates it before the first step")
+        store_kv(self.k_cache, self.v_cache, meta.slot_mapping, k, v)
+        return paged_attention_reference(q, self.k_cache, self.v_cache, meta, self.scale)

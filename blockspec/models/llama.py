@@ -1,0 +1,132 @@
+"""Llama-style decoder (Llama, SmolLM, Qwen2, Qwen3): pre-norm attention + SwiGLU blocks.
+
+The families differ only in small switches (q/k/v bias, per-head q/k RMSNorm), so one module
+carries all of them; qwen2.py and qwen3.py name the switches. Parameter names follow the Hugging
+Face checkpoints so weights load by name. `forward` can also return the DFlash context features:
+the residual stream at the output of chosen layers, concatenated in the order asked for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from blockspec.models.layers.activation import silu_and_mul
+from blockspec.models.layers.attention import PagedAttention
+from blockspec.models.layers.norm import RMSNorm
+from blockspec.models.layers.rotary import RotaryEmbedding
+from blockspec.models.model_config import ModelConfig
+from blockspec.models.weight_utils import copy_named
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, qkv_bias: bool, qk_norm: bool) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        h, d = cfg.hidden_size, cfg.head_dim
+        bias = qkv_bias or cfg.attention_bias
+        self.q_proj = nn.Linear(h, self.num_heads * d, bias=bias)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * d, h, bias=cfg.attention_bias)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if qk_norm else None
+        self.rotary = rotary
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, d, d**-0.5)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        return self.o_proj(self.attn(q, k, v))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        h, i = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = nn.Linear(h, i, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(h, i, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(i, h, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_proj(x), self.up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, qkv_bias: bool, qk_norm: bool) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, rotary, qkv_bias, qk_norm)
+        self.mlp = LlamaMLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        h = h + self.self_attn(positions, self.input_layernorm(h))
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, qkv_bias: bool, qk_norm: bool, max_positions: int) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, rotary, qkv_bias, qk_norm) for _ in range(cfg.num_hidden_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Target model: Llama architecture and its close relatives."""
+
+    qkv_bias = False
+    qk_norm = False
+
+    def __init__(self, cfg: ModelConfig, max_positions: int | None = None) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg, self.qkv_bias, self.qk_norm, max_positions or cfg.max_position_embeddings)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    @property
+    def attention_layers(self) -> list[PagedAttention]:
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, capture_layer_ids: Sequence[int] = ()
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Returns the final-normed hidden states [T, H] and, if asked, the context features [T, n*H]."""
+        h = self.embed(input_ids)
+        captured: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.model.layers):
+            h = layer(positions, h)
+            if i in capture_layer_ids:
+                captured[i] = h
+        features = torch.cat([captured[i] for i in capture_layer_ids], dim=-1) if capture_layer_ids else None
+        return self.model.norm(h), features
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head_weight)
+
+    def load_weight(self, name: str, tensor: torch.Tensor) -> bool:
+        """Copy one checkpoint tensor into its parameter; False for names this model does not have."""
+        if name == "lm_head.weight" and self.lm_head is None:
+            return True  # tied checkpoints sometimes store the head too; the embedding is the head
+        return copy_named(self, name, tensor)

@@ -1,0 +1,25 @@
+"""Maps a checkpoint's `architectures[0]` to our model class."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from blockspec.errors import ConfigError
+from blockspec.models.llama import LlamaForCausalLM
+from blockspec.models.model_config import ModelConfig
+from blockspec.models.qwen2 import Qwen2ForCausalLM
+from blockspec.models.qwen3 import Qwen3ForCausalLM
+
+MODEL_CLASSES: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+}
+
+
+def model_class(cfg: ModelConfig) -> type[nn.Module]:
+    cls = MODEL_CLASSES.get(cfg.architecture)
+    if cls is None:
+        supported = ", ".join(sorted(MODEL_CLASSES))
+        raise ConfigError(f"architecture {cfg.architecture or '(none)'!r} is not supported; supported: {supported}")
+    return cls

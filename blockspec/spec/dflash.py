@@ -1,0 +1,264 @@
+"""The DFlash drafter: a few non-causal decoder layers that denoise a block of MASK tokens.
+
+The drafter borrows the target's embedding and LM head. Its residual stream holds only the block
+[anchor, MASK, ..., MASK]; keys and values come from the block and from the target's context
+features. Context K/V are projected once per committed token and kept in a paged cache that shares
+the target's block tables (same positions, same slots); block K/V live for one pass only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from blockspec.errors import ConfigError
+from blockspec.models.layers.activation import silu_and_mul
+from blockspec.models.layers.attention import gather_kv, sdpa, store_kv
+from blockspec.models.layers.norm import RMSNorm
+from blockspec.models.layers.rotary import RotaryEmbedding
+from blockspec.models.model_config import ModelConfig, read_config_json
+from blockspec.models.weight_utils import copy_named
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """Spread n layers from layer 1 to L-3 (the DFlash paper's choice)."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    start, end = 1, num_target_layers - 3
+    return [round(start + i * (end - start) / (num_draft_layers - 1)) for i in range(num_draft_layers)]
+
+
+@dataclass
+class DrafterConfig:
+    model: ModelConfig
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: list[int]
+    num_target_layers: int | None
+    layer_types: list[str]
+    sliding_window: int | None
+    is_causal: bool | None
+    input_embedding_scale: float = 1.0
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None
+    raw: dict[str, Any] = field(repr=False, default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any]) -> DrafterConfig:
+        archs = cfg.get("architectures") or []
+        if archs and archs[0] not in ("DFlashDraftModel",):
+            hint = " (DFlash 2 drafters are not supported yet)" if archs[0] == "DFlash2DraftModel" else ""
+            raise ConfigError(f"draft model architecture {archs[0]!r} is not a DFlash drafter{hint}: "
+                              "pass a z-lab DFlash checkpoint (architectures: DFlashDraftModel)")
+        dcfg = cfg.get("dflash_config") or {}
+
+        def value(name: str, default: Any = None) -> Any:
+            return dcfg.get(name, cfg.get(name, default))
+
+        model = ModelConfig.from_dict({**cfg, "architectures": ["DFlashDraftModel"]})
+        n_layers = model.num_hidden_layers
+        num_target_layers = value("num_target_layers")
+        layer_ids = value("target_layer_ids")
+        if layer_ids is None:
+            if num_target_layers is None:
+                raise ConfigError("drafter config has neither dflash_config.target_layer_ids nor num_target_layers")
+            layer_ids = default_target_layer_ids(int(num_target_layers), n_layers)
+        mask_token_id = value("mask_token_id")
+        if mask_token_id is None:
+            raise ConfigError("drafter config lacks dflash_config.mask_token_id: not a DFlash checkpoint?")
+        is_causal = value("is_causal")
+        softcap = value("final_logit_softcapping")
+        return cls(
+            model=model,
+            block_size=int(value("block_size", 16)),
+            mask_token_id=int(mask_token_id),
+            target_layer_ids=[int(i) for i in layer_ids],
+            num_target_layers=None if num_target_layers is None else int(num_target_layers),
+            layer_types=list(value("layer_types") or ["full_attention"] * n_layers),
+            sliding_window=value("sliding_window"),
+            is_causal=None if is_causal is None else bool(is_causal),
+            input_embedding_scale=float(value("input_embedding_scale", 1.0)),
+            output_multiplier=float(value("output_multiplier", 1.0)),
+            final_logit_softcapping=None if not softcap else float(softcap),
+            raw=cfg,
+        )
+
+    @classmethod
+    def from_dir(cls, path: Path) -> DrafterConfig:
+        return cls.from_dict(read_config_json(path))
+
+    def check_target(self, target: ModelConfig) -> None:
+        """Refuse a drafter that cannot read this target's features or tokens."""
+        m = self.model
+        if m.hidden_size != target.hidden_size:
+            raise ConfigError(f"drafter hidden_size {m.hidden_size} != target hidden_size {target.hidden_size}: "
+                              "use the drafter trained for this target")
+        if not 0 <= self.mask_token_id < target.vocab_size:
+            raise ConfigError(f"drafter mask_token_id {self.mask_token_id} is outside the target vocabulary "
+                              f"({target.vocab_size}): use the drafter trained for this target")
+        if m.vocab_size != target.vocab_size:
+            raise ConfigError(f"drafter vocab_size {m.vocab_size} != target vocab_size {target.vocab_size}: "
+                              "use the drafter trained for this target")
+        bad = [i for i in self.target_layer_ids if not 0 <= i < target.num_hidden_layers]
+        if bad:
+            raise ConfigError(f"drafter target_layer_ids {self.target_layer_ids} name layers the target lacks "
+                              f"(it has {target.num_hidden_layers}): use the drafter trained for this target")
+
+    def layer_mask_kind(self, i: int) -> tuple[bool, int | None]:
+        """(causal, sliding window) of drafter layer i, as the reference defines them."""
+        sliding = self.layer_types[i] == "sliding_attention"
+        causal = sliding if self.is_causal is None else self.is_causal
+        return causal, (int(self.sliding_window) if sliding and self.sliding_window else None)
+
+
+@dataclass
+class DraftMetadata:
+    """One drafter pass over a ragged batch.
+
+    ctx_*:    the newly committed context tokens of every sequence (written to the cache, no queries).
+    block_*:  the [anchor, MASK * k] block tokens of the sequences that draft this step.
+    query_index/query_unpad: pad/unpad the flat block tokens to [B, Qmax] (as AttentionMetadata).
+    kv_slots:  [B, Lc] cache slots of the visible context keys; key_pos: [B, Lc + Qmax] absolute
+               position of every key (context keys first, then the block), -1 where padding.
+    query_pos: [B, Qmax] absolute position of every block query.
+    """
+
+    ctx_positions: torch.Tensor
+    ctx_slots: torch.Tensor
+    block_positions: torch.Tensor
+    query_index: torch.Tensor
+    query_unpad: torch.Tensor
+    kv_slots: torch.Tensor
+    key_pos: torch.Tensor
+    query_pos: torch.Tensor
+    _masks: dict[tuple[bool, int | None], torch.Tensor] = field(default_factory=dict)
+
+    def mask(self, causal: bool, window: int | None) -> torch.Tensor:
+        """[B, 1, Qmax, Lc + Qmax] visibility; cached per (causal, window) for the pass."""
+        key = (causal, window)
+        if key not in self._masks:
+            q = self.query_pos[:, :, None]
+            k = self.key_pos[:, None, :]
+            visible = k >= 0
+            if causal:
+                visible = visible & (k <= q)
+            if window is not None:
+                visible = visible & (q - k < window)
+                if not causal:
+                    visible = visible & (k - q < window)
+            self._masks[key] = visible[:, None]
+        return self._masks[key]
+
+
+class DFlashAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, causal: bool, window: int | None) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.q_proj = nn.Linear(h, self.num_heads * d, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.num_heads * d, h, bias=cfg.attention_bias)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.rotary = rotary
+        self.causal, self.window = causal, window
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+
+    def _kv(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        t = x.shape[0]
+        k = self.k_norm(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim))
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        (k,) = self.rotary(positions, k)
+        return k, v
+
+    def write_context(self, ctx: torch.Tensor, meta: DraftMetadata) -> None:
+        if ctx.shape[0]:
+            k, v = self._kv(ctx, meta.ctx_positions)
+            store_kv(self.k_cache, self.v_cache, meta.ctx_slots, k, v)
+
+    def forward(self, x: torch.Tensor, meta: DraftMetadata) -> torch.Tensor:
+        t = x.shape[0]
+        q = self.q_norm(self.q_proj(x).view(t, self.num_heads, self.head_dim))
+        (q,) = self.rotary(meta.block_positions, q)
+        kb, vb = self._kv(x, meta.block_positions)
+        k = torch.cat([gather_kv(self.k_cache, meta.kv_slots), kb[meta.query_index].transpose(1, 2)], dim=2)
+        v = torch.cat([gather_kv(self.v_cache, meta.kv_slots), vb[meta.query_index].transpose(1, 2)], dim=2)
+        qp = q[meta.query_index].transpose(1, 2)
+        out = sdpa(qp, k, v, meta.mask(self.causal, self.window), self.head_dim**-0.5)
+        out = out.transpose(1, 2).reshape(-1, self.num_heads * self.head_dim)[meta.query_unpad]
+        return self.o_proj(out)
+
+
+class DFlashMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_proj(x), self.up_proj(x)))
+
+
+class DFlashLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, causal: bool, window: int | None) -> None:
+        super().__init__()
+        self.self_attn = DFlashAttention(cfg, rotary, causal, window)
+        self.mlp = DFlashMLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, h: torch.Tensor, ctx: torch.Tensor, meta: DraftMetadata) -> torch.Tensor:
+        # Context vectors enter K/V without this layer's input norm (DESIGN.md §1).
+        self.self_attn.write_context(ctx, meta)
+        if h.shape[0] == 0:
+            return h
+        h = h + self.self_attn(self.input_layernorm(h), meta)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DFlashDrafter(nn.Module):
+    def __init__(self, cfg: DrafterConfig, max_positions: int) -> None:
+        super().__init__()
+        self.config = cfg
+        m = cfg.model
+        rotary = RotaryEmbedding(m.head_dim, max_positions, m.rope_theta, m.rope_scaling)
+        self.layers = nn.ModuleList(DFlashLayer(m, rotary, *cfg.layer_mask_kind(i)) for i in range(m.num_hidden_layers))
+        self.fc = nn.Linear(len(cfg.target_layer_ids) * m.hidden_size, m.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(m.hidden_size, m.rms_norm_eps)
+        self.norm = RMSNorm(m.hidden_size, m.rms_norm_eps)
+
+    @property
+    def attention_layers(self) -> list[DFlashAttention]:
+        return [layer.self_attn for layer in self.layers]
+
+    def forward(self, features: torch.Tensor, block_embeds: torch.Tensor, meta: DraftMetadata) -> torch.Tensor:
+        """Write the context features' K/V, then denoise the blocks; returns normed block hidden [Tb, H]."""
+        ctx = self.hidden_norm(self.fc(features)) if features.shape[0] else features.new_zeros(0, block_embeds.shape[-1])
+        h = block_embeds * self.config.input_embedding_scale if self.config.input_embedding_scale != 1.0 else block_embeds
+        for layer in self.layers:
+            h = layer(h, ctx, meta)
+        return self.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden, lm_head_weight)
+        if self.config.output_multiplier != 1.0:
+            logits = logits * self.config.output_multiplier
+        cap = self.config.final_logit_softcapping
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    def load_weight(self, name: str, tensor: torch.Tensor) -> bool:
+        if name.startswith("model."):
+            name = name[len("model."):]
+        return copy_named(self, name, tensor)
+
