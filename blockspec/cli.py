@@ -10,6 +10,7 @@ import json
 import logging
 import sys
 
+from blockspec.bench import add_bench_parsers
 from blockspec.errors import BlockspecError
 
 log = logging.getLogger("blockspec")
@@ -103,6 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     g.add_argument("--json", action="store_true", help="print one JSON object")
     g.set_defaults(func=cmd_generate)
+    add_bench_parsers(sub)
     return parser
 
 

@@ -121,3 +121,11 @@ def tiny_drafter(tmp_path_factory, tiny_models) -> Path:
 
     root = tmp_path_factory.mktemp("draft")
     return save_tiny_drafter(root / "qwen3_draft", AutoConfig.from_pretrained(tiny_models["qwen3"]))
+
+
+@pytest.fixture(scope="session")
+def default_model() -> Path:
+    """The embedded SmolLM2-135M-Instruct directory (converted from the wheel's GGUF once)."""
+    from blockspec.loader.default_model import default_model_dir
+
+    return default_model_dir()

@@ -111,6 +111,16 @@ class Engine:
             load_weights(drafter, draft_dir, self.device, self.dtype)
         return drafter, cfg
 
+    def enable_synthetic_drafts(self, references: dict[str, list[int]], accept_prob: float, k: int) -> None:
+        """Benchmark/test mode: drafts come from known continuations (see spec/synthetic.py)."""
+        from blockspec.spec.synthetic import SyntheticProposer
+
+        self.runner.synthetic = SyntheticProposer(references, accept_prob, self.model_config.vocab_size,
+                                                  self.config.seed)
+        self.runner.capture_layer_ids = ()
+        self.num_speculative_tokens = self.scheduler.k = k
+        self.spec_counters = SpecDecodeCounters(accepted_per_pos=[0] * k)
+
     # ---- requests -----------------------------------------------------------------------------
 
     def apply_chat_template(self, messages: list[dict], **kwargs) -> str:

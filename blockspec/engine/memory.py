@@ -22,9 +22,37 @@ MIB = 1 << 20
 CPU_DEFAULT_KV_BYTES = 1 * GIB
 
 
-def blocks_per_sequence(engine: Engine) -> int:
+def blocks_for_sequence(max_model_len: int, num_speculative_tokens: int, block_size: int) -> int:
     """Blocks one sequence of max_model_len needs, with room for a full verify block at its end."""
-    return -(-(engine.max_model_len + engine.num_speculative_tokens + 1) // engine.config.block_size)
+    return -(-(max_model_len + num_speculative_tokens + 1) // block_size)
+
+
+def blocks_per_sequence(engine: Engine) -> int:
+    return blocks_for_sequence(engine.max_model_len, engine.num_speculative_tokens, engine.config.block_size)
+
+
+def cuda_kv_budget(total: int, gpu_memory_utilization: float, others: int, peak: int) -> int:
+    """Bytes left for the KV cache: the allowed share of the card minus other processes and our peak
+    (weights + activations). `blockspec plan` calls this with estimates, the engine with measurements."""
+    return int(total * gpu_memory_utilization - others - peak)
+
+
+def cpu_kv_budget(kv_cache_memory: int | None, max_num_seqs: int, need: int) -> int:
+    return kv_cache_memory or min(CPU_DEFAULT_KV_BYTES, max_num_seqs * need)
+
+
+def kv_shortfall(device_type: str, max_model_len: int, need: int, budget: int) -> str | None:
+    """The start-up refusal message when one full-length sequence does not fit, else None."""
+    if budget >= need:
+        return None
+    if device_type == "cuda":
+        flag = "raise --gpu-memory-utilization, lower --max-model-len, or lower --max-num-batched-tokens"
+        have = f"{budget / GIB:.2f} GiB left for the KV cache after weights and activations"
+    else:
+        flag = "raise --kv-cache-memory or lower --max-model-len"
+        have = f"--kv-cache-memory allows {budget / MIB:.0f} MiB"
+    return (f"not enough memory for the KV cache: one {max_model_len}-token sequence needs "
+            f"{need / MIB:.0f} MiB, {have}: {flag}")
 
 
 def plan_kv_blocks(engine: Engine) -> int:
@@ -34,16 +62,11 @@ def plan_kv_blocks(engine: Engine) -> int:
     cfg = engine.config
     if engine.device.type == "cuda":
         budget = _cuda_kv_budget(engine)
-        flag = "raise --gpu-memory-utilization, lower --max-model-len, or lower --max-num-batched-tokens"
-        have = f"{budget / GIB:.2f} GiB left for the KV cache after weights and activations"
     else:
-        budget = cfg.kv_cache_memory or min(CPU_DEFAULT_KV_BYTES, cfg.max_num_seqs * need)
-        flag = "raise --kv-cache-memory or lower --max-model-len"
-        have = f"--kv-cache-memory allows {budget / MIB:.0f} MiB"
-    if budget < need:
-        raise OutOfMemoryError(
-            f"not enough memory for the KV cache: one {engine.max_model_len}-token sequence needs "
-            f"{need / MIB:.0f} MiB, {have}: {flag}")
+        budget = cpu_kv_budget(cfg.kv_cache_memory, cfg.max_num_seqs, need)
+    message = kv_shortfall(engine.device.type, engine.max_model_len, need, budget)
+    if message:
+        raise OutOfMemoryError(message)
     return int(budget // per_block)
 
 
@@ -53,7 +76,7 @@ def _cuda_kv_budget(engine: Engine) -> int:
     free, total = torch.cuda.mem_get_info(dev)
     others = (total - free) - torch.cuda.memory_reserved(dev)
     peak = profile_step_peak(engine)
-    return int(total * engine.config.gpu_memory_utilization - others - peak)
+    return cuda_kv_budget(total, engine.config.gpu_memory_utilization, others, peak)
 
 
 def profile_step_peak(engine: Engine) -> int:

@@ -71,7 +71,7 @@ def probabilities(logits: torch.Tensor, rows: RowParams) -> torch.Tensor:
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         rank = torch.arange(vocab, device=logits.device)
         k = torch.where(rows.top_k > 0, rows.top_k, vocab)[:, None, None]
-        drop = rank >= k
+        drop = (rank >= k).expand_as(sorted_logits).clone()
         sorted_probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
         drop |= (sorted_probs.cumsum(-1) - sorted_probs) >= rows.top_p[:, None, None]
         drop[..., 0] = False

@@ -17,6 +17,7 @@ from blockspec.engine.scheduler import ScheduledSeq, SchedulerOutput
 from blockspec.engine.sequence import Sequence, TokenLogprob
 from blockspec.models.layers.attention import AttentionMetadata, forward_context
 from blockspec.spec.dflash import DFlashDrafter, DraftMetadata
+from blockspec.spec.synthetic import SyntheticProposer
 from blockspec.spec.verify import verify_greedy, verify_sampled
 
 
@@ -51,6 +52,7 @@ class ModelRunner:
         self.capture_layer_ids = tuple(drafter.config.target_layer_ids) if drafter is not None else ()
         self.mask_token_id = drafter.config.mask_token_id if drafter is not None else 0
         self.num_blocks = 0
+        self.synthetic: SyntheticProposer | None = None  # benchmark/test mode: drafts from known tokens
 
     # ---- memory -------------------------------------------------------------------------------
 
@@ -88,7 +90,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> list[StepResult]:
         items = sched.items
-        drafts = self._draft(items) if self.drafter is not None else None
+        drafts = self._draft(items) if self.drafter is not None or self.synthetic is not None else None
         hidden, features, offsets = self._target(items, drafts)
         results = self._sample(items, hidden, offsets)
         for item, start, res in zip(items, offsets, results):
@@ -97,6 +99,25 @@ class ModelRunner:
 
     def _draft(self, items: list[ScheduledSeq]) -> torch.Tensor | None:
         """One drafter pass: project pending context features; draft for decoding sequences."""
+        if self.synthetic is not None:
+            return self._synthetic_drafts(items)
+        inputs = self.draft_inputs(items)
+        if inputs is None:
+            return None
+        features, embeds, meta, rows = inputs
+        hidden = self.drafter(features, embeds, meta)
+        if not rows:
+            return None
+        logits = self.drafter.compute_logits(hidden[self._tensor(rows)], self.target.lm_head_weight)
+        return logits.argmax(-1)
+
+    def draft_inputs(self, items: list[ScheduledSeq]
+                     ) -> tuple[torch.Tensor, torch.Tensor, DraftMetadata, list[int]] | None:
+        """Drafter inputs for a step, consuming the sequences' pending features.
+
+        Returns (context features, block embeddings, metadata, rows of the block outputs that
+        become drafts: offsets 1..k of every block), or None when the drafter has nothing to do.
+        """
         feats, ctx_pos, ctx_slots = [], [], []
         block_tokens, block_pos, q_lens, kv_slots, key_pos, query_pos = [], [], [], [], [], []
         for item in items:
@@ -123,27 +144,27 @@ class ModelRunner:
         lc = max((len(s) for s in kv_slots), default=0)
         qmax = max(q_lens, default=0)
         keys = [kp + [-1] * (lc - len(kp)) + qp + [-1] * (qmax - len(qp)) for kp, qp in zip(key_pos, query_pos)]
+        b = len(q_lens)
         meta = DraftMetadata(
             ctx_positions=self._tensor(ctx_pos),
             ctx_slots=self._tensor(ctx_slots),
             block_positions=self._tensor(block_pos),
-            query_index=self._tensor(query_index).view(len(q_lens), qmax),
+            query_index=self._tensor(query_index).view(b, qmax),
             query_unpad=self._tensor(query_unpad),
-            kv_slots=self._tensor([s + [0] * (lc - len(s)) for s in kv_slots]).view(len(q_lens), lc),
-            key_pos=self._tensor(keys).view(len(q_lens), lc + qmax),
-            query_pos=self._tensor([q + [q[-1]] * (qmax - len(q)) for q in query_pos]).view(len(q_lens), qmax),
+            kv_slots=self._tensor([s + [0] * (lc - len(s)) for s in kv_slots]).view(b, lc),
+            key_pos=self._tensor(keys).view(b, lc + qmax),
+            query_pos=self._tensor([q + [q[-1]] * (qmax - len(q)) for q in query_pos]).view(b, qmax),
         )
         hidden_size = self.drafter.config.model.hidden_size
         features = torch.cat(feats) if feats else torch.zeros(0, 1, device=self.device, dtype=self.dtype)
         embeds = self.target.embed(self._tensor(block_tokens)) if block_tokens else \
             torch.zeros(0, hidden_size, device=self.device, dtype=self.dtype)
-        hidden = self.drafter(features, embeds, meta)
-        if not block_tokens:
-            return None
-        # Drafts are the block outputs at offsets 1..k of every block.
         rows = [s + i for s, n in zip(starts, q_lens) for i in range(1, n)]
-        logits = self.drafter.compute_logits(hidden[self._tensor(rows)], self.target.lm_head_weight)
-        return logits.argmax(-1)
+        return features, embeds, meta, rows
+
+    def _synthetic_drafts(self, items: list[ScheduledSeq]) -> torch.Tensor | None:
+        drafts = [t for item in items if item.num_drafts for t in self.synthetic.propose(item.seq, item.num_drafts)]
+        return self._tensor(drafts) if drafts else None
 
     def _target(self, items: list[ScheduledSeq], drafts: torch.Tensor | None
                 ) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
@@ -209,7 +230,11 @@ class ModelRunner:
             sub = self._tensor(sampled)
             row_params = RowParams.build([params[r] for r in sampled], self.device)
             probs = probabilities(logits[sub], row_params)
-            uniforms = torch.stack([self._rand(seqs[r], (k,)) for r in sampled])
+            # Each request draws exactly its own number of randoms, whatever the batch's padding.
+            uniforms = torch.ones(len(sampled), k, device=self.device)
+            for j, r in enumerate(sampled):
+                n = items[rows[r]].num_drafts
+                uniforms[j, :n] = self._rand(seqs[r], (n,))
             noise = torch.stack([self._rand(seqs[r], (logits.shape[-1],), exponential=True) for r in sampled])
             acc_s, out_s = verify_sampled(probs, draft_t[sub], num_drafts[sub], uniforms, noise)
             accepted = accepted.index_copy(0, sub, acc_s)

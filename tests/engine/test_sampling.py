@@ -1,0 +1,84 @@
+"""Sampled speculative decoding draws from the target's distribution, and seeds reproduce outputs."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import transformers
+
+from blockspec.config import EngineConfig, SpeculativeConfig
+from blockspec.engine.engine import Engine
+from blockspec.engine.sampling_params import SamplingParams
+
+from ..conftest import save_tiny_drafter, save_tiny_model
+
+VOCAB = 12
+PROMPT = [3, 1, 4, 1, 5]
+TEMPERATURE = 0.8
+
+
+def chi2_pvalue(observed: torch.Tensor, expected: torch.Tensor, min_expected: float = 5.0) -> float:
+    """Pearson chi-square p-value, pooling cells with small expectation into one."""
+    small = expected < min_expected
+    obs = torch.cat([observed[~small], observed[small].sum()[None]])
+    exp = torch.cat([expected[~small], expected[small].sum()[None]])
+    keep = exp > 0
+    obs, exp = obs[keep], exp[keep]
+    stat = ((obs - exp) ** 2 / exp).sum()
+    dof = len(obs) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), stat.double() / 2))
+
+
+@pytest.fixture(scope="module")
+def small_vocab(tmp_path_factory):
+    root = tmp_path_factory.mktemp("smallvocab")
+    target = save_tiny_model(root / "target", "qwen3", seed=4, vocab_size=VOCAB, num_hidden_layers=4)
+    cfg = transformers.AutoConfig.from_pretrained(target)
+    draft = save_tiny_drafter(root / "draft", cfg, seed=9, mask_token_id=VOCAB - 1, target_layer_ids=[0, 2])
+    return target, draft
+
+
+def exact_joint(target_dir) -> torch.Tensor:
+    """p(t1, t2, t3 | PROMPT) at TEMPERATURE, from transformers' model, [V, V, V]."""
+    hf = transformers.AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float64).eval()
+    seqs = torch.tensor([PROMPT + [a, b] for a, b in itertools.product(range(VOCAB), repeat=2)])
+    with torch.no_grad():
+        logits = hf(seqs).logits.double() / TEMPERATURE
+    p = logits.softmax(-1)
+    p1 = p[0, len(PROMPT) - 1]  # the same for every row
+    p2 = p.view(VOCAB, VOCAB, -1, VOCAB)[:, 0, len(PROMPT)]  # [t1, t2]
+    p3 = p.view(VOCAB, VOCAB, -1, VOCAB)[:, :, len(PROMPT) + 1]  # [t1, t2, t3]
+    return p1[:, None, None] * p2[:, :, None] * p3
+
+
+def test_sampled_output_follows_target_distribution(small_vocab):
+    target, draft = small_vocab
+    joint = exact_joint(target)
+    spec = SpeculativeConfig(model=str(draft), num_speculative_tokens=4)
+    engine = Engine(EngineConfig(model=str(target), device="cpu", speculative=spec, max_num_seqs=512,
+                                 max_num_batched_tokens=4096))
+    n = 4000
+    params = [SamplingParams(temperature=TEMPERATURE, max_tokens=4, seed=i, ignore_eos=True) for i in range(n)]
+    outs = engine.generate([PROMPT] * n, params)
+    assert sum(o.stats.num_draft_tokens for o in outs) > n  # drafts were verified, not just sampled
+    assert sum(o.stats.num_accepted_tokens for o in outs) > n // 10  # and some accepted
+    counts = torch.zeros(VOCAB, VOCAB, VOCAB, dtype=torch.float64)
+    for o in outs:
+        counts[tuple(o.token_ids[:3])] += 1
+    for dims, name in [((1, 2), "t1"), ((0, 2), "t2"), ((0, 1), "t3")]:
+        assert chi2_pvalue(counts.sum(dims), n * joint.sum(dims)) > 1e-3, name
+    assert chi2_pvalue(counts.sum(0).flatten(), n * joint.sum(0).flatten()) > 1e-3, "(t2, t3)"
+
+
+def test_fixed_seed_reproduces_output(small_vocab):
+    target, draft = small_vocab
+    spec = SpeculativeConfig(model=str(draft), num_speculative_tokens=5)
+    engine = Engine(EngineConfig(model=str(target), device="cpu", speculative=spec))
+    p = SamplingParams(temperature=1.0, top_p=0.95, max_tokens=40, seed=1234, ignore_eos=True)
+    first = engine.generate([PROMPT], p)[0].token_ids
+    again = engine.generate([PROMPT], p)[0].token_ids
+    other = engine.generate([PROMPT], SamplingParams(**{**vars(p), "seed": 99}))[0].token_ids
+    assert first == again
+    assert first != other
