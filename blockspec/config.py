@@ -23,6 +23,7 @@ class SpeculativeConfig:
     model: str | None = None
     num_speculative_tokens: int | None = None  # None: the drafter's block_size - 1
     draft_window: int | None = None  # drafter sees at most this many context tokens
+    load_format: str = "auto"  # dummy: random drafter weights in the checkpoint's shapes (benchmarks)
 
     @classmethod
     def from_json(cls, text: str) -> SpeculativeConfig:

@@ -107,7 +107,7 @@ class Engine:
         cfg.check_target(self.model_config)
         rope_len = self.max_model_len + cfg.block_size
         drafter = build_module(lambda: DFlashDrafter(cfg, rope_len), self.device, self.dtype)
-        if self.config.load_format != "dummy":
+        if "dummy" not in (self.config.load_format, spec.load_format):
             load_weights(drafter, draft_dir, self.device, self.dtype)
         return drafter, cfg
 
