@@ -156,7 +156,8 @@ def measure(name: str, target_dir: Path, draft_dir: Path, load_format: str, ctx:
     step = sp_stats["step_ms"]
     return {
         "model": name, "context": ctx, "tokens": tokens, "weight_bytes": weights,
-        "ar_tok_s": round(ar_stats["tok_s"], 2), "ar_step_ms": round(ar_stats["step_ms"], 3), "ar_runs": ar_stats["runs"],
+        "ar_tok_s": round(ar_stats["tok_s"], 2), "ar_step_ms": round(ar_stats["step_ms"], 3),
+        "ar_runs": ar_stats["runs"],
         "k15_step_ms": round(step, 3), "k15_draft_ms": round(draft_ms, 3), "k15_verify_ms": round(step - draft_ms, 3),
         "k15_step_over_ar": round(step / ar_stats["step_ms"], 3),
         "verify_over_ar": round((step - draft_ms) / ar_stats["step_ms"], 3),

@@ -30,8 +30,8 @@ class SpeculativeConfig:
         try:
             raw: dict[str, Any] = json.loads(text)
         except json.JSONDecodeError as exc:
-            raise ConfigError(f"--speculative-config is not valid JSON ({exc.msg}): "
-                              """e.g. '{"method": "dflash", "model": "/draft", "num_speculative_tokens": 15}'""") from None
+            example = """'{"method": "dflash", "model": "/draft", "num_speculative_tokens": 15}'"""
+            raise ConfigError(f"--speculative-config is not valid JSON ({exc.msg}): e.g. {example}") from None
         if not isinstance(raw, dict):
             raise ConfigError("--speculative-config must be a JSON object")
         method = raw.get("method", "dflash")

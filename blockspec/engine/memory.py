@@ -81,8 +81,8 @@ def _cuda_kv_budget(engine: Engine) -> int:
 
 def profile_step_peak(engine: Engine) -> int:
     """Peak bytes (weights included) of the largest prefill step plus a full drafter pass."""
-    from blockspec.engine.scheduler import ScheduledSeq, SchedulerOutput
     from blockspec.engine.sampling_params import SamplingParams
+    from blockspec.engine.scheduler import ScheduledSeq, SchedulerOutput
     from blockspec.engine.sequence import Sequence
 
     runner, dev = engine.runner, engine.device

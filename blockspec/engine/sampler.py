@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from blockspec.device import upload
 from blockspec.engine.sampling_params import SamplingParams
 
 
@@ -29,7 +30,7 @@ class RowParams:
     @classmethod
     def build(cls, params: list[SamplingParams], device: torch.device) -> RowParams:
         def t(values: list, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype, device=device)
+            return upload(values, dtype, device)
 
         return cls(
             greedy=t([p.greedy for p in params], torch.bool),
@@ -54,9 +55,9 @@ def apply_penalties(
     (drafts earlier in the block included); prompt_mask [R, V]: tokens present in the prompt.
     """
     dev = logits.device
-    presence = torch.tensor([p.presence_penalty for p in params], device=dev)[:, None, None]
-    frequency = torch.tensor([p.frequency_penalty for p in params], device=dev)[:, None, None]
-    repetition = torch.tensor([p.repetition_penalty for p in params], device=dev)[:, None, None]
+    presence = upload([p.presence_penalty for p in params], torch.float32, dev)[:, None, None]
+    frequency = upload([p.frequency_penalty for p in params], torch.float32, dev)[:, None, None]
+    repetition = upload([p.repetition_penalty for p in params], torch.float32, dev)[:, None, None]
     seen = (counts > 0) | prompt_mask[:, None, :]
     penalised = torch.where(logits > 0, logits / repetition, logits * repetition)
     logits = torch.where(seen, penalised, logits)
@@ -89,7 +90,8 @@ def sample_from(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     return (probs / noise).argmax(-1)
 
 
-def logprobs_of(logits: torch.Tensor, tokens: torch.Tensor, top: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def logprobs_of(logits: torch.Tensor, tokens: torch.Tensor, top: int
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Raw-model log-probabilities: of the chosen tokens [N], and the top-n ids/values [N, top]."""
     lp = logits.float().log_softmax(-1)
     chosen = lp.gather(-1, tokens[:, None])[:, 0]

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from blockspec.device import upload
 from blockspec.engine.sampler import RowParams, apply_penalties, logprobs_of, probabilities
 from blockspec.engine.scheduler import ScheduledSeq, SchedulerOutput
 from blockspec.engine.sequence import Sequence, TokenLogprob
@@ -77,7 +78,7 @@ class ModelRunner:
     # ---- helpers ------------------------------------------------------------------------------
 
     def _tensor(self, values: list, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype, device=self.device)
+        return upload(values, dtype, self.device)
 
     def _slot(self, seq: Sequence, pos: int) -> int:
         return seq.block_table[pos // self.block_size] * self.block_size + pos % self.block_size

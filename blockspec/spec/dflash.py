@@ -242,8 +242,12 @@ class DFlashDrafter(nn.Module):
 
     def forward(self, features: torch.Tensor, block_embeds: torch.Tensor, meta: DraftMetadata) -> torch.Tensor:
         """Write the context features' K/V, then denoise the blocks; returns normed block hidden [Tb, H]."""
-        ctx = self.hidden_norm(self.fc(features)) if features.shape[0] else features.new_zeros(0, block_embeds.shape[-1])
-        h = block_embeds * self.config.input_embedding_scale if self.config.input_embedding_scale != 1.0 else block_embeds
+        if features.shape[0]:
+            ctx = self.hidden_norm(self.fc(features))
+        else:
+            ctx = block_embeds.new_zeros(0, block_embeds.shape[-1])
+        scale = self.config.input_embedding_scale
+        h = block_embeds * scale if scale != 1.0 else block_embeds
         for layer in self.layers:
             h = layer(h, ctx, meta)
         return self.norm(h)

@@ -11,7 +11,7 @@ import torch
 import transformers
 
 from blockspec.engine.sampling_params import SamplingParams
-from blockspec.engine.scheduler import ScheduledSeq, SchedulerOutput
+from blockspec.engine.scheduler import ScheduledSeq
 from blockspec.engine.sequence import Sequence
 from blockspec.loader.weights import load_weights
 from blockspec.models.model_config import ModelConfig
