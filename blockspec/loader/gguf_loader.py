@@ -103,14 +103,27 @@ def gguf_config(source: GGUFSource) -> dict:
     arch = _architecture(reader)
     hf_arch, model_type = ARCHITECTURES[arch]
 
-    def meta(key: str, default=None):
-        return _field(reader, f"{arch}.{key}", default)
+    def meta(key: str, default: int | float | None = None) -> int | float:
+        value = _field(reader, f"{arch}.{key}", default)
+        if not isinstance(value, int | float):
+            raise ModelLoadError(
+                f"GGUF metadata {arch}.{key} is {'missing' if value is None else repr(value)}: "
+                "the file is incomplete or of an unsupported variant, use the Hugging Face checkpoint"
+            )
+        return value
 
     names = _tensor_names(reader)
+    if "token_embd.weight" not in names:
+        raise ModelLoadError("GGUF has no token_embd.weight: the file is incomplete, re-download it")
     hidden = int(meta("embedding_length"))
     heads = int(meta("attention.head_count"))
     kv_heads = int(meta("attention.head_count_kv", heads))
     head_dim = int(meta("attention.key_length", hidden // heads))
+    if int(meta("rope.dimension_count", head_dim)) != head_dim:
+        raise ModelLoadError(
+            f"GGUF uses partial rotary embeddings ({arch}.rope.dimension_count != head_dim), which "
+            "blockspec does not support for this architecture: use the Hugging Face checkpoint"
+        )
     embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
     config: dict = {
         "architectures": [hf_arch],

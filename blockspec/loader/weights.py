@@ -75,6 +75,7 @@ def is_skipped(name: str) -> bool:
 def load_weights(model: torch.nn.Module, model_dir: Path, device: torch.device | str, dtype: torch.dtype) -> None:
     """Stream every checkpoint tensor of ``model_dir`` into ``model`` and check nothing is missing."""
     model_dir = Path(model_dir)
+    versions = _param_versions(model)
     loaded: set[str] = set()
     unknown: list[str] = []
     for raw_name, tensor in iter_safetensors(model_dir, device, skip=is_skipped):
@@ -94,7 +95,7 @@ def load_weights(model: torch.nn.Module, model_dir: Path, device: torch.device |
             " ..." if len(unknown) > 5 else "",
         )
     _tie_lm_head(model, model_dir, loaded)
-    missing = _missing_parameters(model, loaded)
+    missing = _missing_parameters(model, loaded, versions)
     if missing:
         raise ModelLoadError(
             f"{len(missing)} model parameters are not in the checkpoint {model_dir} "
@@ -120,10 +121,11 @@ def _tie_lm_head(model: torch.nn.Module, model_dir: Path, loaded: set[str]) -> N
     if not _ties_embeddings(model_dir):
         return
     params = dict(model.named_parameters(remove_duplicate=False))
-    if "lm_head.weight" in params and "model.embed_tokens.weight" in params:
-        embedding = params["model.embed_tokens.weight"].detach()
-        if _load_one(model, "lm_head.weight", embedding):
-            loaded.add("lm_head.weight")
+    head, embedding = params.get("lm_head.weight"), params.get("model.embed_tokens.weight")
+    if head is None or embedding is None or head is embedding:
+        return  # no separate head to fill (tied by sharing, or the model reuses the embedding)
+    if _load_one(model, "lm_head.weight", embedding.detach()):
+        loaded.add("lm_head.weight")
 
 
 def _ties_embeddings(model_dir: Path) -> bool:
@@ -140,9 +142,26 @@ def _ties_embeddings(model_dir: Path) -> bool:
     return bool(config.get("tie_word_embeddings", False))
 
 
-def _missing_parameters(model: torch.nn.Module, loaded: set[str]) -> list[str]:
+def _param_versions(model: torch.nn.Module) -> dict[int, int] | None:
+    """Each parameter's in-place version counter, to see which ones load_weight wrote.
+
+    Names alone cannot tell: a model may rename or fuse what it is given (q/k/v into one qkv).
+    None when the parameters were made under inference_mode, which keeps no counters.
+    """
+    try:
+        return {id(p): p._version for p in model.parameters()}
+    except RuntimeError:
+        return None
+
+
+def _missing_parameters(model: torch.nn.Module, loaded: set[str], versions: dict[int, int] | None) -> list[str]:
     """Parameters no checkpoint tensor reached; a parameter shared under several names counts once."""
     names_of: dict[int, list[str]] = {}
+    written: set[int] = set()
     for name, param in model.named_parameters(remove_duplicate=False):
         names_of.setdefault(id(param), []).append(name)
-    return [names[0] for names in names_of.values() if not any(name in loaded for name in names)]
+        if versions is not None and param._version != versions.get(id(param)):
+            written.add(id(param))
+    return [
+        names[0] for key, names in names_of.items() if key not in written and not any(name in loaded for name in names)
+    ]

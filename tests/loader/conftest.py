@@ -1,18 +1,11 @@
 """Loader fixtures: the real SmolLM2 GGUF, converted once per session, and transformers' reading of it.
 
-Helpers that write GGUFs and build loadable models live in loader_helpers.py (a unique module name,
-so test files can import it without clashing with other folders' conftest modules).
+Helpers that write GGUFs and build loadable models live in loader_helpers.py.
 """
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
-if importlib.util.find_spec("blockspec") is None:  # plain `pytest` without `pip install -e .`
-    sys.path.insert(0, str(REPO_ROOT))
 
 
 @pytest.fixture(scope="session")

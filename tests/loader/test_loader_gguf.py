@@ -4,10 +4,10 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from loader_helpers import hf_model, llama_cpp_permute, write_gguf
 
 from blockspec.loader.errors import ModelLoadError
 from blockspec.loader.gguf_loader import gguf_config, gguf_tensor_specs, iter_gguf_tensors, unpermute_qk
+from tests.loader.loader_helpers import hf_model, llama_cpp_permute, write_gguf
 
 Q = gguf.GGMLQuantizationType
 
@@ -175,3 +175,15 @@ def test_llama3_rope_freqs_become_rope_scaling(tmp_path, llama):
     write_gguf(odd, llama.state_dict(), llama.config, extra=lambda w: w.add_tensor("rope_freqs.weight", freqs[::-1]))
     with pytest.raises(ModelLoadError, match="rope_freqs"):
         gguf_config(odd)
+
+
+def test_missing_metadata(tmp_path):
+    path = tmp_path / "bare.gguf"
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_tensor("token_embd.weight", np.zeros((8, 4), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelLoadError, match="llama.embedding_length is missing"):
+        gguf_config(path)

@@ -6,7 +6,6 @@ un-permutation; the converted directory must be an ordinary HF model directory.
 
 import pytest
 import torch
-from loader_helpers import fresh_model
 from safetensors.torch import load_file
 
 from blockspec.loader import default_model, gguf_convert
@@ -14,6 +13,7 @@ from blockspec.loader.errors import ModelLoadError
 from blockspec.loader.gguf_loader import gguf_config, iter_gguf_tensors
 from blockspec.loader.tokenizer import load_eos_token_ids, load_tokenizer
 from blockspec.loader.weights import load_weights, resolve_model_path
+from tests.loader.loader_helpers import fresh_model
 
 
 def test_dequantized_tensors_equal_transformers(smollm2_gguf, smollm2_oracle):

@@ -6,12 +6,12 @@ import logging
 import gguf
 import pytest
 import torch
-from loader_helpers import fresh_model, hf_model, write_gguf
 from safetensors.torch import load_file, save_file
 
 from blockspec.loader import gguf_convert, safetensors_loader
 from blockspec.loader.errors import ModelLoadError
 from blockspec.loader.weights import load_weights, resolve_model_path
+from tests.loader.loader_helpers import fresh_model, hf_model, write_gguf
 
 
 def assert_same_weights(model, reference):
@@ -200,3 +200,34 @@ def test_changed_gguf_gets_a_new_cache_entry(tiny_gguf, tmp_path):
     first = resolve_model_path(str(tiny_gguf), cache_dir=cache)
     tiny_gguf.write_bytes(tiny_gguf.read_bytes() + b"\0" * 64)  # size (and mtime) change
     assert resolve_model_path(str(tiny_gguf), cache_dir=cache) != first
+
+
+class FusedQKV(torch.nn.Module):
+    """A model that stores q/k/v in one parameter: checkpoint names never equal its parameter names."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = torch.nn.Parameter(torch.zeros(12, 4))
+        self.norm = torch.nn.Parameter(torch.zeros(4))
+
+    def load_weight(self, name: str, tensor: torch.Tensor) -> bool:
+        rows = {"attn.q_proj.weight": 0, "attn.k_proj.weight": 4, "attn.v_proj.weight": 8}
+        with torch.no_grad():
+            if name in rows:
+                self.qkv[rows[name] : rows[name] + 4].copy_(tensor)
+            elif name == "final_norm.weight":
+                self.norm.copy_(tensor)
+            else:
+                return False
+        return True
+
+
+def test_fused_parameters_count_as_loaded(tmp_path):
+    state = {f"attn.{p}_proj.weight": torch.randn(4, 4) for p in "qkv"}
+    save_file(state, tmp_path / "model.safetensors")
+    with pytest.raises(ModelLoadError, match=r"1 model parameters .*\(e.g. norm\)"):
+        load_weights(FusedQKV(), tmp_path, "cpu", torch.float32)
+    save_file({**state, "final_norm.weight": torch.ones(4)}, tmp_path / "model.safetensors")
+    model = FusedQKV()
+    load_weights(model, tmp_path, "cpu", torch.float32)
+    assert torch.equal(model.qkv, torch.cat([state[f"attn.{p}_proj.weight"] for p in "qkv"]))
