@@ -22,7 +22,7 @@ from blockspec.engine.outputs import RequestOutput, SpecDecodeCounters
 from blockspec.engine.sampling_params import SamplingParams
 from blockspec.engine.scheduler import Scheduler
 from blockspec.engine.sequence import Sequence
-from blockspec.errors import ConfigError, RequestError
+from blockspec.errors import ConfigError, OutOfMemoryError, RequestError
 from blockspec.loader.tokenizer import load_eos_token_ids, load_tokenizer
 from blockspec.loader.weights import load_weights, resolve_model_path
 from blockspec.models.model_config import ModelConfig
@@ -59,14 +59,17 @@ class Engine:
         self.max_model_len = self._max_model_len()
         torch.manual_seed(config.seed)
 
-        drafter, self.drafter_config = self._load_drafter()
-        block = self.drafter_config.block_size if self.drafter_config else 1
-        k = config.speculative.num_speculative_tokens
-        self.num_speculative_tokens = (block - 1 if k is None else k) if drafter is not None else 0
-        if self.num_speculative_tokens > block - 1:
-            raise ConfigError(f"num_speculative_tokens {self.num_speculative_tokens} exceeds the drafter's "
-                              f"block_size - 1 = {block - 1}: lower it")
-        target = self._load_target()
+        try:
+            drafter, self.drafter_config = self._load_drafter()
+            block = self.drafter_config.block_size if self.drafter_config else 1
+            k = config.speculative.num_speculative_tokens
+            self.num_speculative_tokens = (block - 1 if k is None else k) if drafter is not None else 0
+            if self.num_speculative_tokens > block - 1:
+                raise ConfigError(f"num_speculative_tokens {self.num_speculative_tokens} exceeds the drafter's "
+                                  f"block_size - 1 = {block - 1}: lower it")
+            target = self._load_target()
+        except torch.OutOfMemoryError:
+            raise OutOfMemoryError(self._weights_oom_message()) from None
         self.runner = ModelRunner(target, drafter, self.device, self.dtype, config.block_size,
                                   config.speculative.draft_window)
         num_blocks = plan_kv_blocks(self)
@@ -80,6 +83,13 @@ class Engine:
         self._generator.manual_seed(config.seed)
 
     # ---- loading ------------------------------------------------------------------------------
+
+    def _weights_oom_message(self) -> str:
+        files = list(self.model_dir.glob("*.safetensors"))
+        size = sum(f.stat().st_size for f in files) / (1 << 30)
+        free = torch.cuda.mem_get_info(self.device)[0] / (1 << 30) if self.device.type == "cuda" else 0.0
+        return (f"the model's weights ({size:.1f} GiB on disk) do not fit on {self.device} ({free:.1f} GiB free): "
+                "free the GPU, use a smaller model, or a lower-precision --dtype")
 
     def _max_model_len(self) -> int:
         limit = self.model_config.max_position_embeddings
