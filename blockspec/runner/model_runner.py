@@ -94,8 +94,14 @@ class ModelRunner:
         drafts = self._draft(items) if self.drafter is not None or self.synthetic is not None else None
         hidden, features, offsets = self._target(items, drafts)
         results = self._sample(items, hidden, offsets)
-        for item, start, res in zip(items, offsets, results):
-            self._advance(item, start, res, features)
+        committed = [item.num_new + (res.num_accepted if item.samples else 0) for item, res in zip(items, results)]
+        commit_state = getattr(self.target, "commit_state", None)
+        if commit_state is not None:
+            # Recurrent layers (Gated DeltaNet, Mamba) keep a state per verified position during the
+            # pass; each sequence continues from the state after its last committed position.
+            commit_state([item.seq for item in items], committed)
+        for item, start, n in zip(items, offsets, committed):
+            self._advance(item, start, n, features)
         return results
 
     def _draft(self, items: list[ScheduledSeq]) -> torch.Tensor | None:
@@ -300,10 +306,13 @@ class ModelRunner:
                          for i in range(n)]
         return result
 
-    def _advance(self, item: ScheduledSeq, start: int, res: StepResult, features: torch.Tensor | None) -> None:
-        """Move the sequence's computed frontier; keep the committed positions' context features."""
+    def _advance(self, item: ScheduledSeq, start: int, committed: int, features: torch.Tensor | None) -> None:
+        """Move the sequence's computed frontier; keep the committed positions' context features.
+
+        Attention K/V written past the frontier (rejected drafts) need no undo: those slots are
+        simply overwritten by the next step.
+        """
         seq = item.seq
-        committed = item.num_new + (res.num_accepted if item.samples else 0)
         if features is not None:
             new = features[start:start + committed]
             seq.pending_features = new if seq.pending_features is None else torch.cat([seq.pending_features, new])

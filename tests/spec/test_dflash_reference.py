@@ -69,3 +69,27 @@ def test_greedy_loop_matches_dflash_generate(tiny_models, tiny_drafter, prompt_l
     engine = _engine(tiny_models["qwen3"], tiny_drafter)
     out = engine.generate([ids], SamplingParams(temperature=0, max_tokens=max_new, ignore_eos=True))[0]
     assert out.token_ids == ref_tokens
+
+
+def test_draft_window_limits_context_like_a_truncated_reference(tiny_models, tiny_drafter):
+    """With a drafter context window W, the block sees exactly the last W context tokens."""
+    target, ref_drafter = _reference(tiny_models["qwen3"], tiny_drafter)
+    window, k, anchor = 8, 7, 42
+    engine = _engine(tiny_models["qwen3"], tiny_drafter, k=k)
+    engine.runner.draft_window = window
+    ids = torch.randint(0, 256, (30,), generator=torch.Generator().manual_seed(5)).tolist()
+    with torch.no_grad():
+        out = target(torch.tensor([ids]), output_hidden_states=True)
+        ctx = dflash_model.extract_context_feature(out.hidden_states, ref_drafter.target_layer_ids)[:, -window:]
+        noise = target.get_input_embeddings()(torch.tensor([[anchor] + [ref_drafter.mask_token_id] * k]))
+        positions = torch.arange(len(ids) - window, len(ids) + k + 1)[None]
+        ref_hidden = ref_drafter(target_hidden=ctx, noise_embedding=noise, position_ids=positions)[0]
+    engine.add_request("w", ids, SamplingParams(temperature=0, max_tokens=k + 1))
+    seq = engine.requests["w"]
+    engine.allocator.ensure(seq, len(ids) + k + 1)
+    engine.runner.execute(SchedulerOutput([ScheduledSeq(seq, len(ids), 0)]))
+    seq.output_ids.append(anchor)
+    with torch.inference_mode():
+        feats, embeds, meta, _ = engine.runner.draft_inputs([ScheduledSeq(seq, 1, k)])
+        hidden = engine.runner.drafter(feats, embeds, meta)
+    torch.testing.assert_close(hidden, ref_hidden, rtol=1e-4, atol=1e-4)
