@@ -74,6 +74,8 @@ class Engine:
                                   config.speculative.draft_window)
         num_blocks = plan_kv_blocks(self)
         self.runner.allocate_kv_cache(num_blocks)
+        self.runner.num_speculative_tokens = self.num_speculative_tokens
+        self.runner.prepare_decode(config.max_num_seqs, self.max_model_len, not config.enforce_eager, log.info)
         self.allocator = BlockAllocator(num_blocks, config.block_size)
         self.scheduler = Scheduler(self.allocator, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, self.num_speculative_tokens)
@@ -128,8 +130,10 @@ class Engine:
         self.runner.synthetic = SyntheticProposer(references, accept_prob, self.model_config.vocab_size,
                                                   self.config.seed)
         self.runner.capture_layer_ids = ()
-        self.num_speculative_tokens = self.scheduler.k = k
+        self.num_speculative_tokens = self.scheduler.k = self.runner.num_speculative_tokens = k
         self.spec_counters = SpecDecodeCounters(accepted_per_pos=[0] * k)
+        self.runner.prepare_decode(self.config.max_num_seqs, self.max_model_len, not self.config.enforce_eager,
+                                   log.info)
 
     # ---- requests -----------------------------------------------------------------------------
 

@@ -14,6 +14,9 @@ from typing import Any
 
 from blockspec.errors import ConfigError
 
+# Rope types that need no frequency scaling ("mrope" on text tokens is plain rotary: t = h = w).
+PLAIN_ROPE_TYPES = ("default", "mrope")
+
 
 @dataclass
 class ModelConfig:
@@ -35,6 +38,26 @@ class ModelConfig:
     mlp_bias: bool
     torch_dtype: str | None
     raw: dict[str, Any] = field(repr=False, default_factory=dict)
+    hidden_act: str = "silu"
+    # Fraction of head_dim that rotary rotates (Qwen3-Next / Qwen3.5: 0.25); M-RoPE sections (text
+    # tokens have equal t/h/w positions, so M-RoPE reduces to 1-D rotary over the same dims).
+    partial_rotary_factor: float = 1.0
+    mrope_section: list[int] | None = None
+    # Hybrid models: "full_attention" or "linear_attention" (Gated DeltaNet) per layer.
+    layer_types: list[str] = field(default_factory=list)
+    linear: LinearAttentionConfig | None = None
+    moe: MoeConfig | None = None
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def num_attention_layers(self) -> int:
+        """Layers with a KV cache (all of them, except in hybrid models)."""
+        if not self.layer_types:
+            return self.num_hidden_layers
+        return sum(t != "linear_attention" for t in self.layer_types)
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
@@ -43,6 +66,7 @@ class ModelConfig:
             text = dict(cfg["text_config"])
             text.setdefault("architectures", cfg.get("architectures"))
             text.setdefault("tie_word_embeddings", cfg.get("tie_word_embeddings", False))
+            text.setdefault("torch_dtype", cfg.get("torch_dtype") or cfg.get("dtype"))
             cfg = text
         try:
             archs = cfg.get("architectures") or []
@@ -54,7 +78,9 @@ class ModelConfig:
                 model_type=str(cfg.get("model_type", "")),
                 vocab_size=int(cfg["vocab_size"]),
                 hidden_size=hidden,
-                intermediate_size=int(cfg["intermediate_size"]),
+                # MoE-only models (Qwen3.5-MoE) have no dense MLP and so no intermediate_size.
+                intermediate_size=int(cfg["intermediate_size"] if "moe_intermediate_size" not in cfg
+                                      else cfg.get("intermediate_size") or 0),
                 num_hidden_layers=int(cfg["num_hidden_layers"]),
                 num_attention_heads=heads,
                 num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
@@ -68,6 +94,12 @@ class ModelConfig:
                 mlp_bias=bool(cfg.get("mlp_bias", False)),
                 torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
                 raw=cfg,
+                hidden_act=str(cfg.get("hidden_act") or "silu"),
+                partial_rotary_factor=_rope_field(cfg, "partial_rotary_factor", 1.0),
+                mrope_section=_rope_field(cfg, "mrope_section", None),
+                layer_types=_layer_types(cfg),
+                linear=LinearAttentionConfig.from_dict(cfg),
+                moe=MoeConfig.from_dict(cfg),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ConfigError(f"config.json lacks or mangles field {exc}: is this a causal LM checkpoint?") from None
@@ -79,7 +111,64 @@ class ModelConfig:
     @property
     def kv_bytes_per_token(self) -> int:
         """Bytes of K and V per token per layer in 2-byte dtypes, times layers (planning figure)."""
-        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * 2
+        return 2 * self.num_attention_layers * self.num_key_value_heads * self.head_dim * 2
+
+
+@dataclass
+class LinearAttentionConfig:
+    """Gated DeltaNet fields (Qwen3-Next, Qwen3.5): value heads share query/key heads in groups."""
+
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int
+    state_dtype: str | None  # `mamba_ssm_dtype` (real checkpoints: float32); None: the model dtype
+
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any]) -> LinearAttentionConfig | None:
+        if "linear_num_value_heads" not in cfg:
+            return None
+        return cls(
+            num_key_heads=int(cfg["linear_num_key_heads"]),
+            num_value_heads=int(cfg["linear_num_value_heads"]),
+            key_head_dim=int(cfg["linear_key_head_dim"]),
+            value_head_dim=int(cfg["linear_value_head_dim"]),
+            conv_kernel=int(cfg.get("linear_conv_kernel_dim", 4)),
+            state_dtype=cfg.get("mamba_ssm_dtype"),
+        )
+
+
+@dataclass
+class MoeConfig:
+    """Sparse MLP fields (Qwen3-MoE, Qwen3-Next, Qwen3.5-MoE)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    shared_intermediate_size: int  # 0: no shared expert
+    norm_topk_prob: bool
+    sparse_step: int  # layer i is sparse when (i + 1) % sparse_step == 0 ...
+    dense_layers: list[int]  # ... and i is not in mlp_only_layers
+
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any]) -> MoeConfig | None:
+        experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+        if experts <= 0 or "moe_intermediate_size" not in cfg:
+            return None
+        return cls(
+            num_experts=experts,
+            top_k=int(cfg["num_experts_per_tok"]),
+            intermediate_size=int(cfg["moe_intermediate_size"]),
+            shared_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0),
+            # Qwen3.5-MoE has no such field and always renormalises; Qwen3-MoE's default is False.
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", cfg.get("model_type") != "qwen3_moe")),
+            sparse_step=int(cfg.get("decoder_sparse_step") or 1),
+            dense_layers=[int(i) for i in cfg.get("mlp_only_layers") or []],
+        )
+
+    def is_sparse(self, layer: int) -> bool:
+        return layer not in self.dense_layers and (layer + 1) % self.sparse_step == 0
 
 
 def read_config_json(model_dir: Path) -> dict[str, Any]:
@@ -92,15 +181,37 @@ def read_config_json(model_dir: Path) -> dict[str, Any]:
         raise ConfigError(f"{path} is not valid JSON ({exc}): re-download the checkpoint") from None
 
 
+def _rope_field(cfg: dict[str, Any], name: str, default: Any) -> Any:
+    """A rotary field from `rope_parameters` (transformers 5) or the top level (transformers 4)."""
+    params = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
+    params = params or (cfg.get("rope_scaling") if isinstance(cfg.get("rope_scaling"), dict) else {})
+    value = params.get(name, cfg.get(name))
+    if value is None:
+        return default
+    return float(value) if isinstance(default, float) else value
+
+
+def _layer_types(cfg: dict[str, Any]) -> list[str]:
+    """Per-layer mixer kinds; hybrids without `layer_types` use `full_attention_interval` (default 4)."""
+    n = int(cfg["num_hidden_layers"])
+    types = cfg.get("layer_types")
+    if types:
+        return [str(t) for t in types][:n]
+    if "linear_num_value_heads" in cfg:
+        interval = int(cfg.get("full_attention_interval") or 4)
+        return ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n)]
+    return []
+
+
 def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     params = cfg.get("rope_parameters")
     if isinstance(params, dict):
         theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
         rope_type = params.get("rope_type", params.get("type", "default"))
-        scaling = None if rope_type == "default" else dict(params)
+        scaling = None if rope_type in PLAIN_ROPE_TYPES else dict(params)
         return theta, scaling
     theta = float(cfg.get("rope_theta", 10000.0))
     scaling = cfg.get("rope_scaling")
-    if scaling and scaling.get("rope_type", scaling.get("type", "default")) == "default":
+    if scaling and scaling.get("rope_type", scaling.get("type", "default")) in PLAIN_ROPE_TYPES:
         scaling = None
     return theta, scaling

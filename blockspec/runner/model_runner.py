@@ -13,13 +13,13 @@ from dataclasses import dataclass
 import torch
 
 from blockspec.device import upload
-from blockspec.engine.sampler import RowParams, apply_penalties, logprobs_of, probabilities
 from blockspec.engine.scheduler import ScheduledSeq, SchedulerOutput
 from blockspec.engine.sequence import Sequence, TokenLogprob
-from blockspec.models.layers.attention import AttentionMetadata, forward_context
+from blockspec.models.layers.attention import AttentionMetadata, DecodeMetadata, forward_context
+from blockspec.runner.acceptance import accept
+from blockspec.runner.decode_graphs import DecodeGraphs, DecodeViews
 from blockspec.spec.dflash import DFlashDrafter, DraftMetadata
 from blockspec.spec.synthetic import SyntheticProposer
-from blockspec.spec.verify import verify_greedy, verify_sampled
 
 
 @dataclass
@@ -54,6 +54,109 @@ class ModelRunner:
         self.mask_token_id = drafter.config.mask_token_id if drafter is not None else 0
         self.num_blocks = 0
         self.synthetic: SyntheticProposer | None = None  # benchmark/test mode: drafts from known tokens
+        self.num_speculative_tokens = 0
+        self.decode: DecodeGraphs | None = None  # CUDA fast path for uniform decode/verify steps
+
+    # ---- CUDA decode fast path --------------------------------------------------------------
+
+    def prepare_decode(self, max_batch: int, max_model_len: int, use_graphs: bool, log=print) -> float:
+        """Set up static buffers (and capture CUDA graphs) for uniform decode steps; returns capture seconds."""
+        q = self.num_speculative_tokens + 1
+        max_blocks = -(-(max_model_len + q) // self.block_size)
+        self.decode = DecodeGraphs(self.device, max_batch, q, max_blocks, use_graphs)
+        fns = {"target": self._target_graph_fn}
+        if self.drafter is not None and self.num_speculative_tokens and self.synthetic is None:
+            fns = {"draft": self._draft_graph_fn, **fns}
+        return self.decode.capture(fns, self._fill_dummy, log)
+
+    @property
+    def scratch_block(self) -> int:
+        return self.num_blocks
+
+    def _fill_dummy(self, v: DecodeViews) -> None:
+        q = v.q_len
+        row = list(range(q))
+        host = ([0] * (v.batch * q) + row * v.batch + [self.scratch_block * self.block_size + i for i in row] * v.batch
+                + [self.scratch_block] * (v.batch * self.decode.max_blocks) + [q] * v.batch + [0] * v.batch
+                + [q] * v.batch + [0] * v.batch + [0] * (v.batch * q))
+        self.decode.upload(v.batch, host)
+
+    def _target_graph_fn(self, v: DecodeViews) -> tuple[torch.Tensor, torch.Tensor | None]:
+        meta = AttentionMetadata(slot_mapping=v.slots, decode=DecodeMetadata(v.tables, v.seq_lens, v.kv_start, v.q_len))
+        with forward_context(meta):
+            hidden, features = self.target(v.tokens, v.positions, self.capture_layer_ids)
+        return self.target.compute_logits(hidden), features
+
+    def _draft_graph_fn(self, v: DecodeViews) -> torch.Tensor:
+        empty = v.positions[:0]
+        meta = DraftMetadata(ctx_positions=empty, ctx_slots=empty, block_positions=v.positions, block_slots=v.slots,
+                             decode=DecodeMetadata(v.tables, v.draft_seq_lens, v.draft_kv_start, v.q_len))
+        hidden = self.drafter.forward_blocks(self.target.embed(v.draft_tokens), meta)
+        hidden = hidden.view(v.batch, v.q_len, -1)[:, 1:]
+        drafts = self.drafter.compute_logits(hidden, self.target.lm_head_weight).argmax(-1)
+        v.tokens.view(v.batch, v.q_len)[:, 1:].copy_(drafts)  # straight into the verify input
+        return drafts
+
+    def _uniform_decode(self, items: list[ScheduledSeq]) -> bool:
+        return (self.decode is not None and 0 < len(items) <= self.decode.buckets[-1]
+                and all(i.num_new == 1 and i.samples for i in items))
+
+    def _execute_decode(self, items: list[ScheduledSeq]) -> list[StepResult]:
+        dec = self.decode
+        q, k = dec.q_len, dec.q_len - 1
+        batch = len(items)
+        bp = dec.bucket(batch)
+        bs, scratch = self.block_size, self.scratch_block
+        tokens, positions, slots, tables, seq_lens, draft_lens, draft_start = [], [], [], [], [], [], []
+        feats, ctx_pos, ctx_slots = [], [], []
+        for item in items:
+            seq = item.seq
+            anchor = seq.num_tokens - 1
+            tokens += [seq.token_ids(anchor, anchor + 1)[0]] + [0] * k
+            positions += range(anchor, anchor + q)
+            slots += [self._slot(seq, anchor + i) if i <= item.num_drafts else scratch * bs + i % bs for i in range(q)]
+            tables += seq.block_table + [scratch] * (dec.max_blocks - len(seq.block_table))
+            seq_lens.append(anchor + q)
+            draft_lens.append(anchor + item.num_drafts + 1)
+            draft_start.append(0 if self.draft_window is None else max(0, anchor - self.draft_window))
+            if seq.pending_features is not None:
+                feats.append(seq.pending_features)
+                ctx_pos += range(seq.drafter_computed, seq.num_computed)
+                ctx_slots += self._slots(seq, seq.drafter_computed, seq.num_computed)
+                seq.drafter_computed, seq.pending_features = seq.num_computed, None
+        pad = bp - batch
+        row = list(range(q))
+        tokens += [0] * (pad * q)
+        positions += row * pad
+        slots += [scratch * bs + i for i in row] * pad
+        tables += [scratch] * (pad * dec.max_blocks)
+        seq_lens += [q] * pad
+        draft_lens += [q] * pad
+        draft_start += [0] * pad
+        draft_tokens = [t if i % q == 0 else self.mask_token_id for i, t in enumerate(tokens)]
+        v = dec.upload(bp, tokens + positions + slots + tables + seq_lens + [0] * bp + draft_lens + draft_start
+                       + draft_tokens)
+        if k and self.synthetic is not None:
+            drafts = self._synthetic_drafts(items)
+            if drafts is not None:
+                nd = [i.num_drafts for i in items]
+                index = [b * q + 1 + i for b in range(batch) for i in range(nd[b])]
+                v.tokens.index_copy_(0, self._tensor(index), drafts)
+        elif k and self.drafter is not None:
+            if feats:
+                self.drafter.write_context(torch.cat(feats), self._tensor(ctx_pos), self._tensor(ctx_slots))
+            dec.run("draft", bp, self._draft_graph_fn)
+        logits, features = dec.run("target", bp, self._target_graph_fn)
+        logits = logits.view(bp, q, -1)[:batch]
+        tokens_in = v.tokens.view(bp, q)[:batch]
+        rows = accept([i.seq for i in items], [i.num_drafts for i in items], logits, tokens_in, self.device)
+        results = [StepResult(item.seq, tokens_out, item.num_drafts, a, lps)
+                   for item, (a, tokens_out, lps) in zip(items, rows)]
+        committed = [1 + r.num_accepted for r in results]
+        self._commit_state(items, committed)
+        for b, (item, n) in enumerate(zip(items, committed)):
+            self._advance(item, b * q, n, features)
+        return results
 
     # ---- memory -------------------------------------------------------------------------------
 
@@ -66,12 +169,13 @@ class ModelRunner:
         return per_token * elem * self.block_size
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
+        """num_blocks usable blocks plus one scratch block (index num_blocks) for padded rows."""
         self.num_blocks = num_blocks
         layers = list(self.target.attention_layers)
         if self.drafter is not None:
             layers += list(self.drafter.attention_layers)
         for layer in layers:
-            shape = (num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
+            shape = (num_blocks + 1 if num_blocks else 0, self.block_size, layer.num_kv_heads, layer.head_dim)
             layer.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
             layer.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
 
@@ -91,18 +195,23 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> list[StepResult]:
         items = sched.items
+        if self._uniform_decode(items):
+            return self._execute_decode(items)
         drafts = self._draft(items) if self.drafter is not None or self.synthetic is not None else None
         hidden, features, offsets = self._target(items, drafts)
         results = self._sample(items, hidden, offsets)
         committed = [item.num_new + (res.num_accepted if item.samples else 0) for item, res in zip(items, results)]
+        self._commit_state(items, committed)
+        for item, start, n in zip(items, offsets, committed):
+            self._advance(item, start, n, features)
+        return results
+
+    def _commit_state(self, items: list[ScheduledSeq], committed: list[int]) -> None:
         commit_state = getattr(self.target, "commit_state", None)
         if commit_state is not None:
             # Recurrent layers (Gated DeltaNet, Mamba) keep a state per verified position during the
             # pass; each sequence continues from the state after its last committed position.
             commit_state([item.seq for item in items], committed)
-        for item, start, n in zip(items, offsets, committed):
-            self._advance(item, start, n, features)
-        return results
 
     def _draft(self, items: list[ScheduledSeq]) -> torch.Tensor | None:
         """One drafter pass: project pending context features; draft for decoding sequences."""
@@ -224,87 +333,12 @@ class ModelRunner:
             n = items[b].num_drafts + 1
             index.append([first + min(i, n - 1) for i in range(k + 1)])
         index_t = self._tensor(index)
-        logits = self.target.compute_logits(hidden[index_t.view(-1)]).float().view(len(rows), k + 1, -1)
-        seqs = [items[b].seq for b in rows]
-        params = [s.params for s in seqs]
-        logits = self._mask_and_penalise(logits, seqs, items, rows, index_t)
-        tokens_in = self._last_tokens[index_t]  # [R, K+1]: anchor, d1..dk
-        draft_t = tokens_in[:, 1:]
-        num_drafts = self._tensor([items[b].num_drafts for b in rows])
-        accepted, out = verify_greedy(logits.argmax(-1), draft_t, num_drafts)
-        sampled = [r for r, p in enumerate(params) if not p.greedy]
-        if sampled:
-            sub = self._tensor(sampled)
-            row_params = RowParams.build([params[r] for r in sampled], self.device)
-            probs = probabilities(logits[sub], row_params)
-            # Each request draws exactly its own number of randoms, whatever the batch's padding.
-            uniforms = torch.ones(len(sampled), k, device=self.device)
-            for j, r in enumerate(sampled):
-                n = items[rows[r]].num_drafts
-                uniforms[j, :n] = self._rand(seqs[r], (n,))
-            noise = torch.stack([self._rand(seqs[r], (logits.shape[-1],), exponential=True) for r in sampled])
-            acc_s, out_s = verify_sampled(probs, draft_t[sub], num_drafts[sub], uniforms, noise)
-            accepted = accepted.index_copy(0, sub, acc_s)
-            out = out.index_copy(0, sub, out_s)
-        host = torch.cat([accepted[:, None].to(out.dtype), out], dim=1).tolist()  # the step's one sync
-        want_lp = [r for r, p in enumerate(params) if p.logprobs is not None]
-        lps = self._logprobs(logits, out, host, want_lp, params) if want_lp else {}
-        for r, b in enumerate(rows):
-            a = host[r][0]
-            results[b].num_accepted = a
-            results[b].tokens = host[r][1:a + 2]
-            results[b].logprobs = lps.get(r)
+        logits = self.target.compute_logits(hidden[index_t.view(-1)]).view(len(rows), k + 1, -1)
+        accepted = accept([items[b].seq for b in rows], [items[b].num_drafts for b in rows], logits,
+                          self._last_tokens[index_t], self.device)
+        for b, (a, tokens, lps) in zip(rows, accepted):
+            results[b].num_accepted, results[b].tokens, results[b].logprobs = a, tokens, lps
         return results
-
-    def _mask_and_penalise(self, logits: torch.Tensor, seqs: list[Sequence], items: list[ScheduledSeq],
-                           rows: list[int], index_t: torch.Tensor) -> torch.Tensor:
-        """min_tokens (stop ids masked while too few tokens are out) and repetition-type penalties."""
-        k1, vocab = logits.shape[1], logits.shape[2]
-        for r, seq in enumerate(seqs):
-            p = seq.params
-            if p.min_tokens and seq.num_output < p.min_tokens and seq.stop_ids:
-                n_masked = min(k1, p.min_tokens - seq.num_output)
-                ids = self._tensor(sorted(i for i in seq.stop_ids if i < vocab))
-                logits[r, :n_masked, ids] = float("-inf")
-        penal = [r for r, s in enumerate(seqs) if s.params.has_penalties]
-        if not penal:
-            return logits
-        counts = torch.zeros(len(penal), k1, vocab, device=self.device)
-        prompt_mask = torch.zeros(len(penal), vocab, dtype=torch.bool, device=self.device)
-        for j, r in enumerate(penal):
-            seq = seqs[r]
-            if seq.output_ids:
-                out_ids = self._tensor(seq.output_ids)
-                counts[j] += torch.bincount(out_ids, minlength=vocab)[:vocab].float()
-            prompt_mask[j, self._tensor(seq.prompt_ids)] = True
-            # Position i also sees drafts 1..i as if accepted (it only counts if they are).
-            drafts = self._last_tokens[index_t[r, 1:]]
-            onehot = torch.zeros(k1, vocab, device=self.device)
-            onehot[1:].scatter_(1, drafts[:, None], 1.0)
-            counts[j] += onehot.cumsum(0)
-        sub = self._tensor(penal)
-        logits[sub] = apply_penalties(logits[sub], counts, prompt_mask, [seqs[r].params for r in penal])
-        return logits
-
-    def _rand(self, seq: Sequence, shape: tuple[int, ...], exponential: bool = False) -> torch.Tensor:
-        g = seq.generator
-        t = torch.empty(shape, device=self.device, dtype=torch.float32)
-        if exponential:
-            return t.exponential_(generator=g)
-        return t.uniform_(generator=g)
-
-    def _logprobs(self, logits: torch.Tensor, out: torch.Tensor, host: list[list[int]], want: list[int],
-                  params: list) -> dict[int, list[TokenLogprob]]:
-        top = max(params[r].logprobs for r in want)
-        result = {}
-        for r in want:
-            n = host[r][0] + 1
-            chosen, ids, values = logprobs_of(logits[r, :n], out[r, :n], top)
-            chosen, ids, values = chosen.tolist(), ids.tolist(), values.tolist()
-            keep = params[r].logprobs
-            result[r] = [TokenLogprob(host[r][1 + i], chosen[i], list(zip(ids[i][:keep], values[i][:keep])))
-                         for i in range(n)]
-        return result
 
     def _advance(self, item: ScheduledSeq, start: int, committed: int, features: torch.Tensor | None) -> None:
         """Move the sequence's computed frontier; keep the committed positions' context features.

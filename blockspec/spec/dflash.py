@@ -17,8 +17,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from blockspec.errors import ConfigError
+from blockspec.kernels.paged_attention import paged_attention
 from blockspec.models.layers.activation import silu_and_mul
-from blockspec.models.layers.attention import gather_kv, sdpa, store_kv
+from blockspec.models.layers.attention import DecodeMetadata, gather_kv, sdpa, store_kv
 from blockspec.models.layers.norm import RMSNorm
 from blockspec.models.layers.rotary import RotaryEmbedding
 from blockspec.models.model_config import ModelConfig, read_config_json
@@ -126,16 +127,21 @@ class DraftMetadata:
     kv_slots:  [B, Lc] cache slots of the visible context keys; key_pos: [B, Lc + Qmax] absolute
                position of every key (context keys first, then the block), -1 where padding.
     query_pos: [B, Qmax] absolute position of every block query.
+    (Those five are the reference path's; the fast path uses `decode` and `block_slots` instead.)
     """
 
     ctx_positions: torch.Tensor
     ctx_slots: torch.Tensor
     block_positions: torch.Tensor
-    query_index: torch.Tensor
-    query_unpad: torch.Tensor
-    kv_slots: torch.Tensor
-    key_pos: torch.Tensor
-    query_pos: torch.Tensor
+    query_index: torch.Tensor | None = None
+    query_unpad: torch.Tensor | None = None
+    kv_slots: torch.Tensor | None = None
+    key_pos: torch.Tensor | None = None
+    query_pos: torch.Tensor | None = None
+    # Uniform-block fast path: block K/V go into the cache at block_slots and the paged kernel
+    # attends non-causally over [kv_start, anchor + q_len).
+    decode: DecodeMetadata | None = None
+    block_slots: torch.Tensor | None = None
     _masks: dict[tuple[bool, int | None], torch.Tensor] = field(default_factory=dict)
 
     def mask(self, causal: bool, window: int | None) -> torch.Tensor:
@@ -179,16 +185,21 @@ class DFlashAttention(nn.Module):
         (k,) = self.rotary(positions, k)
         return k, v
 
-    def write_context(self, ctx: torch.Tensor, meta: DraftMetadata) -> None:
-        if ctx.shape[0]:
-            k, v = self._kv(ctx, meta.ctx_positions)
-            store_kv(self.k_cache, self.v_cache, meta.ctx_slots, k, v)
+    def write_context(self, ctx: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
+        k, v = self._kv(ctx, positions)
+        store_kv(self.k_cache, self.v_cache, slots, k, v)
 
     def forward(self, x: torch.Tensor, meta: DraftMetadata) -> torch.Tensor:
         t = x.shape[0]
         q = self.q_norm(self.q_proj(x).view(t, self.num_heads, self.head_dim))
         (q,) = self.rotary(meta.block_positions, q)
         kb, vb = self._kv(x, meta.block_positions)
+        if meta.decode is not None and self.window is None and not self.causal:
+            d = meta.decode
+            store_kv(self.k_cache, self.v_cache, meta.block_slots, kb, vb)
+            out = paged_attention(q, self.k_cache, self.v_cache, d.block_tables, d.seq_lens, d.kv_start, d.q_len,
+                                  self.head_dim**-0.5, causal=False)
+            return self.o_proj(out.reshape(t, -1))
         k = torch.cat([gather_kv(self.k_cache, meta.kv_slots), kb[meta.query_index].transpose(1, 2)], dim=2)
         v = torch.cat([gather_kv(self.v_cache, meta.kv_slots), vb[meta.query_index].transpose(1, 2)], dim=2)
         qp = q[meta.query_index].transpose(1, 2)
@@ -216,11 +227,7 @@ class DFlashLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, h: torch.Tensor, ctx: torch.Tensor, meta: DraftMetadata) -> torch.Tensor:
-        # Context vectors enter K/V without this layer's input norm (DESIGN.md §1).
-        self.self_attn.write_context(ctx, meta)
-        if h.shape[0] == 0:
-            return h
+    def forward(self, h: torch.Tensor, meta: DraftMetadata) -> torch.Tensor:
         h = h + self.self_attn(self.input_layernorm(h), meta)
         return h + self.mlp(self.post_attention_layernorm(h))
 
@@ -240,17 +247,30 @@ class DFlashDrafter(nn.Module):
     def attention_layers(self) -> list[DFlashAttention]:
         return [layer.self_attn for layer in self.layers]
 
-    def forward(self, features: torch.Tensor, block_embeds: torch.Tensor, meta: DraftMetadata) -> torch.Tensor:
-        """Write the context features' K/V, then denoise the blocks; returns normed block hidden [Tb, H]."""
-        if features.shape[0]:
-            ctx = self.hidden_norm(self.fc(features))
-        else:
-            ctx = block_embeds.new_zeros(0, block_embeds.shape[-1])
+    def write_context(self, features: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
+        """Project newly committed context features into every layer's K/V cache (once per token).
+
+        Context vectors enter K/V without the layers' input norms (DESIGN.md §1).
+        """
+        if features.shape[0] == 0:
+            return
+        ctx = self.hidden_norm(self.fc(features))
+        for layer in self.layers:
+            layer.self_attn.write_context(ctx, positions, slots)
+
+    def forward_blocks(self, block_embeds: torch.Tensor, meta: DraftMetadata) -> torch.Tensor:
+        """Denoise the [anchor, MASK * k] blocks against the cached context; normed hidden [Tb, H]."""
         scale = self.config.input_embedding_scale
         h = block_embeds * scale if scale != 1.0 else block_embeds
         for layer in self.layers:
-            h = layer(h, ctx, meta)
+            h = layer(h, meta)
         return self.norm(h)
+
+    def forward(self, features: torch.Tensor, block_embeds: torch.Tensor, meta: DraftMetadata) -> torch.Tensor:
+        self.write_context(features, meta.ctx_positions, meta.ctx_slots)
+        if block_embeds.shape[0] == 0:
+            return block_embeds
+        return self.forward_blocks(block_embeds, meta)
 
     def compute_logits(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
         logits = F.linear(hidden, lm_head_weight)

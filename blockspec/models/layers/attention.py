@@ -12,10 +12,31 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from blockspec.kernels.paged_attention import paged_attention
+
+if TYPE_CHECKING:
+    from blockspec.models.layers.recurrent_state import StateMetadata
+
+
+@dataclass
+class DecodeMetadata:
+    """Uniform decode/verify batch: every sequence has q_len new tokens at the end of its context.
+
+    block_tables: [B, max_blocks] int32/64; seq_lens: [B] context length including the new tokens;
+    kv_start: [B] first visible key position (0, or the drafter's window start). Fixed shapes for a
+    given (B, q_len), so a step using only these can be captured in a CUDA graph.
+    """
+
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    kv_start: torch.Tensor
+    q_len: int
 
 
 @dataclass
@@ -23,6 +44,8 @@ class AttentionMetadata:
     """Where a step's tokens go in the paged cache and which keys each query sees.
 
     slot_mapping: [T] cache slot (block * block_size + offset) for each new token's K/V.
+    Either `decode` is set (uniform decode/verify: the paged kernel reads the cache directly), or the
+    general ragged description below is (prefill chunks and mixed batches: the reference gathers):
     query_index:  [B, Qmax] flat token index of each (padded) query; padding points at token 0.
     query_unpad:  [T] index into the flattened [B * Qmax] padded queries of each real token.
     kv_slots:     [B, Lmax] cache slot of key position j of sequence b (padding points at slot 0).
@@ -30,17 +53,28 @@ class AttentionMetadata:
     """
 
     slot_mapping: torch.Tensor
-    query_index: torch.Tensor
-    query_unpad: torch.Tensor
-    kv_slots: torch.Tensor
-    mask: torch.Tensor
+    query_index: torch.Tensor | None = None
+    query_unpad: torch.Tensor | None = None
+    kv_slots: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
+    decode: DecodeMetadata | None = None
+    # Hybrid models: each sequence's span and recurrent-state slot (models/layers/recurrent_state.py).
+    state: StateMetadata | None = None
 
 
-_CONTEXT: list[AttentionMetadata] = []
+@dataclass
+class DenseCausalMetadata:
+    """Whole sequences without a cache (drafter training): the step's T tokens are a right-padded
+    [batch, T // batch] grid, attention is plain causal SDPA and no K/V is stored."""
+
+    batch: int
+
+
+_CONTEXT: list[AttentionMetadata | DenseCausalMetadata] = []
 
 
 @contextmanager
-def forward_context(meta: AttentionMetadata) -> Iterator[None]:
+def forward_context(meta: AttentionMetadata | DenseCausalMetadata) -> Iterator[None]:
     """Make `meta` visible to every attention layer for the duration of one forward pass."""
     _CONTEXT.append(meta)
     try:
@@ -49,7 +83,7 @@ def forward_context(meta: AttentionMetadata) -> Iterator[None]:
         _CONTEXT.pop()
 
 
-def current_metadata() -> AttentionMetadata:
+def current_metadata() -> AttentionMetadata | DenseCausalMetadata:
     if not _CONTEXT:
         raise RuntimeError("attention called outside forward_context(): the runner sets the metadata")
     return _CONTEXT[-1]
@@ -86,6 +120,15 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     return out[meta.query_unpad]
 
 
+def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: int,
+                           scale: float) -> torch.Tensor:
+    """q [T, H, D], k/v [T, Hkv, D] of `batch` equal-length rows -> [T, H * D], causal, no cache."""
+    t, h, d = q.shape
+    qb, kb, vb = (x.reshape(batch, t // batch, x.shape[1], d).transpose(1, 2) for x in (q, k, v))
+    out = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale, enable_gqa=kb.shape[1] != h)
+    return out.transpose(1, 2).reshape(t, h * d)
+
+
 class PagedAttention(nn.Module):
     """Attention over a paged KV cache that the runner binds after allocating it."""
 
@@ -100,7 +143,14 @@ class PagedAttention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         meta = current_metadata()
+        if isinstance(meta, DenseCausalMetadata):
+            return dense_causal_attention(q, k, v, meta.batch, self.scale)
         if self.k_cache is None or self.v_cache is None:
             raise RuntimeError("KV cache not bound: the runner allocates it before the first step")
         store_kv(self.k_cache, self.v_cache, meta.slot_mapping, k, v)
+        if meta.decode is not None:
+            d = meta.decode
+            out = paged_attention(q, self.k_cache, self.v_cache, d.block_tables, d.seq_lens, d.kv_start, d.q_len,
+                                  self.scale, causal=True)
+            return out.reshape(q.shape[0], -1)
         return paged_attention_reference(q, self.k_cache, self.v_cache, meta, self.scale)

@@ -1,0 +1,1 @@
+"""Triton kernels, each beside the plain-PyTorch reference that defines it."""

@@ -1,0 +1,287 @@
+"""Gated DeltaNet token mixer (Qwen3-Next, Qwen3.5/3.6) over a ragged flat batch with state slots.
+
+Per token: project to q, k, v (through a short causal depthwise convolution + SiLU), an output
+gate z, a write strength beta = sigmoid(b) and a decay g = -exp(A_log) * softplus(a + dt_bias);
+run the gated delta rule (delta_rule.py) per head; RMS-normalise the result, gate it with SiLU(z)
+and project out. Qwen3-Next packs q/k/v/z and b/a in per-key-head groups (`in_proj_qkvz`,
+`in_proj_ba`); Qwen3.5 has one projection each. Parameter names follow the checkpoints.
+
+The flat batch holds each sequence's tokens as one contiguous span (a prefill chunk, a decode
+token, or a verify block); `StateMetadata` (recurrent_state.py) says where each span is and which
+state slot it reads. Non-speculative spans write their final state during the pass; speculative
+spans leave the slot alone and `commit` advances it by the accepted count afterwards.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from blockspec.errors import ConfigError
+from blockspec.models.layers import delta_rule, delta_rule_fla
+from blockspec.models.layers.attention import current_metadata
+from blockspec.models.layers.recurrent_state import LayerState, StateMetadata
+from blockspec.models.model_config import ModelConfig
+
+BACKENDS = ("auto", "reference", "fla")
+RECURRENT_MAX_TOKENS = 16  # reference: spans up to this long run token by token, longer ones chunked
+
+
+def backend_for(x: torch.Tensor) -> str:
+    """BLOCKSPEC_GDN_BACKEND: auto (fla on CUDA when importable, else the reference), reference, fla."""
+    choice = os.environ.get("BLOCKSPEC_GDN_BACKEND", "auto")
+    if choice not in BACKENDS:
+        raise ConfigError(f"BLOCKSPEC_GDN_BACKEND={choice!r}: use one of {', '.join(BACKENDS)}")
+    if choice == "auto":
+        return "fla" if x.device.type == "cuda" and delta_rule_fla.available() else "reference"
+    if choice == "fla" and not delta_rule_fla.available():
+        raise ConfigError(f"BLOCKSPEC_GDN_BACKEND=fla but fla-core is not importable: "
+                          f"pip install fla-core=={delta_rule_fla.FLA_VERSION} --no-deps (needs Triton and a GPU)")
+    return choice
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm of the delta-rule output, then multiplied by SiLU(gate) (norm before gate)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight * xf.to(dtype) * F.silu(gate.float())).to(dtype)
+
+
+@dataclass
+class _Pending:
+    """What a pass keeps of its speculative spans until `commit` knows how many tokens stay."""
+
+    meta: StateMetadata
+    conv_buffer: torch.Tensor  # the extended conv inputs of the whole step
+    spec: list[int]  # batch indices of the speculative spans
+    backend: str  # who produced `inputs`, and so who replays them
+    inputs: tuple[torch.Tensor, ...] | None  # replay: (k, v, g, beta); reference: whole batch, fla: spec tokens
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, cfg: ModelConfig, packed_projections: bool) -> None:
+        super().__init__()
+        lin = cfg.linear
+        if lin is None:
+            raise ConfigError("config.json lacks the linear_* fields of a Gated DeltaNet hybrid")
+        if lin.num_value_heads % lin.num_key_heads:
+            raise ConfigError(f"linear_num_value_heads {lin.num_value_heads} is not a multiple of "
+                              f"linear_num_key_heads {lin.num_key_heads}")
+        h = cfg.hidden_size
+        self.num_k_heads, self.num_v_heads = lin.num_key_heads, lin.num_value_heads
+        self.head_k_dim, self.head_v_dim = lin.key_head_dim, lin.value_head_dim
+        self.key_dim = self.num_k_heads * self.head_k_dim
+        self.value_dim = self.num_v_heads * self.head_v_dim
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.conv_kernel = lin.conv_kernel
+        self.state_dtype_name = lin.state_dtype
+        self.packed = packed_projections
+        if packed_projections:
+            self.in_proj_qkvz = nn.Linear(h, 2 * self.key_dim + 2 * self.value_dim, bias=False)
+            self.in_proj_ba = nn.Linear(h, 2 * self.num_v_heads, bias=False)
+        else:
+            self.in_proj_qkv = nn.Linear(h, self.conv_dim, bias=False)
+            self.in_proj_z = nn.Linear(h, self.value_dim, bias=False)
+            self.in_proj_b = nn.Linear(h, self.num_v_heads, bias=False)
+            self.in_proj_a = nn.Linear(h, self.num_v_heads, bias=False)
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.conv_kernel, groups=self.conv_dim, bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
+        self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
+        self.norm = GatedRMSNorm(self.head_v_dim, cfg.rms_norm_eps)
+        self.out_proj = nn.Linear(self.value_dim, h, bias=False)
+        self.state: LayerState | None = None  # bound by the model's allocate_state
+
+    # ---- projections -------------------------------------------------------------------------
+
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x [T, H] -> conv input [T, conv_dim], z [T, Hv, Dv], b and a [T, Hv]."""
+        t, hk, dk, dv = x.shape[0], self.num_k_heads, self.head_k_dim, self.head_v_dim
+        if not self.packed:
+            return (self.in_proj_qkv(x), self.in_proj_z(x).view(t, -1, dv), self.in_proj_b(x), self.in_proj_a(x))
+        r = self.num_v_heads // hk  # value heads per key head: each group is [q, k, v, z] / [b, a]
+        q, k, v, z = self.in_proj_qkvz(x).view(t, hk, -1).split([dk, dk, r * dv, r * dv], dim=-1)
+        b, a = self.in_proj_ba(x).view(t, hk, 2 * r).split([r, r], dim=-1)
+        mixed = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], dim=-1)
+        return mixed, z.reshape(t, -1, dv), b.reshape(t, -1), a.reshape(t, -1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        meta = current_metadata().state
+        if meta is None or self.state is None:
+            raise RuntimeError("Gated DeltaNet needs state slots: the engine allocates them (allocate_state) and the "
+                               "runner describes them per step (StateMetadata)")
+        t = x.shape[0]
+        mixed, z, b, a = self._project(x)
+        mixed, conv_buffer = self._conv(mixed, meta)
+        q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q, k = q.reshape(t, self.num_k_heads, -1), k.reshape(t, self.num_k_heads, -1)
+        v = v.reshape(t, self.num_v_heads, -1)
+        beta = torch.sigmoid(b)
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        backend = backend_for(x)
+        if backend == "fla":
+            core, inputs = self._delta_rule_fla(q, k, v, g, beta, meta)
+        else:
+            core, inputs = self._delta_rule_reference(q, k, v, g, beta, meta)
+        spec = meta.spans(speculative=True)
+        self.state.pending = _Pending(meta, conv_buffer, spec, backend, inputs) if spec else None
+        out = self.norm(core.to(x.dtype), z)
+        return self.out_proj(out.reshape(t, -1))
+
+    # ---- convolution -------------------------------------------------------------------------
+
+    def _conv(self, x: torch.Tensor, meta: StateMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """Causal depthwise conv + SiLU over each span, continuing from its slot's last inputs.
+
+        Returns the outputs [T, C] and the extended input buffer (each span's previous kernel-1
+        inputs, then its new ones), from which any committed prefix's new conv state is a slice.
+        """
+        st, width = self.state, self.conv_kernel - 1
+        rows, bases = meta.conv_layout(width)
+        prev = torch.where(meta.has_state_t[:, None, None], st.conv[meta.slot_t], 0).to(x.dtype)
+        src = meta.tensor(("conv_rows", width), lambda: (rows, torch.int64))
+        buffer = torch.cat([prev.reshape(-1, x.shape[1]), x])[src]
+        windows = meta.tensor(("conv_windows", width), lambda: (_windows(meta, bases, width), torch.int64))
+        weight = self.conv1d.weight[:, 0, :]  # [C, kernel]
+        y = buffer[windows[:, 0]] * weight[:, 0]
+        for j in range(1, self.conv_kernel):
+            y = y + buffer[windows[:, j]] * weight[:, j]
+        done = meta.spans(speculative=False)
+        if done:
+            ends = meta.tensor(("conv_ends", width),
+                               lambda: (_state_rows(bases, meta.lengths, done, width), torch.int64))
+            slots = meta.tensor("done_slots", lambda: ([meta.slots[b] for b in done], torch.int64))
+            st.conv[slots] = buffer[ends].view(len(done), width, -1).to(st.conv.dtype)
+        return F.silu(y), buffer
+
+    # ---- delta rule --------------------------------------------------------------------------
+
+    def _delta_rule_reference(self, q, k, v, g, beta, meta: StateMetadata):
+        st = self.state
+        qp, kp = delta_rule.prepare_qk(q, k, self.num_v_heads)
+        vf, bf = v.float(), beta.float()
+        out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
+        for b in range(meta.num_seqs):
+            s, n, slot = meta.starts[b], meta.lengths[b], meta.slots[b]
+            sl = slice(s, s + n)
+            h0 = st.ssm[slot].float() if meta.has_state[b] else qp.new_zeros(st.ssm.shape[1:])
+            if meta.speculative[b]:
+                keep = st.checkpoints is not None
+                out[sl], _, states = delta_rule.recurrent(qp[sl], kp[sl], vf[sl], g[sl], bf[sl], h0, keep_states=keep)
+                if keep:
+                    st.checkpoints[slot, :n] = states.to(st.checkpoints.dtype)
+            else:
+                fn = delta_rule.recurrent if n <= RECURRENT_MAX_TOKENS else delta_rule.chunked
+                out[sl], final = fn(qp[sl], kp[sl], vf[sl], g[sl], bf[sl], h0)[:2]
+                st.ssm[slot] = final.to(st.ssm.dtype)
+        inputs = (kp, vf, g, bf) if st.checkpoints is None else None
+        return out, inputs
+
+    def _delta_rule_fla(self, q, k, v, g, beta, meta: StateMetadata):
+        st = self.state
+        initial = torch.where(meta.has_state_t[:, None, None, None], st.ssm[meta.slot_t], 0).float()
+        out, final = delta_rule_fla.run(q, k, v, g, beta, initial, meta.cu_seqlens, max(meta.lengths))
+        done = meta.spans(speculative=False)
+        if done:
+            idx = meta.tensor("done_index", lambda: (done, torch.int64))
+            slots = meta.tensor("done_slots", lambda: ([meta.slots[b] for b in done], torch.int64))
+            st.ssm[slots] = final[idx].to(st.ssm.dtype)
+        spec = meta.spans(speculative=True)
+        if not spec:
+            return out, None
+        tokens = meta.tensor("spec_tokens", lambda: (_span_tokens(meta, spec), torch.int64))
+        sel = (k[tokens], v[tokens], g[tokens], beta[tokens])
+        if st.checkpoints is None:
+            return out, sel
+        states = delta_rule_fla.prefix_states(*sel, initial[meta.tensor("spec_index", lambda: (spec, torch.int64))],
+                                              [meta.lengths[b] for b in spec])
+        rows = meta.tensor("spec_ckpt_rows", lambda: (_checkpoint_rows(meta, spec, st.checkpoints.shape[1]),
+                                                      torch.int64))
+        st.checkpoints.view(-1, *st.checkpoints.shape[2:])[rows] = states.to(st.checkpoints.dtype)
+        return out, None
+
+    # ---- commit ------------------------------------------------------------------------------
+
+    def commit(self, committed: list[int]) -> None:
+        """Advance the speculative spans' slots by their committed token counts (batch order)."""
+        st = self.state
+        pending, st.pending = st.pending, None
+        if pending is None:
+            return
+        meta, spec, width = pending.meta, pending.spec, self.conv_kernel - 1
+        _, bases = meta.conv_layout(width)
+        counts = [committed[b] for b in spec]
+        if any(not 1 <= c <= meta.lengths[b] for c, b in zip(counts, spec)):
+            raise RuntimeError(f"commit counts {counts} outside the verified spans {[meta.lengths[b] for b in spec]}")
+        dev = st.ssm.device
+        slots = torch.tensor([meta.slots[b] for b in spec], device=dev)
+        ends = torch.tensor(_state_rows(bases, committed, spec, width), device=dev)
+        st.conv[slots] = pending.conv_buffer[ends].view(len(spec), width, -1).to(st.conv.dtype)
+        if st.checkpoints is not None:
+            st.ssm[slots] = st.checkpoints[slots, torch.tensor(counts, device=dev) - 1]
+            return
+        if pending.backend == "reference":
+            self._replay_reference(meta, spec, counts, pending.inputs)
+            return
+        k, v, g, beta = pending.inputs
+        tokens, start = [], 0
+        for b, c in zip(spec, counts):
+            tokens.extend(range(start, start + c))
+            start += meta.lengths[b]
+        idx = torch.tensor(tokens, device=dev)
+        cu = torch.tensor([0] + list(_accumulate(counts)), dtype=torch.int64, device=dev)
+        _, final = delta_rule_fla.run(k[idx], k[idx], v[idx], g[idx], beta[idx], st.ssm[slots].float(), cu,
+                                      max(counts))
+        st.ssm[slots] = final.to(st.ssm.dtype)
+
+    def _replay_reference(self, meta: StateMetadata, spec: list[int], counts: list[int], inputs) -> None:
+        """Re-run the recurrence over each accepted prefix (same ops as the verify pass: same bits)."""
+        st = self.state
+        kp, vf, g, bf = inputs
+        for b, c in zip(spec, counts):
+            s, slot = meta.starts[b], meta.slots[b]
+            sl = slice(s, s + c)
+            h0 = st.ssm[slot].float() if meta.has_state[b] else kp.new_zeros(st.ssm.shape[1:])
+            _, final, _ = delta_rule.recurrent(kp[sl], kp[sl], vf[sl], g[sl], bf[sl], h0)
+            st.ssm[slot] = final.to(st.ssm.dtype)
+
+
+def _accumulate(values: list[int]) -> list[int]:
+    out, total = [], 0
+    for v in values:
+        total += v
+        out.append(total)
+    return out
+
+
+def _windows(meta: StateMetadata, bases: list[int], width: int) -> list[list[int]]:
+    """For every flat token, the buffer rows of its conv window (oldest first, itself last)."""
+    windows = [[0] * (width + 1) for _ in range(sum(meta.lengths))]
+    for s, n, base in zip(meta.starts, meta.lengths, bases):
+        for i in range(n):
+            windows[s + i] = [base + i + j for j in range(width + 1)]
+    return windows
+
+
+def _state_rows(bases: list[int], counts: list[int], spans: list[int], width: int) -> list[int]:
+    """Buffer rows holding the last `width` inputs after committing counts[b] tokens of each span b."""
+    return [bases[b] + counts[b] + j for b in spans for j in range(width)]
+
+
+def _span_tokens(meta: StateMetadata, spans: list[int]) -> list[int]:
+    return [meta.starts[b] + i for b in spans for i in range(meta.lengths[b])]
+
+
+def _checkpoint_rows(meta: StateMetadata, spans: list[int], per_slot: int) -> list[int]:
+    return [meta.slots[b] * per_slot + i for b in spans for i in range(meta.lengths[b])]

@@ -1,0 +1,155 @@
+"""Per-sequence recurrent state of hybrid models: the step metadata and the per-layer state tensors.
+
+Gated DeltaNet layers carry, for every running sequence, the last (kernel - 1) inputs of their
+causal convolution and a [heads, key_dim, value_dim] delta-rule matrix. Each sequence owns one
+*slot* of those tensors from admission to finish, abort or preemption (engine/state_pool.py hands
+the slots out); the runner describes a step's spans and slots in a `StateMetadata` attached to the
+step's AttentionMetadata.
+
+Rolling back a verify block: the committed count is only known after acceptance, so speculative
+spans (verify blocks) never advance their slot during the pass. Two ways to land on the state of
+the last accepted position afterwards, chosen with BLOCKSPEC_GDN_ROLLBACK:
+- "replay" (default): keep the block's per-token inputs and re-run the recurrence over the accepted
+  prefix at commit (one state read + write per layer; no extra memory beyond the inputs);
+- "checkpoint": store the state after every position of the block (k + 1 states per sequence and
+  layer) and copy the accepted one at commit.
+The convolution state needs neither: it is a window of the block's inputs, kept until commit.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from blockspec.errors import ConfigError
+
+ROLLBACK_MODES = ("replay", "checkpoint")
+
+
+def rollback_mode() -> str:
+    mode = os.environ.get("BLOCKSPEC_GDN_ROLLBACK", "replay")
+    if mode not in ROLLBACK_MODES:
+        raise ConfigError(f"BLOCKSPEC_GDN_ROLLBACK={mode!r}: use one of {', '.join(ROLLBACK_MODES)}")
+    return mode
+
+
+@dataclass
+class StateMetadata:
+    """One step's sequences as spans of the flat batch, with their state slots.
+
+    starts/lengths: each sequence's contiguous run of tokens in the flat batch, in batch order.
+    has_state: False for a sequence's first chunk (start from zeros, not from the slot).
+    speculative: verify blocks, whose slot only advances at commit (by the committed count).
+    Device index tensors are built once per step, on first use, and shared by all layers.
+    """
+
+    starts: list[int]
+    lengths: list[int]
+    slots: list[int]
+    has_state: list[bool]
+    speculative: list[bool]
+    device: torch.device
+    _cache: dict[Any, Any] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def for_items(cls, items: list, offsets: list[int], device: torch.device) -> StateMetadata:
+        """From the runner's scheduled items (ScheduledSeq) and their flat offsets."""
+        slots = [item.seq.state_slot for item in items]
+        if any(s is None for s in slots):
+            raise RuntimeError("a sequence reached a hybrid model without a state slot: the engine's "
+                               "allocator (engine/state_pool.py) assigns one at admission")
+        return cls(starts=list(offsets), lengths=[i.num_new + i.num_drafts for i in items], slots=slots,
+                   has_state=[i.seq.num_computed > 0 for i in items], speculative=[i.num_drafts > 0 for i in items],
+                   device=device)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.slots)
+
+    def tensor(self, key: str, build) -> torch.Tensor:
+        """A cached device tensor built from host lists by `build()` (called once per step)."""
+        if key not in self._cache:
+            values, dtype = build()
+            host = torch.tensor(values, dtype=dtype)
+            self._cache[key] = host.to(self.device, non_blocking=True) if self.device.type == "cuda" else host
+        return self._cache[key]
+
+    def spans(self, speculative: bool | None = None) -> list[int]:
+        """Batch indices of the (non-)speculative spans; all of them for None."""
+        return [b for b in range(self.num_seqs) if speculative is None or self.speculative[b] == speculative]
+
+    @property
+    def slot_t(self) -> torch.Tensor:
+        return self.tensor("slots", lambda: (self.slots, torch.int64))
+
+    @property
+    def has_state_t(self) -> torch.Tensor:
+        return self.tensor("has_state", lambda: (self.has_state, torch.bool))
+
+    @property
+    def cu_seqlens(self) -> torch.Tensor:
+        return self.tensor("cu_seqlens", lambda: ([0] + _cumsum(self.lengths), torch.int64))
+
+    def conv_layout(self, width: int) -> tuple[list[int], list[int]]:
+        """Rows of the extended conv input buffer: each span's `width` previous inputs, then its new ones.
+
+        Returns (source rows, span bases): row r of the buffer is row source[r] of
+        cat([previous inputs of all spans, flattened], new inputs); span b starts at bases[b].
+        """
+        key = ("conv_layout", width)
+        if key not in self._cache:
+            rows, bases, b_count = [], [], self.num_seqs
+            for b, (s, n) in enumerate(zip(self.starts, self.lengths)):
+                bases.append(len(rows))
+                rows.extend(b * width + j for j in range(width))
+                rows.extend(b_count * width + s + i for i in range(n))
+            self._cache[key] = (rows, bases)
+        return self._cache[key]
+
+
+def _cumsum(values: list[int]) -> list[int]:
+    out, total = [], 0
+    for v in values:
+        total += v
+        out.append(total)
+    return out
+
+
+class LayerState:
+    """One Gated DeltaNet layer's state for `num_slots` sequences (plus checkpoints if kept)."""
+
+    def __init__(self, num_slots: int, conv_dim: int, conv_width: int, heads: int, key_dim: int, value_dim: int,
+                 dtype: torch.dtype, state_dtype: torch.dtype, device: torch.device, checkpoints: int) -> None:
+        self.conv = torch.zeros(num_slots, conv_width, conv_dim, dtype=dtype, device=device)
+        self.ssm = torch.zeros(num_slots, heads, key_dim, value_dim, dtype=state_dtype, device=device)
+        self.checkpoints = (torch.zeros(num_slots, checkpoints, heads, key_dim, value_dim, dtype=state_dtype,
+                                        device=device) if checkpoints else None)
+        self.pending: Any = None  # what the last pass kept of its speculative spans, until commit
+
+    @property
+    def nbytes(self) -> int:
+        tensors = [self.conv, self.ssm] + ([self.checkpoints] if self.checkpoints is not None else [])
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def state_dtype_of(name: str | None, dtype: torch.dtype) -> torch.dtype:
+    """The delta-rule state dtype: the config's `mamba_ssm_dtype`, else float32 (never below it).
+
+    Released Qwen3.5/3.6 checkpoints say float32; a bf16 state loses the small per-token updates.
+    """
+    names = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    return names.get(name or "float32", torch.float32) if dtype != torch.float32 else torch.float32
+
+
+def bytes_per_sequence(layers: list, dtype: torch.dtype, checkpoints: int) -> int:
+    """State bytes one sequence needs across `layers` (GatedDeltaNet modules), checkpoints included."""
+    total = 0
+    elem = torch.tensor([], dtype=dtype).element_size()
+    for layer in layers:
+        sdt = torch.tensor([], dtype=state_dtype_of(layer.state_dtype_name, dtype)).element_size()
+        matrix = layer.num_v_heads * layer.head_k_dim * layer.head_v_dim * sdt
+        total += (layer.conv_kernel - 1) * layer.conv_dim * elem + matrix * (1 + checkpoints)
+    return total

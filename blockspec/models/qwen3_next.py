@@ -1,0 +1,147 @@
+"""Qwen3-Next: hybrid decoder of Gated DeltaNet layers and gated full-attention layers, MoE MLPs.
+
+Every `full_attention_interval`-th layer (or as `layer_types` says) is softmax attention whose
+q_proj also emits a per-head output gate (sigmoid), with zero-centred q/k RMSNorm and rotary on a
+fraction of each head (`partial_rotary_factor`); the others are Gated DeltaNet linear attention
+with a recurrent state per sequence. Norms are zero-centred (scale = 1 + weight). The MLP of each
+layer is sparse or dense as the config says (qwen3_moe.mlp_for_layer).
+
+Qwen3.5/3.6 (qwen3_5.py) is this model with unpacked DeltaNet projections. Recurrent state
+lives in per-layer slots (models/layers/recurrent_state.py): `allocate_state` makes them, the
+runner's per-step StateMetadata points each sequence at its slot, `commit_state` rolls verify
+blocks forward to their last accepted token.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from blockspec.models.layers.attention import PagedAttention
+from blockspec.models.layers.gated_deltanet import GatedDeltaNet
+from blockspec.models.layers.moe import load_expert_weight
+from blockspec.models.layers.recurrent_state import LayerState, bytes_per_sequence, state_dtype_of
+from blockspec.models.layers.rotary import RotaryEmbedding
+from blockspec.models.llama import LlamaForCausalLM
+from blockspec.models.model_config import ModelConfig
+from blockspec.models.qwen3_moe import mlp_for_layer
+from blockspec.models.weight_utils import copy_named
+
+
+class ZeroCenteredRMSNorm(nn.Module):
+    """RMSNorm with scale (1 + weight), computed in float32 and cast back (Qwen3-Next, Qwen3.5)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * (1.0 + self.weight.float())).to(x.dtype)
+
+
+class GatedAttention(nn.Module):
+    """Paged softmax attention whose output is gated per channel by sigmoid(gate), gate from q_proj."""
+
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        h, d, bias = cfg.hidden_size, cfg.head_dim, cfg.attention_bias
+        self.q_proj = nn.Linear(h, self.num_heads * d * 2, bias=bias)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * d, h, bias=bias)
+        self.q_norm = ZeroCenteredRMSNorm(d, cfg.rms_norm_eps)
+        self.k_norm = ZeroCenteredRMSNorm(d, cfg.rms_norm_eps)
+        self.rotary = rotary
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, d, d**-0.5)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        t = x.shape[0]
+        q, gate = self.q_proj(x).view(t, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(positions, self.q_norm(q), self.k_norm(k))
+        out = self.attn(q.contiguous(), k, v) * torch.sigmoid(gate.reshape(t, -1))
+        return self.o_proj(out)
+
+
+class HybridDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, layer: int, packed_projections: bool) -> None:
+        super().__init__()
+        linear = cfg.layer_types[layer] == "linear_attention"
+        self.linear_attn = GatedDeltaNet(cfg, packed_projections) if linear else None
+        self.self_attn = None if linear else GatedAttention(cfg, rotary)
+        self.mlp = mlp_for_layer(cfg, layer)
+        self.input_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        x = self.input_layernorm(h)
+        x = self.linear_attn(x) if self.linear_attn is not None else self.self_attn(positions, x)
+        h = h + x
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class HybridModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_positions: int, packed_projections: bool) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, cfg.rotary_dim)
+        self.layers = nn.ModuleList(HybridDecoderLayer(cfg, rotary, i, packed_projections)
+                                    for i in range(cfg.num_hidden_layers))
+        self.norm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class Qwen3NextForCausalLM(LlamaForCausalLM):
+    """Target model with recurrent state: LlamaForCausalLM's interface plus the state hooks."""
+
+    packed_projections = True  # Qwen3-Next packs q/k/v/z and b/a per key-head group
+    has_recurrent_state = True  # the runner attaches a StateMetadata to every step
+
+    def __init__(self, cfg: ModelConfig, max_positions: int | None = None) -> None:
+        nn.Module.__init__(self)  # LlamaForCausalLM's interface, our own layers
+        self.config = cfg
+        self.model = HybridModel(cfg, max_positions or cfg.max_position_embeddings, self.packed_projections)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    @property
+    def attention_layers(self) -> list[PagedAttention]:
+        return [layer.self_attn.attn for layer in self.model.layers if layer.self_attn is not None]
+
+    @property
+    def state_layers(self) -> list[GatedDeltaNet]:
+        return [layer.linear_attn for layer in self.model.layers if layer.linear_attn is not None]
+
+    def state_bytes_per_seq(self, checkpoints: int = 0) -> int:
+        """Recurrent + conv state of one sequence, with `checkpoints` extra states per layer."""
+        return bytes_per_sequence(self.state_layers, self.model.embed_tokens.weight.dtype, checkpoints)
+
+    def allocate_state(self, num_slots: int, checkpoints: int = 0) -> int:
+        """Make `num_slots` state slots per DeltaNet layer (plus checkpoints); returns their bytes."""
+        weight = self.model.embed_tokens.weight
+        total = 0
+        for layer in self.state_layers:
+            layer.state = LayerState(num_slots, layer.conv_dim, layer.conv_kernel - 1, layer.num_v_heads,
+                                     layer.head_k_dim, layer.head_v_dim, weight.dtype,
+                                     state_dtype_of(layer.state_dtype_name, weight.dtype), weight.device,
+                                     checkpoints)
+            total += layer.state.nbytes
+        return total
+
+    def commit_state(self, seqs: list, committed: list[int]) -> None:
+        """After acceptance: move each verify block's slot to the state after its committed tokens."""
+        layers = self.state_layers
+        pending = layers[0].state.pending if layers and layers[0].state is not None else None
+        if pending is not None and [s.state_slot for s in seqs] != pending.meta.slots:
+            raise RuntimeError("commit_state got sequences in another order than the step that verified them")
+        for layer in layers:
+            layer.commit(committed)
+
+    def load_weight(self, name: str, tensor: torch.Tensor) -> bool:
+        if name == "lm_head.weight" and self.lm_head is None:
+            return True
+        return load_expert_weight(self, name, tensor) or copy_named(self, name, tensor)
