@@ -94,25 +94,26 @@ def median_runs(engine: Engine, prompt: list[int], tokens: int, runs: int = 3) -
 
 
 def drafter_pass_ms(engine: Engine, prompt: list[int], tokens: int) -> float:
-    """Median wall time of the drafter pass inside real steps (synchronised around it)."""
-    runner = engine.runner
-    original = runner._draft
+    """Median wall time of the drafter's block pass inside real steps (synchronised around it)."""
+    dec = engine.runner.decode
+    original = dec.run
     times: list[float] = []
 
-    def timed(items):
+    def timed(name, bp, fn):
+        if name != "draft":
+            return original(name, bp, fn)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        out = original(items)
+        out = original(name, bp, fn)
         torch.cuda.synchronize()
-        if any(i.num_drafts for i in items):
-            times.append(time.perf_counter() - t0)
+        times.append(time.perf_counter() - t0)
         return out
 
-    runner._draft = timed
+    dec.run = timed
     try:
         decode_run(engine, prompt, tokens)
     finally:
-        runner._draft = original
+        dec.run = original
     return 1000 * statistics.median(times)
 
 
