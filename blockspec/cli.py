@@ -12,6 +12,7 @@ import sys
 
 from blockspec.bench import add_bench_parsers
 from blockspec.errors import BlockspecError
+from blockspec.train.cmd import add_train_parser
 
 log = logging.getLogger("blockspec")
 
@@ -104,7 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     g.add_argument("--json", action="store_true", help="print one JSON object")
     g.set_defaults(func=cmd_generate)
+    from blockspec.server.args import add_serve_parser
+    add_serve_parser(sub)
     add_bench_parsers(sub)
+    add_train_parser(sub)
     return parser
 
 

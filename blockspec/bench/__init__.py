@@ -11,6 +11,10 @@ import argparse
 
 def add_bench_parsers(subparsers: argparse._SubParsersAction) -> None:
     """Add the bench, tune and plan subcommands to blockspec's CLI."""
-    from blockspec.bench.plan import add_plan_parser
+    from blockspec.bench.bench_cmd import add_bench_parser
+    from blockspec.bench.plan_cmd import add_plan_parser
+    from blockspec.bench.tune import add_tune_parser
 
+    add_bench_parser(subparsers)
+    add_tune_parser(subparsers)
     add_plan_parser(subparsers)

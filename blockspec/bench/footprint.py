@@ -18,6 +18,7 @@ from typing import Any
 # output gate (Qwen3-Next and Qwen3.5 full-attention layers).
 QK_NORM_TYPES = ("qwen3", "qwen3_moe", "qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
 GATED_Q_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # Checkpoint parts the loader never reads (vision towers, multi-token-prediction heads).
 SKIPPED_MARKERS = ("visual.", "vision_tower", "multi_modal_projector", "mtp.")
 
@@ -35,7 +36,7 @@ class Footprint:
     full_attention_layers: int
     linear_attention_layers: int
     kv_bytes_per_token: int  # K + V of every attention layer, in the KV dtype
-    state_bytes_per_seq: int  # recurrent + conv state of linear-attention layers, one copy
+    state_bytes_per_seq: int  # recurrent + conv state of linear-attention layers, no checkpoints
     bytes_source: str  # "config" (estimated from the fields) or "safetensors headers"
     notes: list[str] = field(default_factory=list)
 
@@ -96,10 +97,24 @@ def _linear_attention_params(cfg: dict[str, Any]) -> int:
     return h * conv_dim + h * value_dim + 2 * h * nv + conv_dim * kernel + 2 * nv + dv + value_dim * h
 
 
-def linear_state_elems(cfg: dict[str, Any]) -> int:
-    """Recurrent state (value heads x key dim x value dim) plus conv state (conv_dim x (kernel - 1))."""
+def recurrent_state_bytes(cfg: dict[str, Any], dtype_name: str, checkpoints: int = 0) -> int:
+    """One sequence's Gated DeltaNet state across all linear-attention layers, by the engine's own rule
+    (models/layers/recurrent_state.bytes_per_sequence): conv state in the model dtype, the delta-rule
+    state in `mamba_ssm_dtype` (float32 by default) times 1 + checkpoints."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from blockspec.models.layers.recurrent_state import bytes_per_sequence
+
+    cfg = text_config(cfg)
+    n_linear = sum(t == "linear_attention" for t in layer_types(cfg))
+    if not n_linear:
+        return 0
     nk, nv, dk, dv, kernel = linear_attention_dims(cfg)
-    return nv * dk * dv + (2 * nk * dk + nv * dv) * (kernel - 1)
+    layer = SimpleNamespace(num_v_heads=nv, head_k_dim=dk, head_v_dim=dv, conv_kernel=kernel,
+                            conv_dim=2 * nk * dk + nv * dv, state_dtype_name=cfg.get("mamba_ssm_dtype"))
+    return bytes_per_sequence([layer] * n_linear, getattr(torch, dtype_name), checkpoints)
 
 
 def _moe_layers(cfg: dict[str, Any]) -> list[bool]:
@@ -129,11 +144,11 @@ def _mlp_params(cfg: dict[str, Any], moe: bool) -> tuple[int, int, int]:
     return experts * per_expert + router + shared, top_k * per_expert + router + shared, experts * per_expert
 
 
-def target_footprint(config: dict[str, Any], elem_bytes: int, kv_elem_bytes: int | None = None,
-                     model_dir: Path | None = None) -> Footprint:
-    """Counts for a causal LM (dense, MoE or hybrid) from its config.json dict."""
+def target_footprint(config: dict[str, Any], dtype_name: str, model_dir: Path | None = None) -> Footprint:
+    """Counts for a causal LM (dense, MoE or hybrid) from its config.json dict, weights and KV cache in
+    `dtype_name` (float32 / bfloat16 / float16)."""
     cfg = text_config(config)
-    kv_elem = kv_elem_bytes or elem_bytes
+    elem_bytes = kv_elem = DTYPE_BYTES[dtype_name]
     h, vocab = int(cfg["hidden_size"]), int(cfg["vocab_size"])
     nh = int(cfg["num_attention_heads"])
     nkv = int(cfg.get("num_key_value_heads") or nh)
@@ -185,13 +200,13 @@ def target_footprint(config: dict[str, Any], elem_bytes: int, kv_elem_bytes: int
         total_params=total, active_params=active, embedding_params=embed, lm_head_params=vocab * h,
         weight_bytes=weight_bytes, read_bytes_per_token=read, full_attention_layers=n_full,
         linear_attention_layers=n_linear, kv_bytes_per_token=n_full * 2 * nkv * hd * kv_elem,
-        state_bytes_per_seq=n_linear * linear_state_elems(cfg) * kv_elem if n_linear else 0,
+        state_bytes_per_seq=recurrent_state_bytes(cfg, dtype_name),
         bytes_source=source, notes=notes)
 
 
-def drafter_footprint(config: dict[str, Any], elem_bytes: int, kv_elem_bytes: int | None = None) -> Footprint:
+def drafter_footprint(config: dict[str, Any], dtype_name: str) -> Footprint:
     """Counts for a z-lab DFlash drafter: decoder layers + fc + norms; embedding and LM head are the target's."""
-    kv_elem = kv_elem_bytes or elem_bytes
+    elem_bytes = kv_elem = DTYPE_BYTES[dtype_name]
     h = int(config["hidden_size"])
     nh = int(config["num_attention_heads"])
     nkv = int(config.get("num_key_value_heads") or nh)

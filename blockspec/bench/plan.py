@@ -3,26 +3,37 @@
 Everything comes from config.json files (and safetensors headers when present): weights, KV bytes
 per token, recurrent state for hybrids. The verdict uses the same KV arithmetic the engine runs at
 start-up (blockspec/engine/memory.py); only the activation peak, which the engine measures by running
-the largest step, is estimated here.
+the largest step, and the CUDA context are estimated here. Checked on an H200 against the engine's own
+start-up numbers (tests/bench/plan_vs_engine_gpu.py): weights and KV bytes per block agree exactly,
+activations within 0.3 GiB (plan above the engine for large models), KV budget within 0.6 GiB.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from blockspec.bench.footprint import Footprint, drafter_footprint, target_footprint, text_config
+from blockspec.bench.footprint import (
+    DTYPE_BYTES,
+    Footprint,
+    drafter_footprint,
+    recurrent_state_bytes,
+    target_footprint,
+    text_config,
+)
 from blockspec.bench.presets import PRESETS
-from blockspec.engine.memory import GIB, blocks_for_sequence, cuda_kv_budget, kv_shortfall
-from blockspec.errors import BlockspecError, ConfigError
+from blockspec.engine.memory import GIB, MIB, blocks_for_sequence, cuda_kv_budget, kv_shortfall
+from blockspec.engine.state_pool import checkpoints_per_slot
+from blockspec.errors import ConfigError
 
-DTYPE_BYTES = {"float32": 4, "fp32": 4, "float": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "half": 2}
-# CUDA context, cuBLAS workspaces and allocator slack: outside the measured step peak, but the engine
-# sees them as memory it may not use ("others" in memory.cuda_kv_budget).
-CUDA_RESERVE_BYTES = GIB
+ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
+# CUDA context and driver memory: outside the measured step peak, but the engine sees it as memory it
+# may not use ("others" in memory.cuda_kv_budget). Measured 0.60-0.68 GiB on an H200 (tests/bench/
+# plan_vs_engine_gpu.py); kept a little above so plan errs towards "does not fit".
+CUDA_RESERVE_BYTES = 3 * GIB // 4
+# Fixed workspaces (cuBLAS, sampler buffers) the per-token activation formula does not scale with.
+ACTIVATION_FLOOR_BYTES = 64 << 20
 UNIFIED_SAFE_UTILIZATION = 0.85  # above this a unified-memory box starves its OS (seeds: Thor, Spark)
 
 
@@ -42,15 +53,14 @@ class PlanInputs:
     device_preset: str | None = None
 
 
-def _elem_bytes(dtype: str, checkpoint_dtype: str | None) -> tuple[str, int]:
-    """The dtype `serve` picks on a GPU (EngineConfig.resolve_dtype) and its size."""
+def _dtype(dtype: str, checkpoint_dtype: str | None) -> str:
+    """The dtype `serve` picks on a GPU (EngineConfig.resolve_dtype)."""
     if dtype != "auto":
-        if dtype not in DTYPE_BYTES:
+        name = ALIASES.get(dtype, dtype)
+        if name not in DTYPE_BYTES:
             raise ConfigError(f"--dtype {dtype!r} is not one of auto, float32, bfloat16, float16")
-        return dtype, DTYPE_BYTES[dtype]
-    if checkpoint_dtype in ("float16", "bfloat16"):
-        return checkpoint_dtype, 2
-    return "bfloat16", 2
+        return name
+    return checkpoint_dtype if checkpoint_dtype in ("float16", "bfloat16") else "bfloat16"
 
 
 def activation_estimate(cfg: dict[str, Any], tokens: int, elem: int, n_capture: int, logit_rows: int) -> int:
@@ -75,24 +85,24 @@ def activation_estimate(cfg: dict[str, Any], tokens: int, elem: int, n_capture: 
         moe = int(t.get("num_experts_per_tok") or 1) * int(t.get("moe_intermediate_size") or inter)
         inter = max(inter, moe + int(t.get("shared_expert_intermediate_size") or 0))
     per_token = (4 * h + proj + 3 * inter + n_capture * h) * elem
-    return tokens * per_token + tokens * tokens + logit_rows * int(t["vocab_size"]) * 4 * 2
+    return ACTIVATION_FLOOR_BYTES + tokens * per_token + tokens * tokens + logit_rows * int(t["vocab_size"]) * 4 * 2
 
 
-def _fit_table(kv_budget: int, per_block: int, state: int, k: int, block_size: int, limit: int,
+def _fit_table(kv_budget: int, per_block: int, k: int, block_size: int, limit: int,
                max_model_len: int) -> list[dict[str, int]]:
     contexts = sorted({c for c in (2048 << i for i in range(12)) if c < limit} | {max_model_len, limit})
     rows = []
     for c in contexts:
-        per_seq = blocks_for_sequence(c, k, block_size) * per_block + state
+        per_seq = blocks_for_sequence(c, k, block_size) * per_block
         rows.append({"context": c, "max_sequences": max(0, kv_budget // per_seq) if kv_budget > 0 else 0})
     return rows
 
 
-def _max_len_for(seqs: int, kv_budget: int, per_block: int, state: int, k: int, block_size: int) -> int:
+def _max_len_for(seqs: int, kv_budget: int, per_block: int, k: int, block_size: int) -> int:
     """Longest max_model_len at which `seqs` full-length sequences fit in kv_budget."""
     if kv_budget <= 0 or seqs < 1:
         return 0
-    blocks = (kv_budget // seqs - state) // per_block
+    blocks = (kv_budget // seqs) // per_block
     return max(0, blocks * block_size - k - 1)
 
 
@@ -105,8 +115,9 @@ def make_plan(inp: PlanInputs) -> dict[str, Any]:
     model_dir = resolve_model_path(inp.model)
     raw = read_config_json(model_dir)
     text = text_config(raw)
-    dtype, elem = _elem_bytes(inp.dtype, text.get("torch_dtype") or text.get("dtype") or raw.get("torch_dtype"))
-    target = target_footprint(raw, elem, model_dir=model_dir)
+    dtype = _dtype(inp.dtype, text.get("torch_dtype") or text.get("dtype") or raw.get("torch_dtype"))
+    elem = DTYPE_BYTES[dtype]
+    target = target_footprint(raw, dtype, model_dir=model_dir)
     reasons: list[str] = []  # why serve would refuse to start, each with what to change
     warnings: list[str] = []
     mcfg = None
@@ -124,7 +135,7 @@ def make_plan(inp: PlanInputs) -> dict[str, Any]:
 
         draft_dir = Path(inp.draft)
         dcfg = DrafterConfig.from_dir(draft_dir)
-        drafter = drafter_footprint(read_config_json(draft_dir), elem)
+        drafter = drafter_footprint(read_config_json(draft_dir), dtype)
         block = dcfg.block_size
         if mcfg is not None:
             try:
@@ -158,10 +169,13 @@ def make_plan(inp: PlanInputs) -> dict[str, Any]:
     # ---- memory -----------------------------------------------------------------------------
     kv_token = target.kv_bytes_per_token + (drafter.kv_bytes_per_token if drafter else 0)
     per_block = kv_token * inp.block_size
-    checkpoints = k + 1 if k and target.state_bytes_per_seq else 1
-    state = target.state_bytes_per_seq * checkpoints
+    # Hybrids: the engine allocates max_num_seqs state slots before sizing the KV cache (state_pool.py),
+    # with k + 1 checkpoints per slot in checkpoint rollback mode.
+    checkpoints = checkpoints_per_slot(k) if target.state_bytes_per_seq else 0
+    state = recurrent_state_bytes(raw, dtype, checkpoints)
+    state_pool = state * inp.max_num_seqs
     min_blocks = blocks_for_sequence(max_len, k, inp.block_size)
-    need_one = min_blocks * per_block + state
+    need_one = min_blocks * per_block
     weights = target.weight_bytes + (drafter.weight_bytes if drafter else 0)
     n_capture = len(dcfg.target_layer_ids) if dcfg else 0
     tokens = max(1, min(inp.max_num_batched_tokens, max_len - 1))
@@ -178,34 +192,43 @@ def make_plan(inp: PlanInputs) -> dict[str, Any]:
 
     memory: dict[str, Any] = {"device": device, "total_bytes": total_mem,
                               "gpu_memory_utilization": inp.gpu_memory_utilization, "weight_bytes": weights,
+                              "state_pool_bytes": state_pool,
                               "activation_estimate_bytes": act, "cuda_reserve_bytes": CUDA_RESERVE_BYTES}
     fit: dict[str, Any] = {}
     if total_mem is not None:
-        kv_budget = cuda_kv_budget(total_mem, inp.gpu_memory_utilization, CUDA_RESERVE_BYTES, weights + act)
+        kv_budget = cuda_kv_budget(total_mem, inp.gpu_memory_utilization, CUDA_RESERVE_BYTES,
+                                   weights + state_pool + act)
         memory["kv_budget_bytes"] = kv_budget
         memory["kv_tokens"] = max(0, kv_budget // per_block * inp.block_size) if per_block else 0
         allowed = total_mem * inp.gpu_memory_utilization
-        fixed = weights + act + CUDA_RESERVE_BYTES
+        fixed = weights + state_pool + act + CUDA_RESERVE_BYTES
         util_needed = (fixed + need_one) / total_mem
+        slots = int((allowed - weights - act - CUDA_RESERVE_BYTES - need_one) // state) if state else 0
+        fewer = f"--max-num-seqs {slots}" if state and 1 <= slots < inp.max_num_seqs else None
         if fixed > allowed:
-            fix = (f"raise --gpu-memory-utilization to {util_needed:.2f}" if util_needed <= 0.95 else
-                   "use a quantized checkpoint or a device with more memory")
-            reasons.append(f"weights ({weights / GIB:.2f} GiB) + activations (~{act / GIB:.2f} GiB) + CUDA "
-                           f"reserve ({CUDA_RESERVE_BYTES / GIB:.1f} GiB) exceed {inp.gpu_memory_utilization:g} x "
+            fix = " or ".join(f for f in (fewer, f"--gpu-memory-utilization {util_needed:.2f}"
+                                          if util_needed <= 0.95 else None) if f)
+            fix = f"{fix} would fit" if fix else "use a quantized checkpoint or a device with more memory"
+            pool = f" + recurrent state ({state_pool / GIB:.2f} GiB)" if state_pool else ""
+            reasons.append(f"weights ({weights / GIB:.2f} GiB){pool} + activations (~{act / GIB:.2f} GiB) + CUDA "
+                           f"reserve ({CUDA_RESERVE_BYTES / GIB:.2f} GiB) exceed {inp.gpu_memory_utilization:g} x "
                            f"{total_mem / GIB:.1f} GiB = {allowed / GIB:.2f} GiB: {fix}")
         else:
             message = kv_shortfall("cuda", max_len, need_one, kv_budget)
             if message:
-                longest = min(limit, _max_len_for(1, kv_budget, per_block, state, k, inp.block_size))
-                fixes = [f"--max-model-len {longest}" if longest >= 2 else None,
+                if state_pool:  # the engine's own addendum (engine/memory.py)
+                    message += (f" (the recurrent state of --max-num-seqs {inp.max_num_seqs} sequences already "
+                                f"takes {state_pool / MIB:.0f} MiB: fewer sequences need less)")
+                longest = min(limit, _max_len_for(1, kv_budget, per_block, k, inp.block_size))
+                fixes = [f"--max-model-len {longest}" if longest >= 2 else None, fewer,
                          f"--gpu-memory-utilization {util_needed:.2f}" if util_needed <= 0.95 else None]
                 message += " (" + " or ".join(f for f in fixes if f) + " would fit)" if any(fixes) else ""
                 reasons.append(message)
         seqs_at_len = max(0, kv_budget // need_one) if kv_budget > 0 else 0
         fit = {"max_sequences_at_max_model_len": seqs_at_len,
                "max_model_len_at_max_num_seqs": min(limit, _max_len_for(inp.max_num_seqs, kv_budget, per_block,
-                                                                        state, k, inp.block_size)),
-               "table": _fit_table(kv_budget, per_block, state, k, inp.block_size, limit, max_len)}
+                                                                        k, inp.block_size)),
+               "table": _fit_table(kv_budget, per_block, k, inp.block_size, limit, max_len)}
         if 0 < seqs_at_len < inp.max_num_seqs:
             warnings.append(f"only {seqs_at_len} of --max-num-seqs {inp.max_num_seqs} sequences fit at the full "
                             f"{max_len} tokens at once (the rest wait); all {inp.max_num_seqs} fit up to "
@@ -229,6 +252,7 @@ def make_plan(inp: PlanInputs) -> dict[str, Any]:
         "kv": {"target_bytes_per_token": target.kv_bytes_per_token,
                "drafter_bytes_per_token": drafter.kv_bytes_per_token if drafter else 0,
                "bytes_per_token": kv_token, "state_bytes_per_seq": state, "state_checkpoints": checkpoints,
+               "state_pool_bytes": state_pool,
                "bytes_per_full_sequence": need_one},
         "memory": memory,
         "fit": fit,
@@ -268,123 +292,3 @@ def _local_cuda_memory() -> tuple[int | None, str]:
     except Exception:  # noqa: BLE001 - no GPU is a normal answer here
         pass
     return None, "unknown"
-
-
-# ---- presentation -------------------------------------------------------------------------------
-
-def _gib(n: float) -> str:
-    return f"{n / GIB:.2f} GiB"
-
-
-def _kib(n: float) -> str:
-    return f"{n / 1024:.1f} KiB"
-
-
-def format_plan(p: dict[str, Any]) -> str:
-    m, d, kv, mem, fit, roof, serve = (p["model"], p["drafter"], p["kv"], p["memory"], p["fit"], p["roofline"],
-                                       p["serve"])
-    lines = [f"blockspec plan: {m['architecture'] or m['model_type']} ({m['path']}), {p['dtype']}, "
-             f"k={p['num_speculative_tokens']}, max_model_len {p['max_model_len']}, max_num_seqs {p['max_num_seqs']}"]
-    w = (f"weights          target {_gib(m['weight_bytes'])} ({m['weight_bytes'] / 1e9:.2f} GB, "
-         f"{m['total_params'] / 1e9:.3f} B params")
-    if m["active_params"] != m["total_params"]:
-        w += f", {m['active_params'] / 1e9:.3f} B active"
-    w += f", from {m['bytes_source']})"
-    if d:
-        w += f"  drafter {_gib(d['weight_bytes'])} ({d['total_params'] / 1e6:.1f} M params)"
-    lines.append(w)
-    k_line = f"KV per token     target {_kib(kv['target_bytes_per_token'])} ({m['full_attention_layers']} layers)"
-    if d:
-        k_line += f"  drafter {_kib(kv['drafter_bytes_per_token'])} ({d['full_attention_layers']} layers)"
-    k_line += f"  total {_kib(kv['bytes_per_token'])}"
-    lines.append(k_line)
-    if m["linear_attention_layers"]:
-        lines.append(f"recurrent state  {_gib(kv['state_bytes_per_seq'])} per sequence "
-                     f"({m['linear_attention_layers']} linear-attention layers, {m['state_bytes_per_seq'] / 2**20:.1f}"
-                     f" MiB per copy x {kv['state_checkpoints']} checkpoints)")
-    lines.append(f"one full sequence {_gib(kv['bytes_per_full_sequence'])} of KV ({p['max_model_len']} tokens)")
-    if mem.get("total_bytes"):
-        lines.append(f"memory           {mem['device']}: {_gib(mem['total_bytes'])} x {mem['gpu_memory_utilization']:g}"
-                     f" - weights {_gib(mem['weight_bytes'])} - activations ~{_gib(mem['activation_estimate_bytes'])}"
-                     f" - CUDA reserve {_gib(mem['cuda_reserve_bytes'])} = KV {_gib(mem['kv_budget_bytes'])}"
-                     f" ({mem['kv_tokens']} tokens)")
-        lines.append(f"fits             {fit['max_sequences_at_max_model_len']} sequences at {p['max_model_len']} "
-                     f"tokens; {p['max_num_seqs']} sequences up to {fit['max_model_len_at_max_num_seqs']} tokens")
-        ctx = fit["table"]
-        lines.append("context          " + " ".join(f"{r['context']:>8}" for r in ctx))
-        lines.append("max sequences    " + " ".join(f"{r['max_sequences']:>8}" for r in ctx))
-    if roof.get("bandwidth_gbs"):
-        r = (f"roofline         {roof['bandwidth_gbs']:g} GB/s: AR {roof['ar_tok_s']:.1f} tok/s (empty context), "
-             f"{roof['ar_tok_s_at_max_model_len']:.1f} tok/s at {p['max_model_len']} tokens")
-        lines.append(r)
-        if roof.get("dflash_tok_s_at_tau"):
-            lines.append("DFlash bound     " + ", ".join(f"tau {t}: {v:.1f} tok/s"
-                                                         for t, v in roof["dflash_tok_s_at_tau"].items())
-                         + " (memory-bound ceiling; compute ignored)")
-    notes = m.get("notes", [])
-    for n in notes:
-        lines.append(f"note             {n}")
-    if serve["would_start"] is None:
-        lines.append("serve            unknown: no device memory given (--memory-gb or --device-preset)")
-    elif serve["would_start"]:
-        lines.append("serve            would start with these flags")
-    else:
-        lines.append("serve            would NOT start:")
-        lines.extend(f"  - {r}" for r in serve["reasons"])
-    lines.extend(f"warning          {w}" for w in serve["warnings"])
-    return "\n".join(lines)
-
-
-# ---- command line -------------------------------------------------------------------------------
-
-def add_plan_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("plan", help="memory fit and roofline from config files (no weights read)",
-                       description="Read config.json files only and print weight bytes, KV bytes per token, "
-                                   "the context x concurrency that fits, the roofline tok/s and whether `serve` "
-                                   "with these flags would start.")
-    p.add_argument("--model", default=None, help="HF model directory (config.json suffices; default: embedded model)")
-    p.add_argument("--draft", default=None, help="DFlash drafter directory")
-    p.add_argument("--speculative-config", default=None, help="serve's JSON, as an alternative to --draft")
-    p.add_argument("--num-speculative-tokens", type=int, default=None, help="k (default: block_size - 1)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=16)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--memory-gb", type=float, default=None, help="device memory in GiB (as torch/nvidia-smi report)")
-    bw = p.add_mutually_exclusive_group()
-    bw.add_argument("--bandwidth-gbs", type=float, default=None, help="memory bandwidth in GB/s for the roofline")
-    bw.add_argument("--device-preset", choices=sorted(PRESETS), default=None,
-                    help="memory and bandwidth of a known device")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.set_defaults(func=cmd_plan)
-
-
-def inputs_from_args(args: argparse.Namespace) -> PlanInputs:
-    draft, k = args.draft, args.num_speculative_tokens
-    if args.speculative_config:
-        from blockspec.config import SpeculativeConfig
-
-        spec = SpeculativeConfig.from_json(args.speculative_config)
-        draft = draft or spec.model
-        k = k if k is not None else spec.num_speculative_tokens
-    return PlanInputs(model=args.model, draft=draft, num_speculative_tokens=k,
-                      gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
-                      max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                      block_size=args.block_size, dtype=args.dtype,
-                      memory_bytes=int(args.memory_gb * GIB) if args.memory_gb else None,
-                      bandwidth_gbs=args.bandwidth_gbs, device_preset=args.device_preset)
-
-
-def cmd_plan(args: argparse.Namespace) -> int:
-    try:
-        plan = make_plan(inputs_from_args(args))
-    except (OSError, KeyError, ValueError) as exc:
-        raise BlockspecError(f"cannot read the model configs ({exc}): pass HF directories with config.json") from None
-    if args.json:
-        print(json.dumps(plan))
-    else:
-        print(format_plan(plan))
-    return 0 if plan["serve"]["would_start"] is not False else 1
-

@@ -3,19 +3,25 @@
 On CUDA the budget is `gpu_memory_utilization` of the card, minus what other processes hold, minus
 the weights and the activation peak of the largest step (measured by running one, vLLM-style).
 On CPU it is `--kv-cache-memory` (default 1 GiB), capped at what max_num_seqs full-length
-sequences could use.
+sequences could use. Hybrid models' recurrent state (one slot per sequence, times k + 1 when
+checkpoints are kept; engine/state_pool.py) is allocated before planning: on CUDA the profiled peak
+includes it, so the KV budget is what is left after it; the start-up log reports both.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 import torch
 
+from blockspec.engine.state_pool import state_report
 from blockspec.errors import OutOfMemoryError
 
 if TYPE_CHECKING:
     from blockspec.engine.engine import Engine
+
+log = logging.getLogger("blockspec")
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -65,9 +71,20 @@ def plan_kv_blocks(engine: Engine) -> int:
     else:
         budget = cpu_kv_budget(cfg.kv_cache_memory, cfg.max_num_seqs, need)
     message = kv_shortfall(engine.device.type, engine.max_model_len, need, budget)
+    state_bytes = getattr(engine, "state_bytes", 0)
     if message:
+        if state_bytes:
+            message += (f" (the recurrent state of --max-num-seqs {cfg.max_num_seqs} sequences already takes "
+                        f"{state_bytes / MIB:.0f} MiB: fewer sequences need less)")
         raise OutOfMemoryError(message)
-    return int(budget // per_block)
+    num_blocks = int(budget // per_block)
+    log.info("KV cache: %d blocks of %d tokens (%.0f MiB)", num_blocks, cfg.block_size, num_blocks * per_block / MIB)
+    report = state_report(engine)
+    if report:
+        where = "taken before the KV cache was sized" if engine.device.type == "cuda" else \
+            "in addition to --kv-cache-memory"
+        log.info("%s (%s)", report, where)
+    return num_blocks
 
 
 def _cuda_kv_budget(engine: Engine) -> int:
@@ -94,6 +111,7 @@ def profile_step_peak(engine: Engine) -> int:
     torch.cuda.reset_peak_memory_stats(dev)
     seq = Sequence("profile", [0] * tokens, SamplingParams(temperature=0, max_tokens=k + 2), None, [], None)
     seq.block_table = list(range(blocks))
+    seq.state_slot = 0  # hybrid models: any slot will do, a new sequence never reads it before writing
     runner.execute(SchedulerOutput([ScheduledSeq(seq, tokens, 0)]))
     if k:
         seq.output_ids.append(0)
