@@ -14,8 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from blockspec.models.layers.activation import silu_and_mul
+from blockspec.kernels.activation import silu_mul
+from blockspec.kernels.rotary import rope_qk
 from blockspec.models.layers.attention import PagedAttention
+from blockspec.models.layers.linear import FusedLinear
 from blockspec.models.layers.norm import RMSNorm
 from blockspec.models.layers.rotary import RotaryEmbedding
 from blockspec.models.model_config import ModelConfig
@@ -30,9 +32,7 @@ class LlamaAttention(nn.Module):
         self.head_dim = cfg.head_dim
         h, d = cfg.hidden_size, cfg.head_dim
         bias = qkv_bias or cfg.attention_bias
-        self.q_proj = nn.Linear(h, self.num_heads * d, bias=bias)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
+        self.qkv_proj = FusedLinear(h, [self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], bias)
         self.o_proj = nn.Linear(self.num_heads * d, h, bias=cfg.attention_bias)
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if qk_norm else None
@@ -40,26 +40,34 @@ class LlamaAttention(nn.Module):
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, d, d**-0.5)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        t, nq, nk, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv_proj(x)
+        if self.rotary.rotary_dim == d:
+            # q/k norm and rotary in place on the fused projection (one kernel on GPU)
+            norm_w = (self.q_norm.weight, self.k_norm.weight) if self.q_norm is not None else (None, None)
+            eps = self.q_norm.eps if self.q_norm is not None else 0.0
+            rope_qk(qkv, positions, self.rotary.cos, self.rotary.sin, nq, nk, d, *norm_w, eps)
+            q = qkv[:, : nq * d].view(t, nq, d)
+            k = qkv[:, nq * d:(nq + nk) * d].view(t, nk, d)
+        else:
+            q = qkv[:, : nq * d].view(t, nq, d)
+            k = qkv[:, nq * d:(nq + nk) * d].view(t, nk, d)
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self.rotary(positions, q, k)
+        v = qkv[:, (nq + nk) * d:].view(t, nk, d)
         return self.o_proj(self.attn(q, k, v))
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None) -> None:
         super().__init__()
-        h, i = cfg.hidden_size, cfg.intermediate_size
-        self.gate_proj = nn.Linear(h, i, bias=cfg.mlp_bias)
-        self.up_proj = nn.Linear(h, i, bias=cfg.mlp_bias)
+        h, i = cfg.hidden_size, intermediate_size or cfg.intermediate_size
+        self.gate_up_proj = FusedLinear(h, [i, i], bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(i, h, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_proj(x), self.up_proj(x)))
+        return self.down_proj(silu_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -71,8 +79,9 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, positions: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        h = h + self.self_attn(positions, self.input_layernorm(h))
-        return h + self.mlp(self.post_attention_layernorm(h))
+        a = self.self_attn(positions, self.input_layernorm(h))
+        x, h = self.post_attention_layernorm(a, residual=h)  # fused residual add + norm
+        return h + self.mlp(x)
 
 
 class LlamaModel(nn.Module):

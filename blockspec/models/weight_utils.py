@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from blockspec.errors import ConfigError
+from blockspec.models.layers.linear import FUSED_SHARDS
 
 
 def copy_named(module: nn.Module, name: str, tensor: torch.Tensor) -> bool:
@@ -16,7 +17,7 @@ def copy_named(module: nn.Module, name: str, tensor: torch.Tensor) -> bool:
         module.__dict__["_param_index"] = index
     param = index.get(name)
     if param is None:
-        return False
+        return _copy_shard(module, index, name, tensor)
     if param.shape != tensor.shape:
         raise ConfigError(
             f"{name}: checkpoint shape {tuple(tensor.shape)} does not match the model's {tuple(param.shape)}: "
@@ -24,4 +25,25 @@ def copy_named(module: nn.Module, name: str, tensor: torch.Tensor) -> bool:
         )
     with torch.no_grad():
         param.copy_(tensor)
+    return True
+
+
+def _copy_shard(module: nn.Module, index: dict[str, nn.Parameter], name: str, tensor: torch.Tensor) -> bool:
+    """q_proj/k_proj/v_proj and gate_proj/up_proj into the slices of a FusedLinear sibling."""
+    prefix, _, rest = name.rpartition(".")  # rest: weight | bias
+    owner, _, proj = prefix.rpartition(".")
+    if proj not in FUSED_SHARDS:
+        return False
+    fused_name, shard = FUSED_SHARDS[proj]
+    fused = f"{owner}.{fused_name}" if owner else fused_name
+    param = index.get(f"{fused}.{rest}")
+    if param is None:
+        return False
+    layer = module.get_submodule(fused)
+    start, size = layer.shard_offset(shard), layer.shard_sizes[shard]
+    if tensor.shape[0] != size or tuple(tensor.shape[1:]) != tuple(param.shape[1:]):
+        raise ConfigError(f"{name}: checkpoint shape {tuple(tensor.shape)} does not match the model's "
+                          f"({size}, {', '.join(map(str, param.shape[1:]))}): config.json and the weights disagree")
+    with torch.no_grad():
+        param[start:start + size].copy_(tensor)
     return True
