@@ -117,6 +117,20 @@ def drafter_pass_ms(engine: Engine, prompt: list[int], tokens: int) -> float:
     return 1000 * statistics.median(times)
 
 
+def replay_ms(engine: Engine, name: str, reps: int = 50) -> float:
+    """GPU time of one graph replay at batch 1 (no host work): the floor under a step."""
+    dec = engine.runner.decode
+    if dec is None or not dec.use_graphs:
+        return float("nan")
+    dec.run(name, 1, None)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        dec.run(name, 1, None)
+    torch.cuda.synchronize()
+    return 1000 * (time.perf_counter() - t0) / reps
+
+
 def syncs_per_step(engine: Engine, prompt: list[int]) -> float:
     """Synchronising CUDA calls per decode step, counted by torch's sync debug mode."""
     engine.add_request("sync-check", prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
@@ -145,12 +159,14 @@ def measure(name: str, target_dir: Path, draft_dir: Path, load_format: str, ctx:
     t0 = time.perf_counter()
     ar_stats = median_runs(ar, prompt, tokens)
     ar_syncs = syncs_per_step(ar, prompt)
+    gpu_ar = replay_ms(ar, "target")
     del ar
     torch.cuda.empty_cache()
     spec = Engine(EngineConfig(**common, speculative=draft))
     sp_stats = median_runs(spec, prompt, tokens)
     draft_ms = drafter_pass_ms(spec, prompt, tokens)
     sp_syncs = syncs_per_step(spec, prompt)
+    gpu_verify, gpu_draft = replay_ms(spec, "target"), replay_ms(spec, "draft")
     weights = sum(p.numel() * p.element_size() for p in spec.runner.target.parameters())
     del spec
     torch.cuda.empty_cache()
@@ -163,6 +179,8 @@ def measure(name: str, target_dir: Path, draft_dir: Path, load_format: str, ctx:
         "k15_step_over_ar": round(step / ar_stats["step_ms"], 3),
         "verify_over_ar": round((step - draft_ms) / ar_stats["step_ms"], 3),
         "draft_over_ar": round(draft_ms / ar_stats["step_ms"], 3),
+        "gpu_ar_graph_ms": round(gpu_ar, 3), "gpu_verify_graph_ms": round(gpu_verify, 3),
+        "gpu_draft_graph_ms": round(gpu_draft, 3),
         "syncs_per_step_ar": ar_syncs, "syncs_per_step_k15": sp_syncs,
         "wall_s": round(time.perf_counter() - t0, 1),
     }
@@ -200,11 +218,12 @@ def main() -> None:
     print(json.dumps(result, indent=2))
     print(f"\n{result['device']}  commit {commit}  copy {result['copy_bandwidth_GBs']} GB/s  bf16 batch 1 ctx 512")
     print(f"{'model':45s} {'AR tok/s':>9s} {'roofline':>9s} {'AR ms':>7s} {'k15 step':>9s} {'draft':>7s} "
-          f"{'verify/AR':>9s} {'draft/AR':>8s} {'syncs':>6s}")
+          f"{'verify/AR':>9s} {'draft/AR':>8s} {'syncs':>6s} {'gAR':>6s} {'gVer':>6s} {'gDr':>6s}")
     for r in rows:
         print(f"{r['model']:45s} {r['ar_tok_s']:9.1f} {r['roofline_tok_s']:9.1f} {r['ar_step_ms']:7.2f} "
               f"{r['k15_step_ms']:9.2f} {r['k15_draft_ms']:7.2f} {r['verify_over_ar']:9.2f} {r['draft_over_ar']:8.2f} "
-              f"{r['syncs_per_step_k15']:6.1f}")
+              f"{r['syncs_per_step_k15']:6.1f} {r['gpu_ar_graph_ms']:6.2f} {r['gpu_verify_graph_ms']:6.2f} "
+              f"{r['gpu_draft_graph_ms']:6.2f}")
 
 
 if __name__ == "__main__":
