@@ -16,12 +16,12 @@ import torch
 
 from blockspec.config import EngineConfig
 from blockspec.engine.detokenizer import IncrementalDetokenizer
-from blockspec.engine.kv_cache import BlockAllocator
 from blockspec.engine.memory import plan_kv_blocks
 from blockspec.engine.outputs import RequestOutput, SpecDecodeCounters
 from blockspec.engine.sampling_params import SamplingParams
 from blockspec.engine.scheduler import Scheduler
 from blockspec.engine.sequence import Sequence
+from blockspec.engine.state_pool import allocate_state, block_allocator, resize_for_k
 from blockspec.errors import ConfigError, OutOfMemoryError, RequestError
 from blockspec.loader.tokenizer import load_eos_token_ids, load_tokenizer
 from blockspec.loader.weights import load_weights, resolve_model_path
@@ -72,11 +72,12 @@ class Engine:
             raise OutOfMemoryError(self._weights_oom_message()) from None
         self.runner = ModelRunner(target, drafter, self.device, self.dtype, config.block_size,
                                   config.speculative.draft_window)
+        allocate_state(self)  # hybrid models: recurrent-state slots, before the KV cache is sized
         num_blocks = plan_kv_blocks(self)
         self.runner.allocate_kv_cache(num_blocks)
         self.runner.num_speculative_tokens = self.num_speculative_tokens
         self.runner.prepare_decode(config.max_num_seqs, self.max_model_len, not config.enforce_eager, log.info)
-        self.allocator = BlockAllocator(num_blocks, config.block_size)
+        self.allocator = block_allocator(self, num_blocks)  # + a state slot per sequence for hybrids
         self.scheduler = Scheduler(self.allocator, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, self.num_speculative_tokens)
         self.requests: dict[str, Sequence] = {}
@@ -130,6 +131,7 @@ class Engine:
         self.runner.synthetic = SyntheticProposer(references, accept_prob, self.model_config.vocab_size,
                                                   self.config.seed)
         self.runner.capture_layer_ids = ()
+        resize_for_k(self, k)  # checkpoint mode keeps k + 1 states per slot
         self.num_speculative_tokens = self.scheduler.k = self.runner.num_speculative_tokens = k
         self.spec_counters = SpecDecodeCounters(accepted_per_pos=[0] * k)
         self.runner.prepare_decode(self.config.max_num_seqs, self.max_model_len, not self.config.enforce_eager,

@@ -100,6 +100,7 @@ class Sequence:
         self.params = params
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
+        self.state_slot: int | None = None  # hybrid models' recurrent-state slot (engine/state_pool.py)
         self.num_computed = 0
         self.drafter_computed = 0
         self.pending_features: torch.Tensor | None = None

@@ -39,3 +39,15 @@ def default_model_dir(cache_dir: Path | None = None) -> Path:
     if out.is_dir():
         return out
     return convert_gguf(default_gguf_path(), out)
+
+
+DRAFTERS_ROOT = Path(__file__).resolve().parent.parent / "drafters"
+
+
+def default_drafter_dir(root: Path | None = None) -> Path | None:
+    """The DFlash drafter shipped for the embedded model (blockspec/drafters/smollm2-135m-instruct),
+    or None while none ships; used when neither --model nor a drafter is given."""
+    path = (root if root is not None else DRAFTERS_ROOT) / DIR_NAME
+    if (path / "config.json").is_file() and (path / "model.safetensors").is_file():
+        return path
+    return None

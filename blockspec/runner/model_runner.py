@@ -16,6 +16,7 @@ from blockspec.device import upload
 from blockspec.engine.scheduler import ScheduledSeq, SchedulerOutput
 from blockspec.engine.sequence import Sequence, TokenLogprob
 from blockspec.models.layers.attention import AttentionMetadata, DecodeMetadata, forward_context
+from blockspec.models.layers.recurrent_state import StateMetadata
 from blockspec.runner.acceptance import accept
 from blockspec.runner.decode_graphs import DecodeGraphs, DecodeViews
 from blockspec.spec.dflash import DFlashDrafter, DraftMetadata
@@ -61,6 +62,8 @@ class ModelRunner:
 
     def prepare_decode(self, max_batch: int, max_model_len: int, use_graphs: bool, log=print) -> float:
         """Set up static buffers (and capture CUDA graphs) for uniform decode steps; returns capture seconds."""
+        if getattr(self.target, "has_recurrent_state", False):  # hybrids: general path (state slots) for now
+            return 0.0
         q = self.num_speculative_tokens + 1
         max_blocks = -(-(max_model_len + q) // self.block_size)
         self.decode = DecodeGraphs(self.device, max_batch, q, max_blocks, use_graphs)
@@ -312,6 +315,8 @@ class ModelRunner:
             kv_slots=self._tensor([s + [0] * (lmax - len(s)) for s in kv]).view(len(items), lmax),
             mask=mask[:, None],
         )
+        if getattr(self.target, "has_recurrent_state", False):  # hybrid models: each sequence's state slot
+            meta.state = StateMetadata.for_items(items, offsets, self.device)
         token_t = self._tensor(tokens)
         if draft_at:
             token_t.index_copy_(0, self._tensor(draft_at), drafts)

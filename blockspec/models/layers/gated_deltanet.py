@@ -117,13 +117,16 @@ class GatedDeltaNet(nn.Module):
         return mixed, z.reshape(t, -1, dv), b.reshape(t, -1), a.reshape(t, -1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        meta = current_metadata().state
-        if meta is None or self.state is None:
+        ctx = current_metadata()
+        meta, st = getattr(ctx, "state", None), self.state
+        if meta is None and hasattr(ctx, "batch"):  # whole sequences without a cache (drafter training)
+            meta, st = self._stateless(ctx.batch, x)
+        if meta is None or st is None:
             raise RuntimeError("Gated DeltaNet needs state slots: the engine allocates them (allocate_state) and the "
                                "runner describes them per step (StateMetadata)")
         t = x.shape[0]
         mixed, z, b, a = self._project(x)
-        mixed, conv_buffer = self._conv(mixed, meta)
+        mixed, conv_buffer = self._conv(mixed, meta, st)
         q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q, k = q.reshape(t, self.num_k_heads, -1), k.reshape(t, self.num_k_heads, -1)
         v = v.reshape(t, self.num_v_heads, -1)
@@ -131,23 +134,32 @@ class GatedDeltaNet(nn.Module):
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         backend = backend_for(x)
         if backend == "fla":
-            core, inputs = self._delta_rule_fla(q, k, v, g, beta, meta)
+            core, inputs = self._delta_rule_fla(q, k, v, g, beta, meta, st)
         else:
-            core, inputs = self._delta_rule_reference(q, k, v, g, beta, meta)
+            core, inputs = self._delta_rule_reference(q, k, v, g, beta, meta, st)
         spec = meta.spans(speculative=True)
-        self.state.pending = _Pending(meta, conv_buffer, spec, backend, inputs) if spec else None
+        st.pending = _Pending(meta, conv_buffer, spec, backend, inputs) if spec else None
         out = self.norm(core.to(x.dtype), z)
         return self.out_proj(out.reshape(t, -1))
 
+    def _stateless(self, batch: int, x: torch.Tensor) -> tuple[StateMetadata, LayerState]:
+        """`batch` equal-length rows, each from a zero state, in a throwaway state of `batch` slots."""
+        n = x.shape[0] // batch
+        meta = StateMetadata(starts=[b * n for b in range(batch)], lengths=[n] * batch, slots=list(range(batch)),
+                             has_state=[False] * batch, speculative=[False] * batch, device=x.device)
+        st = LayerState(batch, self.conv_dim, self.conv_kernel - 1, self.num_v_heads, self.head_k_dim,
+                        self.head_v_dim, x.dtype, torch.float32, x.device, checkpoints=0)
+        return meta, st
+
     # ---- convolution -------------------------------------------------------------------------
 
-    def _conv(self, x: torch.Tensor, meta: StateMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    def _conv(self, x: torch.Tensor, meta: StateMetadata, st: LayerState) -> tuple[torch.Tensor, torch.Tensor]:
         """Causal depthwise conv + SiLU over each span, continuing from its slot's last inputs.
 
         Returns the outputs [T, C] and the extended input buffer (each span's previous kernel-1
         inputs, then its new ones), from which any committed prefix's new conv state is a slice.
         """
-        st, width = self.state, self.conv_kernel - 1
+        width = self.conv_kernel - 1
         rows, bases = meta.conv_layout(width)
         prev = torch.where(meta.has_state_t[:, None, None], st.conv[meta.slot_t], 0).to(x.dtype)
         src = meta.tensor(("conv_rows", width), lambda: (rows, torch.int64))
@@ -167,8 +179,7 @@ class GatedDeltaNet(nn.Module):
 
     # ---- delta rule --------------------------------------------------------------------------
 
-    def _delta_rule_reference(self, q, k, v, g, beta, meta: StateMetadata):
-        st = self.state
+    def _delta_rule_reference(self, q, k, v, g, beta, meta: StateMetadata, st: LayerState):
         qp, kp = delta_rule.prepare_qk(q, k, self.num_v_heads)
         vf, bf = v.float(), beta.float()
         out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
@@ -188,8 +199,7 @@ class GatedDeltaNet(nn.Module):
         inputs = (kp, vf, g, bf) if st.checkpoints is None else None
         return out, inputs
 
-    def _delta_rule_fla(self, q, k, v, g, beta, meta: StateMetadata):
-        st = self.state
+    def _delta_rule_fla(self, q, k, v, g, beta, meta: StateMetadata, st: LayerState):
         initial = torch.where(meta.has_state_t[:, None, None, None], st.ssm[meta.slot_t], 0).float()
         out, final = delta_rule_fla.run(q, k, v, g, beta, initial, meta.cu_seqlens, max(meta.lengths))
         done = meta.spans(speculative=False)

@@ -89,9 +89,9 @@ class RotaryEmbedding(nn.Module):
         """Rotate each x of shape [tokens, heads, head_dim] by its token's position."""
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
-        return tuple(self._apply(x, cos, sin) for x in xs)
+        return tuple(self._rotate(x, cos, sin) for x in xs)
 
-    def _apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         rd = self.rotary_dim
         rot, rest = (x, None) if rd == x.shape[-1] else (x[..., :rd], x[..., rd:])
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
