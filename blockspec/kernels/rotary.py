@@ -16,11 +16,11 @@ if HAVE_TRITON:
 
     @triton.jit
     def _rope_kernel(QKV, POS, COS, SIN, QW, KW, stride_t, num_q, num_k, eps,
-                     HAS_NORM: tl.constexpr, HEAD_DIM: tl.constexpr):
+                     HAS_NORM: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr):
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
-        half = HEAD_DIM // 2
-        i = tl.arange(0, half)
+        half = HALF
+        i = tl.arange(0, HALF)
         base = QKV + t * stride_t + h * HEAD_DIM
         x1 = tl.load(base + i).to(tl.float32)
         x2 = tl.load(base + half + i).to(tl.float32)
@@ -70,4 +70,4 @@ def rope_qk(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: 
     has_norm = q_weight is not None
     _rope_kernel[(qkv.shape[0], num_q + num_k)](
         qkv, positions, cos, sin, q_weight if has_norm else cos, k_weight if has_norm else cos,
-        qkv.stride(0), num_q, num_k, eps, HAS_NORM=has_norm, HEAD_DIM=head_dim, num_warps=1)
+        qkv.stride(0), num_q, num_k, eps, HAS_NORM=has_norm, HEAD_DIM=head_dim, HALF=head_dim // 2, num_warps=1)
