@@ -113,6 +113,34 @@ if triton is not None:
         tl.store(L + (b * tl.num_programs(1) + kvh) * num_splits * BLOCK_M + split * BLOCK_M + rows, l_i)
 
 
+if triton is not None:
+
+    @triton.jit
+    def _merge_splits_kernel(Part, M, L, Out, stride_ob, stride_oh, stride_os, stride_om, stride_t, stride_h,
+                             q_len, num_splits, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                             BLOCK_M: tl.constexpr, SPLITS: tl.constexpr):
+        """Combine the splits' partial softmaxes of one query row (log-sum-exp weights)."""
+        b = tl.program_id(0)
+        kvh = tl.program_id(1)
+        row = tl.program_id(2)
+        s = tl.arange(0, SPLITS)
+        s_ok = s < num_splits
+        ml_base = (b * tl.num_programs(1) + kvh) * num_splits * BLOCK_M
+        m = tl.load(M + ml_base + s * BLOCK_M + row, mask=s_ok, other=float("-inf"))
+        ll = tl.load(L + ml_base + s * BLOCK_M + row, mask=s_ok, other=0.0)
+        m_max = tl.max(m, 0)
+        m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+        w = tl.exp(m - m_max)
+        d = tl.arange(0, HEAD_DIM)
+        acc = tl.load(Part + b * stride_ob + kvh * stride_oh + s[:, None] * stride_os + row * stride_om + d[None, :],
+                      mask=s_ok[:, None], other=0.0)
+        num = tl.sum(acc * w[:, None], 0)
+        den = tl.maximum(tl.sum(ll * w, 0), 1e-30)
+        qi = row // GROUP
+        head = kvh * GROUP + row % GROUP
+        tl.store(Out + (b * q_len + qi) * stride_t + head * stride_h + d, (num / den).to(Out.dtype.element_ty))
+
+
 def _next_pow2(x: int) -> int:
     return 1 << (x - 1).bit_length()
 
@@ -140,12 +168,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         GROUP=group, HEAD_DIM=head_dim, PAGE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_N=64, CAUSAL=causal,
         num_warps=4, num_stages=2,
     )
-    # Merge the splits' partial softmaxes (log-sum-exp weights), then unpad rows to [B*q_len, H, D].
-    m_max = m.amax(2, keepdim=True)
-    m_max = torch.where(torch.isinf(m_max), torch.zeros_like(m_max), m_max)
-    w = torch.exp(m - m_max)  # [B, Hkv, S, BM]
-    num = (o * w[..., None]).sum(2)  # [B, Hkv, BM, D]
-    den = (ll * w).sum(2)  # [B, Hkv, BM]
-    out = num / den[..., None].clamp(min=1e-30)
-    out = out[:, :, : q_len * group].view(b_count, num_kv, q_len, group, head_dim)
-    return out.permute(0, 2, 1, 3, 4).reshape(b_count * q_len, num_heads, head_dim).to(q.dtype)
+    out = torch.empty_like(q)
+    _merge_splits_kernel[(b_count, num_kv, q_len * group)](
+        o, m, ll, out, o.stride(0), o.stride(1), o.stride(2), o.stride(3), out.stride(0), out.stride(1),
+        q_len, num_splits, GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m,
+        SPLITS=_next_pow2(num_splits), num_warps=1)
+    return out
