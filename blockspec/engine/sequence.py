@@ -104,6 +104,7 @@ class Sequence:
         self.num_computed = 0
         self.drafter_computed = 0
         self.pending_features: torch.Tensor | None = None
+        self.feature_rows: tuple[int, int] | None = None  # (start, count) in the decode path's feature buffer
         self.detokenizer = detokenizer
         self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))
         self.eos_ids = set(eos_ids)
@@ -144,6 +145,7 @@ class Sequence:
         self.num_computed = 0
         self.drafter_computed = 0
         self.pending_features = None
+        self.feature_rows = None
         self.status = SequenceStatus.WAITING
 
     def append_token(self, token_id: int) -> str:

@@ -15,6 +15,12 @@ from blockspec.engine.sequence import Sequence, TokenLogprob
 from blockspec.spec.verify import verify_greedy, verify_sampled
 
 
+def greedy_only(seqs: list[Sequence]) -> bool:
+    """True when plain argmax acceptance is the whole rule for every row (the in-graph fast path)."""
+    return all(s.params.greedy and not s.params.has_penalties and s.params.logprobs is None
+               and not (s.params.min_tokens and s.num_output < s.params.min_tokens) for s in seqs)
+
+
 def accept(seqs: list[Sequence], num_drafts: list[int], logits: torch.Tensor, tokens_in: torch.Tensor,
            device: torch.device) -> list[tuple[int, list[int], list[TokenLogprob] | None]]:
     """Per row: (accepted drafts a, the a + 1 committed tokens, their log-probs if asked).

@@ -15,8 +15,22 @@ from dataclasses import dataclass
 
 import torch
 
-SECTIONS = ("tokens", "positions", "slots", "tables", "seq_lens", "kv_start", "draft_seq_lens",
-            "draft_kv_start", "draft_tokens")
+# Integer inputs of a decode step: name -> length per sequence row (q: tokens per row, m: max blocks).
+SECTIONS = {
+    "tokens": "q",  # anchor, d_1..d_k per row (the draft graph writes the drafts in place)
+    "positions": "q",
+    "slots": "q",  # KV slot of each verified position (scratch for padding)
+    "tables": "m",  # block table row
+    "seq_lens": 1,  # target: anchor + q (queries at the end, causal)
+    "kv_start": 1,  # zeros
+    "draft_seq_lens": 1,  # drafter: anchor + num_drafts + 1 (non-causal over the exact block)
+    "draft_kv_start": 1,  # drafter context window start
+    "draft_tokens": "q",  # anchor, MASK * k
+    "num_drafts": 1,
+    "ctx_rows": "q",  # rows of the feature buffer committed by the previous step (context to project)
+    "ctx_positions": "q",
+    "ctx_slots": "q",  # scratch where a row has fewer committed positions
+}
 
 
 @dataclass
@@ -25,16 +39,14 @@ class DecodeViews:
 
     batch: int
     q_len: int
-    tokens: torch.Tensor  # [Bp * q]: anchor, d_1..d_k per row (drafts are written in place)
-    positions: torch.Tensor  # [Bp * q]
-    slots: torch.Tensor  # [Bp * q]
-    tables: torch.Tensor  # [Bp, max_blocks]
-    seq_lens: torch.Tensor  # [Bp] target: anchor + q (queries at the end, causal)
-    kv_start: torch.Tensor  # [Bp] zeros
-    draft_seq_lens: torch.Tensor  # [Bp] drafter: anchor + num_drafts + 1 (non-causal, exact block)
-    draft_kv_start: torch.Tensor  # [Bp] drafter context window start
-    draft_tokens: torch.Tensor  # [Bp * q]: anchor, MASK * k
-    flat: torch.Tensor  # the whole [total] region, filled by one copy
+    flat: torch.Tensor  # the whole region, filled by one copy
+    parts: dict[str, torch.Tensor]
+
+    def __getattr__(self, name: str) -> torch.Tensor:
+        parts = self.__dict__.get("parts", {})
+        if name in parts:
+            return parts[name]
+        raise AttributeError(name)
 
 
 class DecodeGraphs:
@@ -50,9 +62,13 @@ class DecodeGraphs:
         self._graphs: dict[tuple[str, int], tuple[torch.cuda.CUDAGraph, object]] = {}
         self._pool = None
 
+    @staticmethod
+    def section_names() -> list[str]:
+        return list(SECTIONS)
+
     def _sizes(self, bp: int) -> list[int]:
-        q, m = self.q_len, self.max_blocks
-        return [bp * q, bp * q, bp * q, bp * m, bp, bp, bp, bp, bp * q]
+        per_row = {"q": self.q_len, "m": self.max_blocks}
+        return [bp * per_row.get(n, n) for n in SECTIONS.values()]
 
     def _total(self, bp: int) -> int:
         return sum(self._sizes(bp))
@@ -64,16 +80,15 @@ class DecodeGraphs:
 
     def views(self, bp: int) -> DecodeViews:
         if bp not in self._views:
-            parts = torch.split(self.buffer[: self._total(bp)], self._sizes(bp))
-            named = dict(zip(SECTIONS, parts))
-            named["tables"] = named["tables"].view(bp, self.max_blocks)
-            self._views[bp] = DecodeViews(batch=bp, q_len=self.q_len, flat=self.buffer[: self._total(bp)], **named)
+            parts = dict(zip(SECTIONS, torch.split(self.buffer[: self._total(bp)], self._sizes(bp))))
+            parts["tables"] = parts["tables"].view(bp, self.max_blocks)
+            self._views[bp] = DecodeViews(bp, self.q_len, self.buffer[: self._total(bp)], parts)
         return self._views[bp]
 
-    def upload(self, bp: int, host: list[int]) -> DecodeViews:
-        """One pinned, asynchronous copy of the step's packed integers (SECTIONS order)."""
+    def upload(self, bp: int, host: dict[str, list[int]]) -> DecodeViews:
+        """One pinned, asynchronous copy of the step's integers (every section, in SECTIONS order)."""
         v = self.views(bp)
-        src = torch.tensor(host, dtype=torch.int64)
+        src = torch.tensor([x for name in SECTIONS for x in host[name]], dtype=torch.int64)
         if self.device.type == "cuda":
             src = src.pin_memory()
         v.flat.copy_(src, non_blocking=True)

@@ -15,10 +15,10 @@ import torch
 from blockspec.device import upload
 from blockspec.engine.scheduler import ScheduledSeq, SchedulerOutput
 from blockspec.engine.sequence import Sequence, TokenLogprob
-from blockspec.models.layers.attention import AttentionMetadata, DecodeMetadata, forward_context
+from blockspec.models.layers.attention import AttentionMetadata, forward_context
 from blockspec.models.layers.recurrent_state import StateMetadata
 from blockspec.runner.acceptance import accept
-from blockspec.runner.decode_graphs import DecodeGraphs, DecodeViews
+from blockspec.runner.decode_step import DecodeStep
 from blockspec.spec.dflash import DFlashDrafter, DraftMetadata
 from blockspec.spec.synthetic import SyntheticProposer
 
@@ -56,110 +56,24 @@ class ModelRunner:
         self.num_blocks = 0
         self.synthetic: SyntheticProposer | None = None  # benchmark/test mode: drafts from known tokens
         self.num_speculative_tokens = 0
-        self.decode: DecodeGraphs | None = None  # CUDA fast path for uniform decode/verify steps
+        self.decode: DecodeStep | None = None  # CUDA fast path for uniform decode/verify steps
 
     # ---- CUDA decode fast path --------------------------------------------------------------
 
     def prepare_decode(self, max_batch: int, max_model_len: int, use_graphs: bool, log=print) -> float:
-        """Set up static buffers (and capture CUDA graphs) for uniform decode steps; returns capture seconds."""
+        """Set up the uniform-decode fast path (and capture its CUDA graphs); returns capture seconds."""
         if getattr(self.target, "has_recurrent_state", False):  # hybrids: general path (state slots) for now
             return 0.0
-        q = self.num_speculative_tokens + 1
-        max_blocks = -(-(max_model_len + q) // self.block_size)
-        self.decode = DecodeGraphs(self.device, max_batch, q, max_blocks, use_graphs)
-        fns = {"target": self._target_graph_fn}
-        if self.drafter is not None and self.num_speculative_tokens and self.synthetic is None:
-            fns = {"draft": self._draft_graph_fn, **fns}
-        return self.decode.capture(fns, self._fill_dummy, log)
+        self.decode = DecodeStep(self, max_batch, max_model_len, use_graphs)
+        return self.decode.capture(log)
 
     @property
     def scratch_block(self) -> int:
         return self.num_blocks
 
-    def _fill_dummy(self, v: DecodeViews) -> None:
-        q = v.q_len
-        row = list(range(q))
-        host = ([0] * (v.batch * q) + row * v.batch + [self.scratch_block * self.block_size + i for i in row] * v.batch
-                + [self.scratch_block] * (v.batch * self.decode.max_blocks) + [q] * v.batch + [0] * v.batch
-                + [q] * v.batch + [0] * v.batch + [0] * (v.batch * q))
-        self.decode.upload(v.batch, host)
-
-    def _target_graph_fn(self, v: DecodeViews) -> tuple[torch.Tensor, torch.Tensor | None]:
-        meta = AttentionMetadata(slot_mapping=v.slots, decode=DecodeMetadata(v.tables, v.seq_lens, v.kv_start, v.q_len))
-        with forward_context(meta):
-            hidden, features = self.target(v.tokens, v.positions, self.capture_layer_ids)
-        return self.target.compute_logits(hidden), features
-
-    def _draft_graph_fn(self, v: DecodeViews) -> torch.Tensor:
-        empty = v.positions[:0]
-        meta = DraftMetadata(ctx_positions=empty, ctx_slots=empty, block_positions=v.positions, block_slots=v.slots,
-                             decode=DecodeMetadata(v.tables, v.draft_seq_lens, v.draft_kv_start, v.q_len))
-        hidden = self.drafter.forward_blocks(self.target.embed(v.draft_tokens), meta)
-        hidden = hidden.view(v.batch, v.q_len, -1)[:, 1:]
-        drafts = self.drafter.compute_logits(hidden, self.target.lm_head_weight).argmax(-1)
-        v.tokens.view(v.batch, v.q_len)[:, 1:].copy_(drafts)  # straight into the verify input
-        return drafts
-
     def _uniform_decode(self, items: list[ScheduledSeq]) -> bool:
-        return (self.decode is not None and 0 < len(items) <= self.decode.buckets[-1]
+        return (self.decode is not None and 0 < len(items) <= self.decode.max_batch
                 and all(i.num_new == 1 and i.samples for i in items))
-
-    def _execute_decode(self, items: list[ScheduledSeq]) -> list[StepResult]:
-        dec = self.decode
-        q, k = dec.q_len, dec.q_len - 1
-        batch = len(items)
-        bp = dec.bucket(batch)
-        bs, scratch = self.block_size, self.scratch_block
-        tokens, positions, slots, tables, seq_lens, draft_lens, draft_start = [], [], [], [], [], [], []
-        feats, ctx_pos, ctx_slots = [], [], []
-        for item in items:
-            seq = item.seq
-            anchor = seq.num_tokens - 1
-            tokens += [seq.token_ids(anchor, anchor + 1)[0]] + [0] * k
-            positions += range(anchor, anchor + q)
-            slots += [self._slot(seq, anchor + i) if i <= item.num_drafts else scratch * bs + i % bs for i in range(q)]
-            tables += seq.block_table + [scratch] * (dec.max_blocks - len(seq.block_table))
-            seq_lens.append(anchor + q)
-            draft_lens.append(anchor + item.num_drafts + 1)
-            draft_start.append(0 if self.draft_window is None else max(0, anchor - self.draft_window))
-            if seq.pending_features is not None:
-                feats.append(seq.pending_features)
-                ctx_pos += range(seq.drafter_computed, seq.num_computed)
-                ctx_slots += self._slots(seq, seq.drafter_computed, seq.num_computed)
-                seq.drafter_computed, seq.pending_features = seq.num_computed, None
-        pad = bp - batch
-        row = list(range(q))
-        tokens += [0] * (pad * q)
-        positions += row * pad
-        slots += [scratch * bs + i for i in row] * pad
-        tables += [scratch] * (pad * dec.max_blocks)
-        seq_lens += [q] * pad
-        draft_lens += [q] * pad
-        draft_start += [0] * pad
-        draft_tokens = [t if i % q == 0 else self.mask_token_id for i, t in enumerate(tokens)]
-        v = dec.upload(bp, tokens + positions + slots + tables + seq_lens + [0] * bp + draft_lens + draft_start
-                       + draft_tokens)
-        if k and self.synthetic is not None:
-            drafts = self._synthetic_drafts(items)
-            if drafts is not None:
-                nd = [i.num_drafts for i in items]
-                index = [b * q + 1 + i for b in range(batch) for i in range(nd[b])]
-                v.tokens.index_copy_(0, self._tensor(index), drafts)
-        elif k and self.drafter is not None:
-            if feats:
-                self.drafter.write_context(torch.cat(feats), self._tensor(ctx_pos), self._tensor(ctx_slots))
-            dec.run("draft", bp, self._draft_graph_fn)
-        logits, features = dec.run("target", bp, self._target_graph_fn)
-        logits = logits.view(bp, q, -1)[:batch]
-        tokens_in = v.tokens.view(bp, q)[:batch]
-        rows = accept([i.seq for i in items], [i.num_drafts for i in items], logits, tokens_in, self.device)
-        results = [StepResult(item.seq, tokens_out, item.num_drafts, a, lps)
-                   for item, (a, tokens_out, lps) in zip(items, rows)]
-        committed = [1 + r.num_accepted for r in results]
-        self._commit_state(items, committed)
-        for b, (item, n) in enumerate(zip(items, committed)):
-            self._advance(item, b * q, n, features)
-        return results
 
     # ---- memory -------------------------------------------------------------------------------
 
@@ -199,7 +113,9 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput) -> list[StepResult]:
         items = sched.items
         if self._uniform_decode(items):
-            return self._execute_decode(items)
+            return self.decode.execute(items)
+        if self.decode is not None:
+            self.decode.release_features()  # the general path reads pending_features
         drafts = self._draft(items) if self.drafter is not None or self.synthetic is not None else None
         hidden, features, offsets = self._target(items, drafts)
         results = self._sample(items, hidden, offsets)
