@@ -95,7 +95,7 @@ def median_runs(engine: Engine, prompt: list[int], tokens: int, runs: int = 3) -
 
 def drafter_pass_ms(engine: Engine, prompt: list[int], tokens: int) -> float:
     """Median wall time of the drafter's block pass inside real steps (synchronised around it)."""
-    dec = engine.runner.decode
+    dec = engine.runner.decode.graphs if engine.runner.decode is not None else None
     original = dec.run
     times: list[float] = []
 
@@ -119,7 +119,7 @@ def drafter_pass_ms(engine: Engine, prompt: list[int], tokens: int) -> float:
 
 def replay_ms(engine: Engine, name: str, reps: int = 50) -> float:
     """GPU time of one graph replay at batch 1 (no host work): the floor under a step."""
-    dec = engine.runner.decode
+    dec = engine.runner.decode.graphs if engine.runner.decode is not None else None
     if dec is None or not dec.use_graphs:
         return float("nan")
     dec.run(name, 1, None)

@@ -50,13 +50,8 @@ def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta
     return o[0], final
 
 
-def prefix_states(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, initial: torch.Tensor,
-                  lengths: list[int]) -> torch.Tensor:
-    """States after each token of each span: [sum(lengths), H, Dk, Dv], span by span in order.
-
-    k/v/g/beta hold the spans back to back; initial [N, H, Dk, Dv] is each span's starting state.
-    """
-    _, recurrent = _ops()
+def prefix_layout(lengths: list[int]) -> tuple[list[int], list[int], list[int]]:
+    """Host lists for `prefix_states`: token index, cu_seqlens and owning span of every prefix."""
     index, cu, owner, start = [], [0], [], 0
     for b, n in enumerate(lengths):
         for j in range(1, n + 1):
@@ -64,11 +59,19 @@ def prefix_states(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch
             cu.append(cu[-1] + j)
             owner.append(b)
         start += n
-    dev = k.device
-    index_t = torch.tensor(index, device=dev)
-    cu_t = torch.tensor(cu, dtype=torch.int64, device=dev)
-    init = initial[torch.tensor(owner, device=dev)]
-    sel = [x[index_t][None] for x in (k, v, g, beta)]
-    _, final = recurrent(sel[0], sel[0], sel[1], g=sel[2], beta=sel[3], initial_state=init,
-                         output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_t)
+    return index, cu, owner
+
+
+def prefix_states(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, initial: torch.Tensor,
+                  index: torch.Tensor, cu_seqlens: torch.Tensor, owner: torch.Tensor) -> torch.Tensor:
+    """States after each token of each span: [sum(lengths), H, Dk, Dv], span by span in order.
+
+    k/v/g/beta hold the spans back to back; initial [N, H, Dk, Dv] is each span's starting state;
+    index/cu_seqlens/owner are `prefix_layout(lengths)` on the device (no host work here, so the
+    call can sit inside a CUDA graph).
+    """
+    _, recurrent = _ops()
+    sel = [x[index][None] for x in (k, v, g, beta)]
+    _, final = recurrent(sel[0], sel[0], sel[1], g=sel[2], beta=sel[3], initial_state=initial[owner],
+                         output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens)
     return final

@@ -214,8 +214,10 @@ class GatedDeltaNet(nn.Module):
         sel = (k[tokens], v[tokens], g[tokens], beta[tokens])
         if st.checkpoints is None:
             return out, sel
+        layout = delta_rule_fla.prefix_layout([meta.lengths[b] for b in spec])
+        prefix = [meta.tensor(f"prefix_{i}", lambda i=i: (layout[i], torch.int64)) for i in range(3)]
         states = delta_rule_fla.prefix_states(*sel, initial[meta.tensor("spec_index", lambda: (spec, torch.int64))],
-                                              [meta.lengths[b] for b in spec])
+                                              *prefix)
         rows = meta.tensor("spec_ckpt_rows", lambda: (_checkpoint_rows(meta, spec, st.checkpoints.shape[1]),
                                                       torch.int64))
         st.checkpoints.view(-1, *st.checkpoints.shape[2:])[rows] = states.to(st.checkpoints.dtype)

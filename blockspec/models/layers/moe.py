@@ -53,7 +53,8 @@ def grouped_layout(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, t
     """(order, offsets): pair order sorted by expert (stable), and each expert's end offset (int32)."""
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts)
+    # scatter_add, not bincount: bincount reads the max id back to the host (no CUDA graphs then)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device).scatter_add_(0, flat, torch.ones_like(flat))
     return order, torch.cumsum(counts, 0).to(torch.int32)
 
 
