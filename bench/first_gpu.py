@@ -15,6 +15,7 @@ Usage: python bench/first_gpu.py --gguf /path/SmolLM2-135M-Instruct.Q4_1.gguf [-
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -161,6 +162,7 @@ def measure(name: str, target_dir: Path, draft_dir: Path, load_format: str, ctx:
     ar_syncs = syncs_per_step(ar, prompt)
     gpu_ar = replay_ms(ar, "target")
     del ar
+    gc.collect()
     torch.cuda.empty_cache()
     spec = Engine(EngineConfig(**common, speculative=draft))
     sp_stats = median_runs(spec, prompt, tokens)
@@ -169,6 +171,7 @@ def measure(name: str, target_dir: Path, draft_dir: Path, load_format: str, ctx:
     gpu_verify, gpu_draft = replay_ms(spec, "target"), replay_ms(spec, "draft")
     weights = sum(p.numel() * p.element_size() for p in spec.runner.target.parameters())
     del spec
+    gc.collect()
     torch.cuda.empty_cache()
     step = sp_stats["step_ms"]
     return {
