@@ -83,8 +83,8 @@ def hf_model(model_dir: Path, random_weights: bool):
 
 def hf_static_compile(model, prompt: list[int], tokens: int) -> Callable[[], float]:
     ids = torch.tensor([prompt], device="cuda")
+    # transformers compiles the forward itself (reduce-overhead, CUDA graphs) when the cache is static.
     model.generation_config.cache_implementation = "static"
-    model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
 
     def gen() -> int:
         out = model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False)

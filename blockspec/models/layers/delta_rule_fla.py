@@ -8,8 +8,9 @@ one flattened sequence with `cu_seqlens`.
 
 fla-core 0.6.0 has no kernel that returns the state after every token, so per-position
 checkpoints of a verify block are taken as the final states of its prefixes (lengths 1..n, run as
-separate varlen sequences from the same initial state): correct, at about twice the state traffic a
-dedicated kernel would need.
+separate varlen sequences from the same initial state): correct, but it reads the initial state n
+times where a dedicated kernel would read it once (about 2-3x the state traffic). The default
+rollback (replay) needs no such kernel.
 """
 
 from __future__ import annotations

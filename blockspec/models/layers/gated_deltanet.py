@@ -161,7 +161,7 @@ class GatedDeltaNet(nn.Module):
         """
         width = self.conv_kernel - 1
         rows, bases = meta.conv_layout(width)
-        prev = torch.where(meta.has_state_t[:, None, None], st.conv[meta.slot_t], 0).to(x.dtype)
+        prev = _from_slots(st.conv, meta).to(x.dtype)
         src = meta.tensor(("conv_rows", width), lambda: (rows, torch.int64))
         buffer = torch.cat([prev.reshape(-1, x.shape[1]), x])[src]
         windows = meta.tensor(("conv_windows", width), lambda: (_windows(meta, bases, width), torch.int64))
@@ -200,7 +200,7 @@ class GatedDeltaNet(nn.Module):
         return out, inputs
 
     def _delta_rule_fla(self, q, k, v, g, beta, meta: StateMetadata, st: LayerState):
-        initial = torch.where(meta.has_state_t[:, None, None, None], st.ssm[meta.slot_t], 0).float()
+        initial = _from_slots(st.ssm, meta).float()
         out, final = delta_rule_fla.run(q, k, v, g, beta, initial, meta.cu_seqlens, max(meta.lengths))
         done = meta.spans(speculative=False)
         if done:
@@ -267,6 +267,15 @@ class GatedDeltaNet(nn.Module):
             h0 = st.ssm[slot].float() if meta.has_state[b] else kp.new_zeros(st.ssm.shape[1:])
             _, final, _ = delta_rule.recurrent(kp[sl], kp[sl], vf[sl], g[sl], bf[sl], h0)
             st.ssm[slot] = final.to(st.ssm.dtype)
+
+
+def _from_slots(states: torch.Tensor, meta: StateMetadata) -> torch.Tensor:
+    """Each span's starting state: its slot's, or zeros for a sequence's first chunk."""
+    picked = states[meta.slot_t]
+    if all(meta.has_state):
+        return picked
+    mask = meta.has_state_t.view(-1, *[1] * (states.dim() - 1))
+    return torch.where(mask, picked, torch.zeros((), dtype=picked.dtype, device=picked.device))
 
 
 def _accumulate(values: list[int]) -> list[int]:

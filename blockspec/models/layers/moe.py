@@ -102,8 +102,9 @@ class Experts(nn.Module):
         super().__init__()
         self.num_experts = num_experts
         self.intermediate_size = intermediate_size
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        # Initialised (not left empty) so that dummy-weight runs route and compute on finite numbers.
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size).normal_(0, 0.02))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size).normal_(0, 0.02))
         self.backend = os.environ.get("BLOCKSPEC_MOE_BACKEND", "auto")
         if self.backend not in BACKENDS:
             raise ConfigError(f"BLOCKSPEC_MOE_BACKEND={self.backend!r}: use one of {', '.join(BACKENDS)}")
