@@ -230,6 +230,9 @@ class ModelRunner:
             query_unpad=self._tensor(query_unpad),
             kv_slots=self._tensor([s + [0] * (lmax - len(s)) for s in kv]).view(len(items), lmax),
             mask=mask[:, None],
+            # On GPU only: the CPU path stays the single reference that the exactness tests compare.
+            fresh_prefill=(self.device.type == "cuda" and len(items) == 1 and items[0].seq.num_computed == 0
+                           and items[0].num_drafts == 0),
         )
         if getattr(self.target, "has_recurrent_state", False):  # hybrid models: each sequence's state slot
             meta.state = StateMetadata.for_items(items, offsets, self.device)

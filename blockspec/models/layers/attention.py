@@ -58,6 +58,9 @@ class AttentionMetadata:
     kv_slots: torch.Tensor | None = None
     mask: torch.Tensor | None = None
     decode: DecodeMetadata | None = None
+    # One sequence prefilling from position 0: its keys are exactly the new tokens, so contiguous
+    # causal SDPA (flash attention on GPU) replaces the masked gather.
+    fresh_prefill: bool = False
     # Hybrid models: each sequence's span and recurrent-state slot (models/layers/recurrent_state.py).
     state: StateMetadata | None = None
 
@@ -153,4 +156,9 @@ class PagedAttention(nn.Module):
             out = paged_attention(q, self.k_cache, self.v_cache, d.block_tables, d.seq_lens, d.kv_start, d.q_len,
                                   self.scale, causal=True)
             return out.reshape(q.shape[0], -1)
+        if meta.fresh_prefill:
+            out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                                 v.transpose(0, 1)[None], is_causal=True, scale=self.scale,
+                                                 enable_gqa=k.shape[1] != q.shape[1])
+            return out[0].transpose(0, 1).reshape(q.shape[0], -1)
         return paged_attention_reference(q, self.k_cache, self.v_cache, meta, self.scale)
