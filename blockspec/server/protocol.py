@@ -1,0 +1,207 @@
+"""Request and response bodies of the OpenAI-compatible API (pydantic), with vLLM's extensions.
+
+Requests ignore fields they do not know, as vLLM does, so any OpenAI client works unchanged.
+Value ranges are checked by SamplingParams.validate (one place, one message per field); the
+schemas only fix types. Streaming chunks are built as plain dicts in the serving modules (their
+keys must be present or absent exactly as clients expect); the response models here document them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Request):
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
+
+
+class ChatMessage(_Request):
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+
+class SamplingRequest(_Request):
+    """Fields shared by chat and text completions."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool | None = None
+    min_tokens: int | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    logit_bias: dict[str, float] | None = None
+    response_format: dict[str, Any] | None = None
+    return_token_ids: bool = False
+    return_meta_info: bool = Field(False, description="SGLang-style meta_info (spec_accept_length, spec_verify_ct)")
+    user: str | None = None
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+
+# ---- responses --------------------------------------------------------------------------------
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class SpecDecodeStats(BaseModel):
+    """Per-request speculative decoding: tau = tokens committed per verify step."""
+
+    tau: float
+    accepted_per_position: list[int]
+    steps: int
+    prompt_tokens: int
+    completion_tokens: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    prefill_time_s: float
+    decode_time_s: float
+    decode_tok_s: float
+
+
+class MetaInfo(BaseModel):
+    """SGLang's meta_info, read by z-lab's `dflash benchmark openai` client."""
+
+    id: str
+    finish_reason: dict[str, Any] | None
+    prompt_tokens: int
+    completion_tokens: int
+    spec_accept_length: float
+    spec_verify_ct: int
+    e2e_latency: float
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None
+    reasoning_content: str | None = None
+    tool_calls: list[dict[str, Any]] = Field(default_factory=list)
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    prompt_token_ids: list[int] | None = None
+    spec_decode: SpecDecodeStats | None = None
+    meta_info: MetaInfo | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
+    prompt_token_ids: list[int] | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+    spec_decode: SpecDecodeStats | None = None
+    meta_info: MetaInfo | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "blockspec"
+    root: str
+    parent: str | None = None
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: int
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
