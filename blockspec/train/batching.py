@@ -1,0 +1,73 @@
+"""Training batches: sequences, random anchors inside the response, and the blocks they start.
+
+An anchor is a position a whose token the target wrote and whose next token it wrote too, as at
+decode time: the drafter gets [x_a, MASK * (B-1)] at positions a..a+B-1, sees the context features
+of positions < a, and must predict x_{a+1}..x_{a+B-1}. Labels past the response (or the sequence)
+are masked. Anchors are drawn afresh for every batch, so each epoch sees new ones; every sequence
+gets exactly `num_anchors` slots (unused slots are padding with no loss), so shapes stay fixed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from blockspec.train.data import Sample
+
+
+@dataclass
+class TrainBatch:
+    input_ids: torch.Tensor  # [N, S] right-padded with 0
+    anchors: torch.Tensor  # [N, A] anchor positions (0 in padding slots)
+    anchor_valid: torch.Tensor  # [N, A] bool
+    block_ids: torch.Tensor  # [N, A * B] [x_a, MASK * (B-1)] per anchor
+    block_positions: torch.Tensor  # [N, A * B] a .. a + B - 1
+    labels: torch.Tensor  # [N, A, B-1] x_{a+1} .. x_{a+B-1} (0 where masked)
+    label_mask: torch.Tensor  # [N, A, B-1] bool
+
+    def to(self, device: torch.device) -> TrainBatch:
+        return TrainBatch(*(getattr(self, f).to(device, non_blocking=True) for f in self.__dataclass_fields__))
+
+    @property
+    def num_labels(self) -> int:
+        return int(self.label_mask.sum())
+
+
+def anchor_candidates(mask: torch.Tensor) -> torch.Tensor:
+    """Positions a with mask[a] and mask[a + 1]: the target wrote the anchor and its successor."""
+    return torch.nonzero(mask[:-1] & mask[1:]).flatten()
+
+
+def make_batch(samples: list[Sample], num_anchors: int, block_size: int, mask_token_id: int,
+               generator: torch.Generator, pad_to: int = 1) -> TrainBatch:
+    """Collate samples and draw up to `num_anchors` distinct anchors per sample (sorted)."""
+    n, a_max, k = len(samples), num_anchors, block_size - 1
+    seq_len = max(len(s.ids) for s in samples)
+    seq_len = -(-seq_len // pad_to) * pad_to
+    input_ids = torch.zeros(n, seq_len, dtype=torch.int64)
+    anchors = torch.zeros(n, a_max, dtype=torch.int64)
+    valid = torch.zeros(n, a_max, dtype=torch.bool)
+    labels = torch.zeros(n, a_max, k, dtype=torch.int64)
+    label_mask = torch.zeros(n, a_max, k, dtype=torch.bool)
+    offsets = torch.arange(1, block_size)
+    for i, s in enumerate(samples):
+        length = len(s.ids)
+        input_ids[i, :length] = s.ids
+        cands = anchor_candidates(s.mask)
+        if len(cands) > a_max:
+            cands = cands[torch.randperm(len(cands), generator=generator)[:a_max]].sort().values
+        m = len(cands)
+        anchors[i, :m] = cands
+        valid[i, :m] = True
+        pos = cands[:, None] + offsets[None, :]  # [m, k]
+        inside = pos < length
+        ok = inside & s.mask[pos.clamp(max=length - 1)]
+        ok = ok.cumprod(dim=1).bool()  # a block's labels stop at the first token the target did not write
+        labels[i, :m] = torch.where(ok, s.ids[pos.clamp(max=length - 1)], 0)
+        label_mask[i, :m] = ok
+    block_ids = torch.full((n, a_max, block_size), mask_token_id, dtype=torch.int64)
+    block_ids[:, :, 0] = torch.gather(input_ids, 1, anchors)
+    block_positions = anchors[:, :, None] + torch.arange(block_size)[None, None, :]
+    return TrainBatch(input_ids, anchors, valid, block_ids.view(n, -1), block_positions.view(n, -1), labels,
+                      label_mask)

@@ -1,0 +1,204 @@
+"""Training data: the target's own answers to the prompts, generated through our Engine, kept on disk.
+
+Self-distillation: the drafter must predict what *this* target writes, so the target writes the
+responses, batched through blockspec's engine. Sample i answers prompt i % P; the first pass over
+the prompts is greedy (the distribution temperature-0 serving sees), later passes sample at
+`temperature` with a per-sample seed, so the data is reproducible. Samples are written in shards
+(safetensors: flat token ids, response mask, offsets); a rerun skips finished shards, and asking
+for more samples later only generates the missing ones.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from tqdm import tqdm
+
+from blockspec.engine.sampling_params import SamplingParams
+from blockspec.errors import ConfigError
+from blockspec.train.prompts import TrainPrompt
+
+if TYPE_CHECKING:
+    from blockspec.engine.engine import Engine
+
+log = logging.getLogger("blockspec")
+META = "meta.json"
+
+
+@dataclass
+class GenerationConfig:
+    num_samples: int = 2048
+    response_len: int = 256
+    temperature: float = 0.7  # for passes after the first, greedy pass over the prompts
+    top_p: float = 0.95
+    shard_size: int = 512
+    seed: int = 0
+    max_time_s: float | None = None  # stop after the shard that crosses this (not part of the data's identity)
+
+    def identity(self) -> dict:
+        """The settings that decide what the stored samples are (num_samples may grow)."""
+        return {k: v for k, v in asdict(self).items() if k not in ("num_samples", "max_time_s")}
+
+
+@dataclass
+class Sample:
+    ids: torch.Tensor  # int64 [S]: prompt + response token ids
+    mask: torch.Tensor  # bool [S]: True where the target wrote the token (the loss region)
+
+
+def sample_params(index: int, num_prompts: int, cfg: GenerationConfig) -> SamplingParams:
+    """Greedy on the first pass over the prompts, seeded sampling afterwards."""
+    if index < num_prompts or cfg.temperature <= 0:
+        return SamplingParams(max_tokens=cfg.response_len, temperature=0.0)
+    return SamplingParams(max_tokens=cfg.response_len, temperature=cfg.temperature, top_p=cfg.top_p,
+                          seed=cfg.seed * 1_000_003 + index)
+
+
+def encode_prompts(engine: Engine, prompts: list[TrainPrompt], response_len: int) -> list[list[int]]:
+    """Chat-templated token ids; prompts too long for prompt + response in max_model_len are dropped."""
+    encoded, dropped = [], 0
+    for p in prompts:
+        ids = engine.encode(engine.apply_chat_template(p.messages))
+        if len(ids) + response_len > engine.max_model_len:
+            dropped += 1
+            continue
+        encoded.append(ids)
+    if dropped:
+        log.warning("skipped %d prompts longer than max_model_len %d - response length %d",
+                    dropped, engine.max_model_len, response_len)
+    if not encoded:
+        raise ConfigError("no prompt fits max_model_len with the response length: shorten prompts or responses")
+    return encoded
+
+
+def _prompts_digest(prompt_ids: list[list[int]]) -> str:
+    return hashlib.sha256(json.dumps(prompt_ids).encode()).hexdigest()[:16]
+
+
+def _check_meta(data_dir: Path, meta: dict) -> None:
+    """Refuse to mix shards made under different settings (only num_samples may grow)."""
+    path = data_dir / META
+    if path.is_file():
+        old = json.loads(path.read_text())
+        diff = [k for k in meta if old.get(k) != meta[k]]
+        if diff:
+            raise ConfigError(f"{data_dir} holds data generated with other settings ({', '.join(diff)} differ): "
+                              "pass a new --out (or --data-dir), or delete that directory")
+    data_dir.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(meta, indent=1))
+
+
+def shard_path(data_dir: Path, index: int) -> Path:
+    return data_dir / f"shard-{index:05d}.safetensors"
+
+
+def _shard_size(path: Path) -> int:
+    """Samples in a finished shard (0 if absent), read from the header only."""
+    if not path.is_file():
+        return 0
+    with safe_open(str(path), framework="pt") as f:
+        return f.get_slice("index").get_shape()[0]
+
+
+def missing_shards(data_dir: Path, cfg: GenerationConfig) -> list[int]:
+    """Shards still to generate for cfg.num_samples (a short last shard from a smaller run counts)."""
+    num_shards = -(-cfg.num_samples // cfg.shard_size)
+    want = [min(cfg.shard_size, cfg.num_samples - s * cfg.shard_size) for s in range(num_shards)]
+    return [s for s in range(num_shards) if _shard_size(shard_path(data_dir, s)) < want[s]]
+
+
+def data_complete(data_dir: Path, cfg: GenerationConfig) -> bool:
+    """True when the data exists for these settings, so no generation engine needs loading."""
+    path = data_dir / META
+    if not path.is_file():
+        return False
+    old = json.loads(path.read_text())
+    same = all(old.get(k) == v for k, v in cfg.identity().items())
+    return same and not missing_shards(data_dir, cfg)
+
+
+def save_shard(path: Path, samples: list[Sample], indices: list[int]) -> None:
+    lengths = torch.tensor([len(s.ids) for s in samples], dtype=torch.int64)
+    tensors = {
+        "tokens": torch.cat([s.ids for s in samples]).to(torch.int32),
+        "mask": torch.cat([s.mask for s in samples]).to(torch.uint8),
+        "offsets": torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]),
+        "index": torch.tensor(indices, dtype=torch.int64),
+    }
+    tmp = path.with_suffix(".tmp")
+    save_file(tensors, str(tmp))
+    tmp.replace(path)  # a shard exists only when it is complete
+
+
+def load_shard(path: Path) -> list[Sample]:
+    t = load_file(str(path))
+    off = t["offsets"].tolist()
+    return [Sample(t["tokens"][a:b].long(), t["mask"][a:b].bool()) for a, b in zip(off[:-1], off[1:])]
+
+
+def _run_shard(engine: Engine, prompt_ids: list[list[int]], indices: list[int], cfg: GenerationConfig,
+               bar: tqdm) -> list[Sample]:
+    n = len(prompt_ids)
+    for i in indices:
+        engine.add_request(f"train-{i}", prompt_ids[i % n], sample_params(i, n, cfg))
+    done: dict[int, Sample] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                i = int(out.request_id.removeprefix("train-"))
+                prompt, resp = out.prompt_token_ids, out.token_ids
+                ids = torch.tensor(prompt + resp, dtype=torch.int64)
+                mask = torch.cat([torch.zeros(len(prompt), dtype=torch.bool), torch.ones(len(resp), dtype=torch.bool)])
+                done[i] = Sample(ids, mask)
+                bar.update(1)
+    return [done[i] for i in indices]
+
+
+def generate_data(engine: Engine, prompts: list[TrainPrompt], cfg: GenerationConfig, data_dir: Path) -> Path:
+    """Fill `data_dir` with cfg.num_samples target-written samples (resuming finished shards), or as
+    many whole shards as fit in cfg.max_time_s."""
+    start = time.perf_counter()
+    prompt_ids = encode_prompts(engine, prompts, cfg.response_len)
+    meta = {**cfg.identity(), "target": str(engine.model_dir), "prompts": _prompts_digest(prompt_ids),
+            "num_prompts": len(prompt_ids)}
+    _check_meta(data_dir, meta)
+    num_shards = -(-cfg.num_samples // cfg.shard_size)
+    todo = missing_shards(data_dir, cfg)
+    have = sum(min(cfg.shard_size, cfg.num_samples - s * cfg.shard_size) for s in range(num_shards) if s not in todo)
+    with tqdm(total=cfg.num_samples, initial=have, desc="generating", unit="sample", dynamic_ncols=True) as bar:
+        for s in todo:
+            indices = list(range(s * cfg.shard_size, min((s + 1) * cfg.shard_size, cfg.num_samples)))
+            samples = _run_shard(engine, prompt_ids, indices, cfg, bar)
+            save_shard(shard_path(data_dir, s), samples, indices)
+            if cfg.max_time_s is not None and time.perf_counter() - start > cfg.max_time_s:
+                log.info("data generation stopped at its time limit after shard %d", s)
+                break
+    return data_dir
+
+
+def load_samples(data_dir: Path, limit: int | None = None) -> list[Sample]:
+    """Every stored sample (in shard order), or the first `limit`."""
+    paths = sorted(data_dir.glob("shard-*.safetensors"))
+    if not paths:
+        raise ConfigError(f"no training data in {data_dir}: generate it first (blockspec train-drafter does)")
+    samples: list[Sample] = []
+    for p in paths:
+        samples += load_shard(p)
+        if limit is not None and len(samples) >= limit:
+            return samples[:limit]
+    return samples
+
+
+def token_counts(samples: list[Sample], vocab_size: int) -> torch.Tensor:
+    """How often each token id occurs in the responses (used to pick an unused mask token)."""
+    resp = torch.cat([s.ids[s.mask] for s in samples]) if samples else torch.zeros(0, dtype=torch.int64)
+    return torch.bincount(resp, minlength=vocab_size)

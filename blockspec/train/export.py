@@ -1,0 +1,82 @@
+"""Writing a trained drafter as a z-lab DFlash checkpoint directory.
+
+config.json carries the Qwen3-style fields plus block_size, num_target_layers and dflash_config
+{mask_token_id, target_layer_ids}; model.safetensors holds the z-lab tensor names (fc, hidden_norm,
+layers.{i}.*, norm), which are also DFlashDrafter's parameter names. blockspec (--draft) and the
+`dflash` reference package both load the result.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from blockspec.models.model_config import ModelConfig
+from blockspec.spec.dflash import DFlashDrafter
+
+WEIGHTS = "model.safetensors"
+
+
+def drafter_config_json(target: ModelConfig, num_layers: int, block_size: int, mask_token_id: int,
+                        target_layer_ids: list[int], max_position_embeddings: int | None = None,
+                        dtype: str = "bfloat16") -> dict[str, Any]:
+    """A drafter of the target's width and head layout, non-causal full attention in every layer."""
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": target.rope_theta}
+    if target.rope_scaling:
+        rope = {**target.rope_scaling, "rope_theta": target.rope_theta}
+    cfg: dict[str, Any] = {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "vocab_size": target.vocab_size,
+        "hidden_size": target.hidden_size,
+        "intermediate_size": target.intermediate_size,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": target.num_attention_heads,
+        "num_key_value_heads": target.num_key_value_heads,
+        "head_dim": target.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": target.rms_norm_eps,
+        "rope_theta": target.rope_theta,
+        "rope_parameters": rope,
+        "max_position_embeddings": max_position_embeddings or target.max_position_embeddings,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "tie_word_embeddings": False,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "layer_types": ["full_attention"] * num_layers,
+        "torch_dtype": dtype,
+        "block_size": block_size,
+        "num_target_layers": target.num_hidden_layers,
+        "dflash_config": {"mask_token_id": mask_token_id, "target_layer_ids": list(target_layer_ids)},
+    }
+    if target.rope_scaling:
+        cfg["rope_scaling"] = dict(target.rope_scaling)
+    return cfg
+
+
+def save_drafter(drafter: DFlashDrafter, config: dict[str, Any], out_dir: Path,
+                 dtype: torch.dtype = torch.bfloat16) -> Path:
+    """Write config.json + model.safetensors (weights cast to `dtype`); returns out_dir."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tensors = {name: p.detach().to("cpu", dtype).contiguous() for name, p in drafter.state_dict().items()}
+    cfg = {**config, "torch_dtype": str(dtype).removeprefix("torch.")}
+    tmp = out_dir / (WEIGHTS + ".tmp")
+    save_file(tensors, str(tmp), metadata={"format": "pt"})
+    tmp.replace(out_dir / WEIGHTS)
+    (out_dir / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    return out_dir
+
+
+def write_model_card(out_dir: Path, title: str, sections: dict[str, str]) -> Path:
+    """README.md: a title and one short section per entry (data, training, evaluation, ...)."""
+    lines = [f"# {title}", ""]
+    for head, body in sections.items():
+        lines += [f"## {head}", "", body.strip(), ""]
+    path = out_dir / "README.md"
+    path.write_text("\n".join(lines))
+    return path

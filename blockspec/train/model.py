@@ -1,0 +1,52 @@
+"""The drafter's training forward: many blocks of a sequence in one pass over dense context features.
+
+It runs the very modules (and parameter names) of blockspec.spec.dflash.DFlashDrafter, so what is
+trained is what serves. At inference the drafter projects context K/V into a paged cache and
+attends one block per sequence; here context K/V are projected for the whole sequence and all
+blocks attend at once under the DFlash training mask (mask.BlockAttention).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from blockspec.spec.dflash import DFlashDrafter
+from blockspec.train.mask import BlockAttention
+
+
+def _rope(rotary: nn.Module, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Rotate x [N, T, heads, D] by positions [N, T] (the rotary module takes flat tokens)."""
+    n, t, h, d = x.shape
+    (out,) = rotary(positions.reshape(-1), x.reshape(n * t, h, d))
+    return out.view(n, t, h, d)
+
+
+def _heads(x: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
+    return x.view(*x.shape[:2], heads, head_dim)
+
+
+def train_forward(drafter: DFlashDrafter, features: torch.Tensor, block_embeds: torch.Tensor,
+                  block_positions: torch.Tensor, attention: BlockAttention) -> torch.Tensor:
+    """features [N, S, n*H] (raw target features), block_embeds [N, Q, H], block_positions [N, Q]
+    -> final-normed block hidden states [N, Q, H]."""
+    n, s, _ = features.shape
+    ctx = drafter.hidden_norm(drafter.fc(features))
+    ctx_positions = torch.arange(s, device=features.device).expand(n, s)
+    scale = drafter.config.input_embedding_scale
+    h = block_embeds * scale if scale != 1.0 else block_embeds
+    for layer in drafter.layers:
+        attn = layer.self_attn
+        x = layer.input_layernorm(h)
+        q = _rope(attn.rotary, attn.q_norm(_heads(attn.q_proj(x), attn.num_heads, attn.head_dim)), block_positions)
+        keys, values = [], []
+        for src, pos in ((ctx, ctx_positions), (x, block_positions)):  # context vectors skip the input norm
+            k = _rope(attn.rotary, attn.k_norm(_heads(attn.k_proj(src), attn.num_kv_heads, attn.head_dim)), pos)
+            keys.append(k)
+            values.append(_heads(attn.v_proj(src), attn.num_kv_heads, attn.head_dim))
+        k = torch.cat(keys, dim=1).transpose(1, 2)
+        v = torch.cat(values, dim=1).transpose(1, 2)
+        out = attention(q.transpose(1, 2), k, v, attn.head_dim**-0.5)
+        h = h + attn.o_proj(out.transpose(1, 2).reshape(n, -1, attn.num_heads * attn.head_dim))
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+    return drafter.norm(h)

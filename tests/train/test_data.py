@@ -1,0 +1,55 @@
+"""Data generation through the Engine: shards on disk, response masks, resuming."""
+
+from __future__ import annotations
+
+import pytest
+
+from blockspec.config import EngineConfig
+from blockspec.engine.engine import Engine
+from blockspec.engine.sampling_params import SamplingParams
+from blockspec.errors import ConfigError
+from blockspec.train.data import GenerationConfig, data_complete, generate_data, load_samples, shard_path
+from blockspec.train.prompts import TrainPrompt
+
+PROMPTS = [TrainPrompt(f"p{i}", "test", [{"role": "user", "content": t}]) for i, t in
+           enumerate(["one two", "abc", "hello there", "x"])]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_models):
+    return Engine(EngineConfig(model=str(tiny_models["llama_tied"]), device="cpu", max_num_seqs=8, max_model_len=96))
+
+
+def test_generate_store_and_resume(engine, tmp_path, monkeypatch):
+    cfg = GenerationConfig(num_samples=10, response_len=12, temperature=0.9, shard_size=4)
+    data = tmp_path / "data"
+    generate_data(engine, PROMPTS, cfg, data)
+    assert [shard_path(data, s).is_file() for s in range(3)] == [True, True, True]
+    samples = load_samples(data)
+    assert len(samples) == 10
+    texts = [engine.apply_chat_template(p.messages) for p in PROMPTS]
+    greedy = engine.generate(texts, SamplingParams(temperature=0, max_tokens=12))
+    for i, s in enumerate(samples):
+        prompt = engine.encode(texts[i % 4])
+        n = len(prompt)
+        assert s.ids[:n].tolist() == prompt and not s.mask[:n].any() and s.mask[n:].all()
+        if i < 4:  # the first pass over the prompts is greedy
+            assert s.ids[n:].tolist() == greedy[i].token_ids
+    assert data_complete(data, cfg)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("finished shards must not be regenerated")
+
+    monkeypatch.setattr(engine, "add_request", refuse)
+    generate_data(engine, PROMPTS, cfg, data)  # nothing to do
+    monkeypatch.undo()
+
+    more = GenerationConfig(num_samples=12, response_len=12, temperature=0.9, shard_size=4)
+    assert not data_complete(data, more)
+    before = shard_path(data, 0).stat().st_mtime_ns
+    generate_data(engine, PROMPTS, more, data)  # only the short last shard is redone
+    assert shard_path(data, 0).stat().st_mtime_ns == before
+    assert len(load_samples(data)) == 12 and len(load_samples(data, limit=5)) == 5
+
+    with pytest.raises(ConfigError, match="response_len"):
+        generate_data(engine, PROMPTS, GenerationConfig(num_samples=4, response_len=8, shard_size=4), data)

@@ -1,0 +1,77 @@
+"""`blockspec train-drafter` end to end on a tiny random target: data through the engine, training,
+export; the exported drafter serves (losslessly) in blockspec and loads in the reference package."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from blockspec.cli import main
+from blockspec.config import EngineConfig, SpeculativeConfig
+from blockspec.engine.engine import Engine
+from blockspec.engine.sampling_params import SamplingParams
+
+dflash_model = pytest.importorskip("dflash.model", reason="test-only oracle: pip install --no-deps dflash")
+
+WORDS = ["red", "blue", "green", "gold", "grey", "pink", "teal", "navy", "rose", "lime"]
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_models, tmp_path_factory):
+    root = tmp_path_factory.mktemp("train")
+    prompts = root / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": f"Name a {w} thing."}) for w in WORDS * 2))
+    out = root / "drafter"
+    args = ["train-drafter", "--target", str(tiny_models["llama"]), "--out", str(out), "--prompts", str(prompts),
+            "--num-samples", "16", "--response-len", "24", "--gen-batch", "16", "--max-prompt-len", "48",
+            "--num-layers", "1", "--block-size", "8", "--epochs", "20", "--batch-size", "4", "--num-anchors", "8",
+            "--lr", "3e-2", "--eval-prompts", "2", "--eval-max-tokens", "16", "--device", "cpu"]
+    assert main(args) == 0
+    return {"out": out, "args": args, "target": tiny_models["llama"]}
+
+
+def test_outputs_and_falling_loss(trained):
+    out = trained["out"]
+    for name in ("config.json", "model.safetensors", "README.md", "train_summary.json", "train_state.pt"):
+        assert (out / name).is_file(), name
+    assert len(list((out / "data").glob("shard-*.safetensors"))) == 1
+    log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in log if "loss" in r]
+    assert len(losses) >= 8 and losses[-1] < 0.5 * losses[0]
+    evals = [r["eval"] for r in log if "eval" in r]
+    assert evals and evals[-1]["k"] == 7 and len(evals[-1]["acceptance_per_position"]) == 7
+    assert evals[-1]["tau"] > 1.5 > evals[0]["tau"]  # learning shows up as acceptance in the engine
+    summary = json.loads((out / "train_summary.json").read_text())
+    assert summary["training"]["steps"] == 80 and summary["data"]["samples"] == 16
+    assert "Held-out evaluation" in (out / "README.md").read_text()
+
+
+def test_export_serves_losslessly_in_blockspec(trained):
+    common = dict(model=str(trained["target"]), device="cpu")
+    ar = Engine(EngineConfig(**common))
+    sp = Engine(EngineConfig(**common, speculative=SpeculativeConfig(model=str(trained["out"]))))
+    assert sp.num_speculative_tokens == 7
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    prompt = ar.apply_chat_template([{"role": "user", "content": "Name a red thing."}])
+    a, s = ar.generate([prompt], params)[0], sp.generate([prompt], params)[0]
+    assert a.token_ids == s.token_ids
+    assert s.stats.tau >= 1.0
+
+
+def test_export_loads_in_reference(trained):
+    ref = dflash_model.DFlashDraftModel.from_pretrained(trained["out"], dtype=torch.float32)
+    cfg = json.loads((trained["out"] / "config.json").read_text())
+    assert ref.block_size == 8 and ref.mask_token_id == cfg["dflash_config"]["mask_token_id"]
+    assert list(ref.target_layer_ids) == cfg["dflash_config"]["target_layer_ids"]
+
+
+def test_resume_reuses_data_and_state(trained, capsys):
+    out = trained["out"]
+    before = (out / "data" / "shard-00000.safetensors").stat().st_mtime_ns
+    assert main([*trained["args"], "--resume"]) == 0
+    assert (out / "data" / "shard-00000.safetensors").stat().st_mtime_ns == before
+    summary = json.loads((out / "train_summary.json").read_text())
+    assert summary["training"]["steps"] == 80  # already finished: nothing more to train
+    assert "drafter written to" in capsys.readouterr().out
