@@ -102,6 +102,7 @@ class DecodeGraphs:
         graph.replay()
         return out
 
+    @torch.inference_mode()
     def capture(self, fns: dict[str, Callable[[DecodeViews], object]], fill_dummy: Callable[[DecodeViews], None],
                 log: Callable[[str], None]) -> float:
         """Capture every (function, bucket) pair, largest bucket first so the pool is sized once."""
