@@ -54,6 +54,12 @@ def engine_config_from_args(args: argparse.Namespace):
     from blockspec.config import EngineConfig, SpeculativeConfig
 
     draft = None if args.no_draft else args.draft
+    if draft is None and not args.no_draft and args.model is None:
+        # The embedded model comes with its trained drafter (blockspec/drafters/), when one ships.
+        from blockspec.loader.default_model import default_drafter_dir
+
+        found = default_drafter_dir()
+        draft = None if found is None else str(found)
     spec = SpeculativeConfig(model=draft, num_speculative_tokens=args.num_speculative_tokens,
                              draft_window=args.draft_window)
     return EngineConfig(model=args.model, tokenizer=args.tokenizer, chat_template=args.chat_template,
@@ -70,7 +76,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     config = engine_config_from_args(args)
-    if args.model is None and args.draft is None and not args.no_draft:
+    if args.model is None and config.speculative.model is None and not args.no_draft:
         print("note: no default drafter ships yet for the embedded model; decoding without speculation",
               file=sys.stderr)
     engine = Engine(config)

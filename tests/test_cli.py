@@ -40,11 +40,18 @@ def test_generate_text_and_summary(capsys, tiny_models):
     assert "tok/s" in err and "tau" in err
 
 
-def test_default_model_without_drafter_says_so(capsys):
-    code, out, err = run(capsys, "generate", "What is 2+2?", "--max-tokens", "6", "--device", "cpu", "--json")
-    assert code == 0
-    assert "no default drafter" in err
-    assert json.loads(out)["stats"]["completion_tokens"] >= 1
+def test_default_model_uses_the_shipped_drafter(capsys):
+    """No --model and no --draft: the embedded SmolLM2 with its trained drafter, losslessly."""
+    code, out, err = run(capsys, "generate", "Write a Python function that adds two numbers.", "--max-tokens", "24",
+                         "--device", "cpu", "--json")
+    assert code == 0 and "no default drafter" not in err
+    spec = json.loads(out)
+    assert len(spec["stats"]["accepted_per_position"]) == 15 and spec["stats"]["tau"] > 1.0
+    code, out, _ = run(capsys, "generate", "Write a Python function that adds two numbers.", "--max-tokens", "24",
+                       "--device", "cpu", "--json", "--no-draft")
+    plain = json.loads(out)
+    assert code == 0 and plain["stats"]["accepted_per_position"] == []
+    assert plain["token_ids"] == spec["token_ids"]  # greedy speculation is lossless on CPU fp32
 
 
 @pytest.fixture

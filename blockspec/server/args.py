@@ -178,7 +178,7 @@ def build_engine_config(args: argparse.Namespace) -> EngineConfig:
         elif config.speculative.model is None:
             log.warning("warning: --speculative-config names no draft \"model\": decoding without speculation")
     if args.model is None and config.speculative.model is None and not args.no_draft:
-        log.info("note: no default drafter ships yet for the embedded model; decoding without speculation")
+        log.info("note: no drafter found for the embedded model; decoding without speculation")
     return config
 
 
