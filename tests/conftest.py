@@ -103,6 +103,16 @@ def save_tiny_drafter(out: Path, target_cfg, seed: int = 1, num_layers: int = 2,
     return out
 
 
+@pytest.fixture(autouse=True, scope="session")
+def one_torch_thread():
+    """Tiny matmuls gain nothing from threads, and two spinning OpenMP threads next to a server's event
+    loop on a 2-core machine made engine steps about 10x slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> dict[str, Path]:
     """One tiny checkpoint per family, written once per session."""

@@ -11,7 +11,6 @@ the whole range and every rollback depth is exercised; one run uses a random DFl
 from __future__ import annotations
 
 import pytest
-import torch
 from transformers import AutoConfig
 
 from blockspec.config import EngineConfig, SpeculativeConfig
@@ -23,15 +22,6 @@ from tests.tiny_hybrid import save_tiny_hybrid
 PROMPTS = ["hello world", "a" * 37, "The quick brown fox jumps over", "x", "def f(n):\n    return"]
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 SMALL_KV = 8 * 16 * 1 * 2 * 2 * 16 * 4  # 8 blocks of one attention layer's K/V: forces preemption
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matmuls gain nothing from threads, and lose a lot when other jobs share the cores."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

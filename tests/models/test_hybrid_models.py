@@ -24,15 +24,6 @@ from tests.tiny_hybrid import FAMILIES, save_all
 TOL = dict(rtol=1e-4, atol=1e-4)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matmuls gain nothing from threads, and lose a lot when other jobs share the cores."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     return save_all(tmp_path_factory.mktemp("hybrid"))
