@@ -55,17 +55,6 @@ class TuneSettings:
     server_model: str | None = None
 
 
-def set_k(engine, k: int, drafter) -> None:
-    """Switch a built engine to k drafts per step; k = 0 removes the drafter from the step."""
-    engine.num_speculative_tokens = k
-    engine.scheduler.k = k
-    runner = engine.runner
-    if runner.synthetic is not None or drafter is None:
-        return
-    runner.drafter = drafter if k else None
-    runner.capture_layer_ids = tuple(drafter.config.target_layer_ids) if k else ()
-
-
 class EngineSweep:
     """Runs prompts one at a time through an in-process engine and records each request's stats."""
 
@@ -78,7 +67,6 @@ class EngineSweep:
                                           max_model_len=s.max_model_len, max_num_seqs=1,
                                           gpu_memory_utilization=s.gpu_memory_utilization,
                                           load_format=s.load_format))
-        self.drafter = self.engine.runner.drafter
         self.settings = s
         self.references: dict[str, list[int]] = {}  # prompt id -> greedy AR output (synthetic mode)
         self.counter = 0
@@ -95,7 +83,7 @@ class EngineSweep:
             eng.enable_synthetic_drafts({}, s.synthetic_accept, k)
         else:
             eng.runner.synthetic = None
-        set_k(eng, k, self.drafter)
+            eng.set_num_speculative_tokens(k)
 
     def run(self, prompt: Prompt) -> dict[str, Any]:
         from blockspec.engine.sampling_params import SamplingParams

@@ -61,6 +61,7 @@ class Engine:
 
         try:
             drafter, self.drafter_config = self._load_drafter()
+            self._drafter = drafter  # kept when k is set to 0, so k can come back
             block = self.drafter_config.block_size if self.drafter_config else 1
             k = config.speculative.num_speculative_tokens
             self.num_speculative_tokens = (block - 1 if k is None else k) if drafter is not None else 0
@@ -130,7 +131,25 @@ class Engine:
 
         self.runner.synthetic = SyntheticProposer(references, accept_prob, self.model_config.vocab_size,
                                                   self.config.seed)
-        self.runner.capture_layer_ids = ()
+        self.set_num_speculative_tokens(k)
+
+    def set_num_speculative_tokens(self, k: int) -> None:
+        """Change k between requests (`blockspec tune` sweeps it); k = 0 decodes without the drafter.
+
+        The drafter's weights and KV cache stay allocated; the step's static buffers and CUDA graphs
+        are rebuilt for the new block size.
+        """
+        if self.has_unfinished_requests():
+            raise ConfigError("k can only change while no request is running")
+        synthetic = self.runner.synthetic is not None
+        if k and not synthetic and self._drafter is None:
+            raise ConfigError("k > 0 needs a drafter: pass --draft or a --speculative-config with a model")
+        limit = self.drafter_config.block_size - 1 if self.drafter_config and not synthetic else k
+        if not 0 <= k <= limit:
+            raise ConfigError(f"num_speculative_tokens {k} is outside 0..{limit} (the drafter's block_size - 1)")
+        use_drafter = bool(k) and not synthetic
+        self.runner.drafter = self._drafter if use_drafter else None
+        self.runner.capture_layer_ids = tuple(self.drafter_config.target_layer_ids) if use_drafter else ()
         resize_for_k(self, k)  # checkpoint mode keeps k + 1 states per slot
         self.num_speculative_tokens = self.scheduler.k = self.runner.num_speculative_tokens = k
         self.spec_counters = SpecDecodeCounters(accepted_per_pos=[0] * k)
