@@ -11,7 +11,7 @@ In one run, bf16, batch 1, medians of --runs runs after a warm-up:
     the z-lab loop with the same drafter weights, transformers static + compile; tau as measured.
 Prints a table last and writes gpu_decode.json under $OUT (or --out).
 
-Usage: python bench/gpu_decode.py --gguf SmolLM2-135M-Instruct.Q4_1.gguf [--tokens 128] [--runs 3]
+Usage: python bench/gpu_decode.py --gguf SmolLM2-135M-Instruct.Q4_1.gguf [--draft DIR] [--tokens 128] [--runs 3]
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ import gc
 import json
 import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -32,10 +34,7 @@ from blockspec.config import EngineConfig, SpeculativeConfig
 from blockspec.engine.engine import Engine
 from blockspec.engine.sampling_params import SamplingParams
 
-sys_path = Path(__file__).resolve().parent
-import sys  # noqa: E402
-
-sys.path.insert(0, str(sys_path))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # first_gpu.py sits beside this script
 from first_gpu import QWEN3_8B, copy_bandwidth, drafter_config, replay_ms, write_dir  # noqa: E402
 
 
@@ -232,21 +231,33 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--skip-8b", action="store_true")
+    ap.add_argument("--section", choices=["smollm2", "8b"], default=None,
+                    help="run one section in this process (default: each in its own subprocess, so one "
+                         "section's CUDA graph pools and compiled models cannot starve the next)")
     args = ap.parse_args()
-    from blockspec.loader.default_model import default_drafter_dir
-    from blockspec.loader.weights import resolve_model_path
+    if args.section is None:
+        results = []
+        for section in ("smollm2", "8b"):
+            part = Path(tempfile.mkdtemp())
+            cmd = [sys.executable, __file__, "--gguf", args.gguf, "--out", str(part), "--tokens", str(args.tokens),
+                   "--runs", str(args.runs), "--section", section] + (["--draft", args.draft] if args.draft else [])
+            subprocess.run(cmd, check=True)
+            results += json.loads((part / "gpu_decode.json").read_text())["results"]
+        bw = None
+    else:
+        from blockspec.loader.default_model import default_drafter_dir
+        from blockspec.loader.weights import resolve_model_path
 
-    smol = resolve_model_path(args.gguf)
-    draft = Path(args.draft) if args.draft else default_drafter_dir()
-    bw = copy_bandwidth()
-    work = Path(tempfile.mkdtemp())
-    results = [smollm2(smol, draft, bw, args.tokens, args.runs)]
-    if not args.skip_8b:
-        results.append(eight_b(work, smol, bw, args.tokens, args.runs))
+        smol = resolve_model_path(args.gguf)
+        draft = Path(args.draft) if args.draft else default_drafter_dir()
+        bw = copy_bandwidth()
+        if args.section == "smollm2":
+            results = [smollm2(smol, draft, bw, args.tokens, args.runs)]
+        else:
+            results = [eight_b(Path(tempfile.mkdtemp()), smol, bw, args.tokens, args.runs)]
     out = {"commit": os.environ.get("COMMIT", "unknown"), "device": torch.cuda.get_device_name(),
            "torch": torch.__version__, "dtype": "bfloat16", "batch": 1, "tokens": args.tokens, "runs": args.runs,
-           "copy_bandwidth_GBs": round(bw / 1e9, 1), "results": results}
+           "copy_bandwidth_GBs": round((bw or copy_bandwidth()) / 1e9, 1), "results": results}
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "gpu_decode.json").write_text(json.dumps(out, indent=2))
     print(json.dumps(out, indent=2))
