@@ -7,6 +7,7 @@ from one worker thread and talks to it through queues.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Iterable
@@ -170,6 +171,7 @@ class Engine:
         """Queue a request; raises RequestError (with the numbers) if it cannot run."""
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already running", "request_id")
+        params = dataclasses.replace(params)  # the engine fills in max_tokens: never touch the caller's copy
         params.validate()
         ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
@@ -284,7 +286,7 @@ class Engine:
         plist = params if isinstance(params, list) else [params] * len(prompts)
         ids = [f"gen-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
         for rid, prompt, p in zip(ids, prompts, plist):
-            self.add_request(rid, prompt, SamplingParams(**vars(p)))
+            self.add_request(rid, prompt, p)
         final: dict[str, RequestOutput] = {}
         while len(final) < len(ids) and self.has_unfinished_requests():
             for out in self.step():
