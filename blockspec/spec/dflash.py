@@ -209,6 +209,8 @@ class DFlashAttention(nn.Module):
 
 
 class DFlashMLP(nn.Module):
+    """Unfused on purpose: training exports the state dict as is, in the z-lab checkpoint layout."""
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
