@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from fastapi import Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from blockspec.engine.sequence import RequestStats, TokenLogprob
 from blockspec.server.async_engine import AsyncEngine, RequestGroup, ShuttingDown, Update
@@ -126,6 +126,17 @@ async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
     with contextlib.suppress(asyncio.CancelledError):
         await task
     raise ClientDisconnected()
+
+
+async def respond(state: ServerState, group: RequestGroup, raw: Request, run: Any, stream: bool) -> Response:
+    """An SSE stream, or the collected JSON body (499 when the client left before it was ready)."""
+    if stream:
+        return sse_response(state, group, run.stream())
+    try:
+        body = await until_disconnected(raw, run.collect())
+    except ClientDisconnected:
+        return Response(status_code=499)
+    return JSONResponse(body)
 
 
 async def _wait_for_disconnect(request: Request) -> None:

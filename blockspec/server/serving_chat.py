@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from blockspec.errors import RequestError
 from blockspec.server.async_engine import RequestGroup
@@ -20,17 +20,15 @@ from blockspec.server.sampling import for_choice, sampling_params
 from blockspec.server.serving import (
     DONE,
     Choice,
-    ClientDisconnected,
     ServerState,
     chat_logprobs,
     check_ready,
     follow,
     meta_info,
+    respond,
     spec_decode_stats,
     sse,
-    sse_response,
     submit,
-    until_disconnected,
     usage,
 )
 
@@ -100,13 +98,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
 
     prompt, prompt_ids = await submit(state, group, prepare)
     chat = _Chat(state, req, name, request_id, group, prompt, prompt_ids, arrival)
-    if req.stream:
-        return sse_response(state, group, chat.stream())
-    try:
-        body = await until_disconnected(raw, chat.collect())
-    except ClientDisconnected:
-        return Response(status_code=499)
-    return JSONResponse(body)
+    return await respond(state, group, raw, chat, req.stream)
 
 
 class _Chat:

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from blockspec.server.async_engine import RequestGroup
 from blockspec.server.errors import APIError, bad_request, error_body
@@ -21,17 +21,15 @@ from blockspec.server.sampling import for_choice, sampling_params
 from blockspec.server.serving import (
     DONE,
     Choice,
-    ClientDisconnected,
     ServerState,
     check_ready,
     completion_logprobs,
     follow,
     meta_info,
+    respond,
     spec_decode_stats,
     sse,
-    sse_response,
     submit,
-    until_disconnected,
     usage,
 )
 
@@ -77,13 +75,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
 
     encoded = await submit(state, group, prepare)
     run = _Completion(state, req, name, request_id, group, encoded, arrival)
-    if req.stream:
-        return sse_response(state, group, run.stream())
-    try:
-        body = await until_disconnected(raw, run.collect())
-    except ClientDisconnected:
-        return Response(status_code=499)
-    return JSONResponse(body)
+    return await respond(state, group, raw, run, req.stream)
 
 
 class _Completion:
