@@ -195,7 +195,6 @@ class Engine:
             generator.manual_seed(params.seed)
         detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
         seq = Sequence(request_id, ids, params, detok, self.eos_ids, generator)
-        seq.max_tokens = params.max_tokens
         self.requests[request_id] = seq
         self.scheduler.add(seq)
 

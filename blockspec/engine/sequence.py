@@ -113,12 +113,15 @@ class Sequence:
         self.stop_reason: int | str | None = None
         self.logprobs: list[TokenLogprob] = []
         self.stats = RequestStats(prompt_tokens=len(prompt_ids))
-        self.max_tokens = params.max_tokens or 1
         self._stop_tail = ""  # text searched for stop strings
 
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def max_tokens(self) -> int:
+        return self.params.max_tokens or 1
 
     @property
     def num_output(self) -> int:

@@ -18,7 +18,6 @@ from torch import nn
 
 from blockspec.errors import ConfigError
 from blockspec.kernels.paged_attention import paged_attention
-from blockspec.models.layers.activation import silu_and_mul
 from blockspec.models.layers.attention import DecodeMetadata, gather_kv, sdpa, store_kv
 from blockspec.models.layers.norm import RMSNorm
 from blockspec.models.layers.rotary import RotaryEmbedding
@@ -218,7 +217,7 @@ class DFlashMLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_proj(x), self.up_proj(x)))
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DFlashLayer(nn.Module):
