@@ -16,6 +16,7 @@ from torch import nn
 
 from blockspec.kernels.activation import silu_mul
 from blockspec.kernels.rotary import rope_qk
+from blockspec.kernels.skinny_linear import skinny_linear, skinny_supported
 from blockspec.models.layers.attention import PagedAttention
 from blockspec.models.layers.linear import FusedLinear
 from blockspec.models.layers.norm import RMSNorm
@@ -40,13 +41,20 @@ class LlamaAttention(nn.Module):
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, d, d**-0.5)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        t, nq, nk, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = self.qkv_proj(x)
+        return self.o_proj(self.attend(positions, self.qkv_proj(x)))
+
+    def attend(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
+        """Fused q|k|v projection [T, (nq + 2 nk) d] -> attention output [T, nq d], before o_proj."""
+        t, nq, nk, d = qkv.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        stored = False
         if self.rotary.rotary_dim == d:
-            # q/k norm and rotary in place on the fused projection (one kernel on GPU)
+            # q/k norm, rotary and the K/V cache write in place on the fused projection (one kernel on GPU)
             norm_w = (self.q_norm.weight, self.k_norm.weight) if self.q_norm is not None else (None, None)
             eps = self.q_norm.eps if self.q_norm is not None else 0.0
-            rope_qk(qkv, positions, self.rotary.cos, self.rotary.sin, nq, nk, d, *norm_w, eps)
+            cache = self.attn.cache_for_store()
+            rope_qk(qkv, positions, self.rotary.cos, self.rotary.sin, nq, nk, d, *norm_w, eps,
+                    *(cache if cache is not None else ()))
+            stored = cache is not None
             q = qkv[:, : nq * d].view(t, nq, d)
             k = qkv[:, nq * d:(nq + nk) * d].view(t, nk, d)
         else:
@@ -56,7 +64,7 @@ class LlamaAttention(nn.Module):
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = self.rotary(positions, q, k)
         v = qkv[:, (nq + nk) * d:].view(t, nk, d)
-        return self.o_proj(self.attn(q, k, v))
+        return self.attn(q, k, v, stored=stored)
 
 
 class LlamaMLP(nn.Module):
@@ -79,9 +87,23 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, positions: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        a = self.self_attn(positions, self.input_layernorm(h))
-        x, h = self.post_attention_layernorm(a, residual=h)  # fused residual add + norm
-        return h + self.mlp(x)
+        """The residual stream h in, the layer's output out. Decode and verify batches (<= 16 rows on
+        GPU) take four skinny GEMMs with the norms, SwiGLU and residual adds folded in, updating h in
+        place; everything else the unfused ops."""
+        attn = self.self_attn
+        if not skinny_supported(h, attn.qkv_proj.weight):
+            a = attn(positions, self.input_layernorm(h))
+            x, h = self.post_attention_layernorm(a, residual=h)  # fused residual add + norm
+            return h + self.mlp(x)
+        qkv = skinny_linear(h, attn.qkv_proj.weight, attn.qkv_proj.bias, norm_weight=self.input_layernorm.weight,
+                            eps=self.input_layernorm.eps)
+        h = skinny_linear(attn.attend(positions, qkv), attn.o_proj.weight, attn.o_proj.bias, residual=h)
+        norm = self.post_attention_layernorm
+        if not isinstance(self.mlp, LlamaMLP):  # MoE blocks keep their own path
+            return h + self.mlp(norm(h))
+        act = skinny_linear(h, self.mlp.gate_up_proj.weight, self.mlp.gate_up_proj.bias, norm_weight=norm.weight,
+                            eps=norm.eps, gated=True)
+        return skinny_linear(act, self.mlp.down_proj.weight, self.mlp.down_proj.bias, residual=h)
 
 
 class LlamaModel(nn.Module):
@@ -123,12 +145,14 @@ class LlamaForCausalLM(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Returns the final-normed hidden states [T, H] and, if asked, the context features [T, n*H]."""
         h = self.embed(input_ids)
-        captured: dict[int, torch.Tensor] = {}
+        hs = h.shape[-1]
+        # layers may update h in place (decode), so captured layers are copied out as they finish
+        features = h.new_empty(h.shape[0], len(capture_layer_ids) * hs) if capture_layer_ids else None
         for i, layer in enumerate(self.model.layers):
             h = layer(positions, h)
-            if i in capture_layer_ids:
-                captured[i] = h
-        features = torch.cat([captured[i] for i in capture_layer_ids], dim=-1) if capture_layer_ids else None
+            for j, layer_id in enumerate(capture_layer_ids):
+                if layer_id == i:
+                    features[:, j * hs:(j + 1) * hs] = h
         return self.model.norm(h), features
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -71,3 +71,23 @@ def make_batch(samples: list[Sample], num_anchors: int, block_size: int, mask_to
     block_positions = anchors[:, :, None] + torch.arange(block_size)[None, None, :]
     return TrainBatch(input_ids, anchors, valid, block_ids.view(n, -1), block_positions.view(n, -1), labels,
                       label_mask)
+
+
+def greedy_labels(labels: torch.Tensor, label_mask: torch.Tensor, anchors: torch.Tensor,
+                  next_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Relabel blocks with the target's greedy chain: (labels, label_mask) [N, A, B-1].
+
+    Greedy verification accepts draft j only if it equals the target's argmax after the block's
+    earlier tokens, and the drafter only sees x_a, so its ideal prediction at j is the greedy chain
+    from a. Label j becomes next_ids[a + j - 1] (the target's argmax after x_{a+j-1}), kept only
+    while every earlier stored token of the block equals the target's argmax (a sampled token or a
+    rounding difference ends the chain). next_ids: [N, S] argmax next token after each position.
+    """
+    n, a, k = labels.shape
+    pos = anchors[:, :, None] + torch.arange(k, device=anchors.device)  # predicts position pos + 1
+    pos = pos.clamp(max=next_ids.shape[1] - 1).view(n, -1)
+    teacher = torch.gather(next_ids, 1, pos).view(n, a, k)
+    agree = teacher == labels
+    chain = torch.cat([torch.ones_like(agree[..., :1]), agree[..., :-1]], dim=-1).long().cumprod(-1).bool()
+    mask = label_mask & chain
+    return torch.where(mask, teacher, torch.zeros_like(teacher)), mask

@@ -24,6 +24,8 @@ def add_train_parser(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument("--response-len", type=int, default=256, help="max tokens per response")
     g.add_argument("--temperature", type=float, default=0.7,
                    help="sampling temperature after the first (greedy) pass over the prompts")
+    g.add_argument("--sampled-prefix", type=int, default=16,
+                   help="later passes sample this many tokens, then continue greedily (0: sample throughout)")
     g.add_argument("--gen-batch", type=int, default=None, help="sequences generated at once (default 256 GPU, 32 CPU)")
     g.add_argument("--max-prompt-len", type=int, default=768, help="longer prompts are skipped")
     g.add_argument("--gen-minutes", type=float, default=None,
@@ -40,6 +42,8 @@ def add_train_parser(subparsers: argparse._SubParsersAction) -> None:
     t.add_argument("--lr", type=float, default=6e-4)
     t.add_argument("--batch-size", type=int, default=16, help="sequences per step")
     t.add_argument("--num-anchors", type=int, default=64, help="random anchors (blocks) per sequence per step")
+    t.add_argument("--labels", choices=("greedy", "data"), default="greedy",
+                   help="greedy: learn the target's argmax chain (computed on the fly); data: the stored tokens")
     t.add_argument("--gamma", type=float, default=None, help="loss weight decay (default 7 for B = 16)")
     t.add_argument("--max-time", type=float, default=None, help="training wall-clock cap in minutes")
     t.add_argument("--eval-every", type=int, default=0, help="steps between tau evaluations (default: each epoch)")
@@ -61,13 +65,16 @@ def config_from_args(args: argparse.Namespace):
     for name in ("num_samples", "response_len", "num_layers", "epochs", "batch_size", "num_anchors"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
+    if args.sampled_prefix < 0:
+        raise ConfigError("--sampled-prefix must be 0 or more")
     if args.block_size < 2:
         raise ConfigError("--block-size must be at least 2 (one anchor and one draft)")
     gen = GenerationConfig(num_samples=args.num_samples, response_len=args.response_len,
-                           temperature=args.temperature, seed=args.seed,
+                           temperature=args.temperature, sampled_prefix=args.sampled_prefix, seed=args.seed,
                            max_time_s=None if args.gen_minutes is None else args.gen_minutes * 60)
     train = TrainConfig(epochs=args.epochs, lr=args.lr, batch_size=args.batch_size, num_anchors=args.num_anchors,
-                        gamma=args.gamma, eval_every=args.eval_every, attention=args.attention, seed=args.seed,
+                        gamma=args.gamma, labels=args.labels, eval_every=args.eval_every, attention=args.attention,
+                        seed=args.seed,
                         max_time_s=None if args.max_time is None else args.max_time * 60)
     return PipelineConfig(out=args.out, target=args.target, prompts=args.prompts, data_dir=args.data_dir,
                           generation=gen, training=train, num_layers=args.num_layers, block_size=args.block_size,

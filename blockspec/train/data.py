@@ -2,8 +2,11 @@
 
 Self-distillation: the drafter must predict what *this* target writes, so the target writes the
 responses, batched through blockspec's engine. Sample i answers prompt i % P; the first pass over
-the prompts is greedy (the distribution temperature-0 serving sees), later passes sample at
-`temperature` with a per-sample seed, so the data is reproducible. Samples are written in shards
+the prompts is greedy (the distribution temperature-0 serving sees). Later passes sample only a short
+lead-in (`sampled_prefix` tokens at `temperature`, per-sample seed, so the data is reproducible) and
+continue greedily from it: the lead-in makes each pass a different answer, the greedy remainder is a
+chain the drafter is later scored on (greedy acceptance), not noise around it. `sampled_prefix=0`
+samples whole responses instead. Samples are written in shards
 (safetensors: flat token ids, response mask, offsets); a rerun skips finished shards, and asking
 for more samples later only generates the missing ones.
 """
@@ -40,6 +43,7 @@ class GenerationConfig:
     response_len: int = 256
     temperature: float = 0.7  # for passes after the first, greedy pass over the prompts
     top_p: float = 0.95
+    sampled_prefix: int = 16  # later passes: sampled lead-in tokens, then greedy (0: sample throughout)
     shard_size: int = 512
     seed: int = 0
     max_time_s: float | None = None  # stop after the shard that crosses this (not part of the data's identity)
@@ -56,10 +60,12 @@ class Sample:
 
 
 def sample_params(index: int, num_prompts: int, cfg: GenerationConfig) -> SamplingParams:
-    """Greedy on the first pass over the prompts, seeded sampling afterwards."""
+    """Greedy on the first pass over the prompts; afterwards the seeded sampled lead-in (or, with
+    sampled_prefix 0, a whole sampled response)."""
     if index < num_prompts or cfg.temperature <= 0:
         return SamplingParams(max_tokens=cfg.response_len, temperature=0.0)
-    return SamplingParams(max_tokens=cfg.response_len, temperature=cfg.temperature, top_p=cfg.top_p,
+    max_tokens = min(cfg.sampled_prefix, cfg.response_len) if cfg.sampled_prefix > 0 else cfg.response_len
+    return SamplingParams(max_tokens=max_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
                           seed=cfg.seed * 1_000_003 + index)
 
 
@@ -150,16 +156,24 @@ def _run_shard(engine: Engine, prompt_ids: list[list[int]], indices: list[int], 
     n = len(prompt_ids)
     for i in indices:
         engine.add_request(f"train-{i}", prompt_ids[i % n], sample_params(i, n, cfg))
+    lead_in: dict[int, list[int]] = {}  # sample index -> its sampled lead-in, while the greedy rest runs
     done: dict[int, Sample] = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
-            if out.finished:
-                i = int(out.request_id.removeprefix("train-"))
-                prompt, resp = out.prompt_token_ids, out.token_ids
-                ids = torch.tensor(prompt + resp, dtype=torch.int64)
-                mask = torch.cat([torch.zeros(len(prompt), dtype=torch.bool), torch.ones(len(resp), dtype=torch.bool)])
-                done[i] = Sample(ids, mask)
-                bar.update(1)
+            if not out.finished:
+                continue
+            i = int(out.request_id.split("-")[1])
+            prompt = prompt_ids[i % n]
+            resp = lead_in.pop(i, []) + out.token_ids
+            left = cfg.response_len - len(resp)
+            if out.request_id.startswith("train-") and i >= n and out.finish_reason == "length" and left > 0:
+                lead_in[i] = resp  # continue greedily after the sampled lead-in
+                engine.add_request(f"rest-{i}", prompt + resp, SamplingParams(max_tokens=left, temperature=0.0))
+                continue
+            ids = torch.tensor(prompt + resp, dtype=torch.int64)
+            mask = torch.cat([torch.zeros(len(prompt), dtype=torch.bool), torch.ones(len(resp), dtype=torch.bool)])
+            done[i] = Sample(ids, mask)
+            bar.update(1)
     return [done[i] for i in indices]
 
 

@@ -178,6 +178,19 @@ def _summary(cfg: PipelineConfig, target_dir: Path, config_json: dict[str, Any],
     }
 
 
+def _later_passes(d: dict[str, Any]) -> str:
+    sampled = f"at temperature {d['temperature']} (top-p {d['top_p']})"
+    if d.get("sampled_prefix", 0) > 0:
+        return f"a {d['sampled_prefix']}-token lead-in sampled {sampled}, then greedy"
+    return f"sampled {sampled}"
+
+
+def _labels(t: dict[str, Any]) -> str:
+    if t.get("labels", "data") == "greedy":
+        return "the target's greedy chain (argmax after each stored token, cut at the first disagreement)"
+    return "the stored tokens"
+
+
 def card_sections(summary: dict[str, Any]) -> dict[str, str]:
     """Model-card sections from a pipeline summary (callers may add their own evaluation)."""
     d, t, m = summary["data"], summary["training"], summary["drafter"]
@@ -191,11 +204,12 @@ def card_sections(summary: dict[str, Any]) -> dict[str, str]:
         "Data": (f"{d['samples']} responses ({d['response_tokens']} tokens) written by the target itself through "
                  f"blockspec's engine from the prompt set '{d['prompts']}' (our own code, step-by-step math, dialogue, "
                  f"prose and JSON prompts; no HumanEval task, none of the benchmark prompts): the first pass over the "
-                 f"prompts greedy, later passes sampled at temperature {d['temperature']} (top-p {d['top_p']}); "
-                 f"responses up to {d['response_len']} tokens. Generation took {summary['data_wall_s']} s."),
+                 f"prompts greedy, later passes {_later_passes(d)}; responses up to {d['response_len']} tokens. "
+                 f"Generation took {summary['data_wall_s']} s."),
         "Training": (f"{t['steps']} steps ({t['epochs_done']} epochs) of {t['batch_size']} sequences x "
                      f"{t['num_anchors']} random anchors, AdamW lr {t['lr']}, cosine with {t['warmup_ratio']:.0%} "
-                     f"warm-up, grad clip {t['grad_clip']}, loss weights exp(-(k-1)/gamma), on {summary['device']}; "
+                     f"warm-up, grad clip {t['grad_clip']}, loss weights exp(-(k-1)/gamma), labels "
+                     f"{_labels(t)}, on {summary['device']}; "
                      f"{t['wall_s']} s. Final loss {t['final_loss']}, batch tau estimate {t['final_tau_est']}."),
     }
     if ev:

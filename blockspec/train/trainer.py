@@ -13,6 +13,7 @@ import contextlib
 import json
 import logging
 import math
+import statistics
 import time
 from collections import deque
 from collections.abc import Callable
@@ -25,7 +26,7 @@ from torch import nn
 from tqdm import tqdm
 
 from blockspec.spec.dflash import DFlashDrafter
-from blockspec.train.batching import TrainBatch, make_batch
+from blockspec.train.batching import TrainBatch, greedy_labels, make_batch
 from blockspec.train.data import Sample
 from blockspec.train.features import target_features
 from blockspec.train.loss import default_gamma, dflash_loss, position_weights
@@ -51,6 +52,7 @@ class TrainConfig:
     save_every: int = 500  # steps between train_state.pt checkpoints
     max_time_s: float | None = None  # wall-clock cap: the schedule is fitted to it after a few steps
     attention: str = "auto"  # auto | sdpa | flex
+    labels: str = "greedy"  # greedy: the target's argmax chain (batching.greedy_labels) | data: stored tokens
     seed: int = 0
 
 
@@ -123,14 +125,18 @@ class Trainer:
     def loss(self, batch: TrainBatch):
         """Forward of one batch (features, drafter, loss); used by the step and by the tests."""
         b = batch.to(self.device)
-        features = target_features(self.target, b.input_ids, self.layer_ids)
+        features, next_ids = target_features(self.target, b.input_ids, self.layer_ids,
+                                             greedy=self.cfg.labels == "greedy")
+        labels, label_mask = b.labels, b.label_mask
+        if next_ids is not None:
+            labels, label_mask = greedy_labels(labels, label_mask, b.anchors, next_ids)
         with torch.no_grad():
             embeds = self.target.embed(b.block_ids).float()
         attention = BlockAttention(b.anchors, b.input_ids.shape[1], self.block_size, self.backend)
         lm_head = self.target.lm_head_weight
         with self._autocast():
             hidden = train_forward(self.drafter, features, embeds, b.block_positions, attention)
-            return dflash_loss(hidden, b.labels, b.label_mask, b.anchor_valid, self.weights,
+            return dflash_loss(hidden, labels, label_mask, b.anchor_valid, self.weights,
                                lambda rows: self.drafter.compute_logits(rows, lm_head))
 
     def train_step(self, batch: TrainBatch):
@@ -180,18 +186,24 @@ class Trainer:
 
     # ---- the loop -------------------------------------------------------------------------------
 
-    def _fit_budget(self, start: float, first_step: int, t_first: float) -> None:
-        """Shrink total_steps so the run ends inside max_time_s (measured pace, evals included)."""
+    def _fit_budget(self, start: float, stamps: deque[float]) -> None:
+        """Fit total_steps to end inside max_time_s, from the median pace of the recent steps (the
+        first step of each padded shape carries compilation, so a mean from the start cut runs short).
+        Early in the run the fit may grow as well as shrink; later it only shrinks, so the cosine
+        schedule is not pulled back up near its end."""
         budget = self.cfg.max_time_s
-        done = self.step - first_step
-        if budget is None or done < 5:
+        if budget is None or len(stamps) < 5:
             return
-        pace = (time.perf_counter() - t_first) / done
-        left = budget - (time.perf_counter() - start)
-        fit = self.step + max(0, int(left / pace))
-        if fit < self.total_steps:
+        now = time.perf_counter()
+        times = list(stamps)
+        pace = statistics.median(b - a for a, b in zip(times[:-1], times[1:]))
+        fit = self.step + max(0, int((budget - (now - start)) / pace))
+        cap = self.cfg.epochs * self.steps_per_epoch
+        if now - start < 0.25 * budget:
+            self.total_steps = min(cap, fit)
+        elif fit < self.total_steps:
             self.total_steps = fit
-            self.warmup = min(self.warmup, max(1, round(self.cfg.warmup_ratio * fit)))
+        self.warmup = min(self.warmup, max(1, round(self.cfg.warmup_ratio * self.total_steps)))
 
     def _evaluate(self, bar: tqdm) -> None:
         if self.evaluator is None:
@@ -212,15 +224,14 @@ class Trainer:
             (self.out_dir / LOG).unlink()
         eval_every = self.cfg.eval_every or self.steps_per_epoch
         start = time.perf_counter()
-        first_step, t_first = self.step, None
+        stamps: deque[float] = deque(maxlen=50)  # end times of the recent steps, for the time budget
         recent: deque[tuple[float, float]] = deque(maxlen=20)  # (loss, tau_est) of the last steps
         bar = tqdm(total=self.total_steps, initial=self.step, desc="training", unit="step", dynamic_ncols=True)
         try:
             while self.step < self.total_steps:
                 epoch, index = divmod(self.step, self.steps_per_epoch)
                 out, grad_norm = self.train_step(self.batch(epoch, index))
-                if t_first is None:  # the first step carries compilation and allocator warm-up
-                    t_first, first_step = time.perf_counter(), self.step
+                stamps.append(time.perf_counter())
                 loss, tau = out.loss.item(), out.tau_est.item()
                 recent.append((loss, tau))
                 loss_avg, tau_avg = (sum(x) / len(recent) for x in zip(*recent))
@@ -238,7 +249,7 @@ class Trainer:
                     self._evaluate(bar)
                 if self.step % self.cfg.save_every == 0:
                     self.save_state()
-                self._fit_budget(start, first_step, t_first)
+                self._fit_budget(start, stamps)
                 bar.total = self.total_steps
             self._evaluate(bar)
             self.save_state()

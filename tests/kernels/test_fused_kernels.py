@@ -5,12 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from blockspec.kernels._triton import kernel_device
 from blockspec.kernels.activation import silu_mul, silu_mul_ref
 from blockspec.kernels.rms_norm import rms_norm, rms_norm_ref
 from blockspec.kernels.rotary import rope_qk, rope_qk_ref
 from blockspec.models.layers.rotary import RotaryEmbedding
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="Triton kernels need a CUDA GPU")
+DEVICE = kernel_device()
+kernels = pytest.mark.skipif(DEVICE is None, reason="Triton kernels need a CUDA GPU (or TRITON_INTERPRET=1)")
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -36,12 +38,12 @@ def test_rope_reference_matches_rotary_module():
     torch.testing.assert_close(fused[:, (nq + nk) * d:], qkv[:, (nq + nk) * d:])  # v untouched
 
 
-@cuda
+@kernels
 @pytest.mark.parametrize("n", [576, 4096, 5120])
 def test_rms_norm_kernel(n):
-    x = torch.randn(37, n, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(37, n, device=DEVICE, dtype=torch.bfloat16)
     r = torch.randn_like(x)
-    w = torch.rand(n, device="cuda", dtype=torch.bfloat16) + 0.5
+    w = torch.rand(n, device=DEVICE, dtype=torch.bfloat16) + 0.5
     y, _ = rms_norm(x, w, 1e-6)
     assert rel_err(y, rms_norm_ref(x, w, 1e-6)[0]) < 1e-2
     y, res = rms_norm(x, w, 1e-6, r)
@@ -49,22 +51,46 @@ def test_rms_norm_kernel(n):
     assert rel_err(y, ry) < 1e-2 and torch.equal(res, rres)
 
 
-@cuda
+@kernels
 def test_silu_mul_kernel():
-    x = torch.randn(19, 2 * 12288, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(19, 2 * 12288, device=DEVICE, dtype=torch.bfloat16)
     assert rel_err(silu_mul(x), silu_mul_ref(x)) < 1e-2
 
 
-@cuda
+@kernels
 @pytest.mark.parametrize("nq,nk,d,norm", [(32, 8, 128, True), (9, 3, 64, False)])
 def test_rope_kernel(nq, nk, d, norm):
     t = 33
-    qkv = torch.randn(t, (nq + 2 * nk) * d, device="cuda", dtype=torch.bfloat16)
-    pos = torch.randint(0, 4000, (t,), device="cuda")
-    rot = RotaryEmbedding(d, 4096, 1e6).cuda()
-    qw = torch.rand(d, device="cuda", dtype=torch.bfloat16) + 0.5 if norm else None
-    kw = torch.rand(d, device="cuda", dtype=torch.bfloat16) + 0.5 if norm else None
+    qkv = torch.randn(t, (nq + 2 * nk) * d, device=DEVICE, dtype=torch.bfloat16)
+    pos = torch.randint(0, 4000, (t,), device=DEVICE)
+    rot = RotaryEmbedding(d, 4096, 1e6).to(DEVICE)
+    qw = torch.rand(d, device=DEVICE, dtype=torch.bfloat16) + 0.5 if norm else None
+    kw = torch.rand(d, device=DEVICE, dtype=torch.bfloat16) + 0.5 if norm else None
     ours, ref = qkv.clone(), qkv.clone()
     rope_qk(ours, pos, rot.cos, rot.sin, nq, nk, d, qw, kw, 1e-6)
     rope_qk_ref(ref, pos, rot.cos, rot.sin, nq, nk, d, qw, kw, 1e-6)
     assert rel_err(ours, ref) < 1e-2
+
+
+@kernels
+@pytest.mark.parametrize("norm", [True, False])
+def test_rope_kernel_writes_the_kv_cache(norm):
+    """With caches, key heads land in their slot after norm + rotation, value heads as they are."""
+    t, nq, nk, d, blocks, page = 5, 4, 2, 64, 6, 4
+    qkv = torch.randn(t, (nq + 2 * nk) * d, device=DEVICE, dtype=torch.bfloat16)
+    pos = torch.tensor([3, 7, 8, 20, 1], device=DEVICE)
+    slots = torch.tensor([0, 9, 13, 22, 5], device=DEVICE)
+    rot = RotaryEmbedding(d, 64, 1e4).to(DEVICE)
+    qw = torch.rand(d, device=DEVICE, dtype=torch.bfloat16) + 0.5 if norm else None
+    kw = torch.rand(d, device=DEVICE, dtype=torch.bfloat16) + 0.5 if norm else None
+    caches = [torch.zeros(blocks, page, nk, d, device=DEVICE, dtype=torch.bfloat16) for _ in range(4)]
+    ours, ref = qkv.clone(), qkv.clone()
+    rope_qk(ours, pos, rot.cos, rot.sin, nq, nk, d, qw, kw, 1e-6, caches[0], caches[1], slots)
+    rope_qk_ref(ref, pos, rot.cos, rot.sin, nq, nk, d, qw, kw, 1e-6, caches[2], caches[3], slots)
+    assert rel_err(ours, ref) < 1e-2
+    assert rel_err(caches[0], caches[2]) < 1e-2 and torch.equal(caches[1], caches[3])
+    flat_k = caches[0].view(-1, nk * d)
+    torch.testing.assert_close(flat_k[slots], ours[:, nq * d:(nq + nk) * d])  # the rotated keys, exactly
+    untouched = torch.ones(blocks * page, dtype=torch.bool)
+    untouched[slots.cpu()] = False
+    assert not flat_k[untouched.to(DEVICE)].any()

@@ -5,8 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from blockspec.kernels._triton import kernel_device
 from blockspec.kernels.paged_attention import paged_attention, paged_attention_ref
 from blockspec.models.layers.attention import AttentionMetadata, paged_attention_reference
+
+
+DEVICE = kernel_device()
 
 
 def random_case(device, dtype, batch, q_len, heads, kv_heads, head_dim, page=16, max_len=300, seed=0):
@@ -41,13 +45,13 @@ def test_reference_matches_gather_reference():
     torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="Triton kernel needs a CUDA GPU")
+@pytest.mark.skipif(DEVICE is None, reason="Triton kernel needs a CUDA GPU (or TRITON_INTERPRET=1)")
 @pytest.mark.parametrize("batch,q_len,heads,kv_heads,head_dim", [
     (1, 1, 32, 8, 128), (1, 16, 32, 8, 128), (3, 16, 9, 3, 64), (4, 8, 16, 16, 64), (2, 1, 14, 2, 64)])
 @pytest.mark.parametrize("causal", [True, False])
 def test_triton_matches_reference(batch, q_len, heads, kv_heads, head_dim, causal):
     for seed in range(2):
-        q, kc, vc, tables, seq_lens, kv_start = random_case("cuda", torch.bfloat16, batch, q_len, heads, kv_heads,
+        q, kc, vc, tables, seq_lens, kv_start = random_case(DEVICE, torch.bfloat16, batch, q_len, heads, kv_heads,
                                                              head_dim, max_len=1200, seed=seed)
         if causal:
             kv_start.zero_()

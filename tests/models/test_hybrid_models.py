@@ -139,7 +139,7 @@ def test_dense_pass_for_drafter_training(checkpoints, family):
     ids = torch.randint(0, 256, (2, 19), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         out = hf(input_ids=ids, output_hidden_states=True)
-        feats = target_features(model, ids, [1, 2])
+        feats, _ = target_features(model, ids, [1, 2])
     torch.testing.assert_close(feats, torch.cat([out.hidden_states[2], out.hidden_states[3]], dim=-1), **TOL)
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from blockspec.train.batching import anchor_candidates, make_batch
+from blockspec.train.batching import anchor_candidates, greedy_labels, make_batch
 from blockspec.train.data import Sample
 
 
@@ -48,3 +48,28 @@ def test_anchors_are_resampled_and_capped():
     assert len(set(a1.tolist())) == 10 and a1.tolist() == sorted(a1.tolist())
     assert not torch.equal(a1, a2)
     assert (a1 >= 5).all() and (a1 < 104).all()
+
+
+def test_greedy_labels_follow_the_target_chain_until_it_breaks():
+    """Brute force: label j is the argmax after x_{a+j-1}, kept while every earlier stored token of the
+    block equals the argmax before it."""
+    g = torch.Generator().manual_seed(3)
+    n, seq, block, vocab = 3, 40, 6, 5
+    samples = [Sample(torch.randint(0, vocab, (seq,), generator=g),
+                      torch.cat([torch.zeros(8, dtype=torch.bool), torch.ones(seq - 8, dtype=torch.bool)]))
+               for _ in range(n)]
+    b = make_batch(samples, num_anchors=10, block_size=block, mask_token_id=vocab, generator=g)
+    next_ids = torch.randint(0, vocab, (n, seq), generator=g)
+    next_ids[:, :-1] = torch.where(torch.rand(n, seq - 1, generator=g) < 0.7, b.input_ids[:, 1:], next_ids[:, :-1])
+    labels, mask = greedy_labels(b.labels, b.label_mask, b.anchors, next_ids)
+    for i in range(n):
+        for j in range(10):
+            a = int(b.anchors[i, j])
+            alive = bool(b.anchor_valid[i, j])
+            for k in range(1, block):
+                alive = alive and bool(b.label_mask[i, j, k - 1])
+                if k > 1:
+                    alive = alive and int(b.input_ids[i, a + k - 1]) == int(next_ids[i, a + k - 2])
+                assert bool(mask[i, j, k - 1]) == alive
+                assert int(labels[i, j, k - 1]) == (int(next_ids[i, a + k - 1]) if alive else 0)
+    assert mask.any() and (mask != b.label_mask).any()

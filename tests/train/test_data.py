@@ -53,3 +53,26 @@ def test_generate_store_and_resume(engine, tmp_path, monkeypatch):
 
     with pytest.raises(ConfigError, match="response_len"):
         generate_data(engine, PROMPTS, GenerationConfig(num_samples=4, response_len=8, shard_size=4), data)
+
+
+def test_later_passes_sample_a_lead_in_then_continue_greedily(tiny_models, tmp_path):
+    """After the greedy pass, a sample is its seeded lead-in plus the greedy continuation of it."""
+    # the untied tiny model: its next-token distributions are flat enough for sampling to vary
+    engine = Engine(EngineConfig(model=str(tiny_models["llama"]), device="cpu", max_num_seqs=8, max_model_len=96))
+    lead = 3
+    cfg = GenerationConfig(num_samples=8, response_len=12, temperature=1.5, sampled_prefix=lead, shard_size=8)
+    samples = load_samples(generate_data(engine, PROMPTS, cfg, tmp_path / "data"))
+    texts = [engine.apply_chat_template(p.messages) for p in PROMPTS]
+    for i, s in enumerate(samples[4:], start=4):
+        prompt = engine.encode(texts[i % 4])
+        resp = s.ids[len(prompt):].tolist()
+        assert s.mask[len(prompt):].all() and 1 <= len(resp) <= 12
+        if len(resp) <= lead:
+            continue  # the lead-in itself ended the answer
+        rest = engine.generate([prompt + resp[:lead]], SamplingParams(temperature=0, max_tokens=12 - lead))[0]
+        assert resp[lead:] == rest.token_ids
+    # a different seed's lead-ins give different answers (the point of sampling them)
+    other = GenerationConfig(num_samples=8, response_len=12, temperature=1.5, sampled_prefix=lead, shard_size=8,
+                             seed=1)
+    again = load_samples(generate_data(engine, PROMPTS, other, tmp_path / "other"))
+    assert any(a.ids.tolist() != b.ids.tolist() for a, b in zip(samples[4:], again[4:]))

@@ -144,13 +144,22 @@ class PagedAttention(nn.Module):
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def cache_for_store(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(k_cache, v_cache, slot_mapping) when this step's K/V go to the paged cache, so a fused
+        rotary kernel can write them (then forward(..., stored=True)); None for dense training passes."""
+        meta = current_metadata()
+        if isinstance(meta, DenseCausalMetadata) or self.k_cache is None or self.v_cache is None:
+            return None
+        return self.k_cache, self.v_cache, meta.slot_mapping
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, stored: bool = False) -> torch.Tensor:
         meta = current_metadata()
         if isinstance(meta, DenseCausalMetadata):
             return dense_causal_attention(q, k, v, meta.batch, self.scale)
         if self.k_cache is None or self.v_cache is None:
             raise RuntimeError("KV cache not bound: the runner allocates it before the first step")
-        store_kv(self.k_cache, self.v_cache, meta.slot_mapping, k, v)
+        if not stored:
+            store_kv(self.k_cache, self.v_cache, meta.slot_mapping, k, v)
         if meta.decode is not None:
             d = meta.decode
             out = paged_attention(q, self.k_cache, self.v_cache, d.block_tables, d.seq_lens, d.kv_start, d.q_len,

@@ -1,0 +1,196 @@
+"""Skinny GEMM for M <= 16 rows (decode, speculative verify) with the small ops around a projection folded in.
+
+    y = epilogue(prologue(x) @ W.T + bias)
+
+Batch-1 decode is launch-bound, so one kernel does what otherwise takes three to five: an optional RMSNorm
+prologue (each program recomputes the row statistics: x is tiny), then one of three epilogues: plain output,
+SwiGLU over a stacked [gate; up] weight, or a residual add written in place. Rounding follows the reference
+(`skinny_linear_ref`) step by step: float32 accumulation, one rounding per torch op it replaces.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from blockspec.kernels._triton import HAVE_TRITON, use_triton
+from blockspec.kernels.activation import silu_mul_ref
+from blockspec.kernels.rms_norm import rms_norm_ref
+
+if HAVE_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _skinny_linear_kernel(X, W, B, NW, Y, M, N_OUT, eps, K: tl.constexpr,
+                              HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr, GATED: tl.constexpr,
+                              HAS_RES: tl.constexpr, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        # One program owns BLOCK_N output columns for all M rows; with GATED it reads the matching gate rows
+        # (n) and up rows (N_OUT + n) of W. With HAS_RES, Y is the residual: read, added to, written back.
+        # K is constexpr: a model has a handful of K values, the trip count and (when BLOCK_K divides K) the
+        # K masks become compile-time, and Triton's interpreter cannot range() over a runtime scalar under
+        # NumPy >= 2.4.
+        dtype = Y.dtype.element_ty
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        m_mask = offs_m < M
+        n_mask = offs_n < N_OUT
+        x_rows = X + offs_m[:, None].to(tl.int64) * K  # [BLOCK_M, 1]
+        g_rows = W + offs_n[:, None].to(tl.int64) * K  # [BLOCK_N, 1]
+        u_rows = W + (offs_n[:, None] + N_OUT).to(tl.int64) * K
+
+        if HAS_NORM:  # first pass over K: per-row sum of squares, as rms_norm_ref computes it in float32
+            ss = tl.zeros([BLOCK_M], dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                ks = k0 + offs_k
+                xv = tl.load(x_rows + ks[None, :], mask=m_mask[:, None] & (ks[None, :] < K), other=0.0)
+                xf = xv.to(tl.float32)
+                ss += tl.sum(xf * xf, axis=1)
+            rstd = tl.rsqrt(ss / K + eps)
+
+        if USE_DOT:
+            acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        else:  # M == 1: accumulate products elementwise, reduce across K once after the loop
+            acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+            acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + offs_k
+            k_mask = ks < K
+            x_mask = m_mask[:, None] & k_mask[None, :]
+            xv = tl.load(x_rows + ks[None, :], mask=x_mask, other=0.0)
+            if HAS_NORM:
+                h = (xv.to(tl.float32) * rstd[:, None]).to(dtype)
+                nw = tl.load(NW + ks, mask=k_mask, other=0.0)
+                xv = (h.to(tl.float32) * nw.to(tl.float32)[None, :]).to(dtype)
+                xv = tl.where(x_mask, xv, 0.0).to(dtype)  # padded rows: rsqrt(0 + 0) would be inf
+            w_mask = n_mask[:, None] & k_mask[None, :]
+            wg = tl.load(g_rows + ks[None, :], mask=w_mask, other=0.0)
+            if USE_DOT:
+                acc_g = tl.dot(xv, tl.trans(wg), acc_g, input_precision=DOT_PRECISION)
+            else:
+                acc_g += wg.to(tl.float32) * xv.to(tl.float32)
+            if GATED:
+                wu = tl.load(u_rows + ks[None, :], mask=w_mask, other=0.0)
+                if USE_DOT:
+                    acc_u = tl.dot(xv, tl.trans(wu), acc_u, input_precision=DOT_PRECISION)
+                else:
+                    acc_u += wu.to(tl.float32) * xv.to(tl.float32)
+
+        if USE_DOT:
+            yg = acc_g
+            yu = acc_u
+        else:
+            yg = tl.sum(acc_g, axis=1)[None, :]  # [1, BLOCK_N]
+            yu = tl.sum(acc_u, axis=1)[None, :]
+        if HAS_BIAS:
+            yg += tl.load(B + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+            if GATED:
+                yu += tl.load(B + N_OUT + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        y = yg.to(dtype)  # the F.linear output
+        if GATED:  # silu_mul_ref: F.silu rounds, then the bf16 multiply rounds again
+            g = y.to(tl.float32)
+            s = (g / (1.0 + tl.exp(-g))).to(dtype)
+            y = (s.to(tl.float32) * yu.to(dtype).to(tl.float32)).to(dtype)
+        out_mask = m_mask[:, None] & n_mask[None, :]
+        y_ptrs = Y + offs_m[:, None].to(tl.int64) * N_OUT + offs_n[None, :]
+        if HAS_RES:
+            r = tl.load(y_ptrs, mask=out_mask, other=0.0)
+            y = (r.to(tl.float32) + y.to(tl.float32)).to(dtype)
+        tl.store(y_ptrs, y, mask=out_mask)
+
+
+_NUM_SMS = 132  # H100 / H200
+_MIN_PROGRAMS = 2 * _NUM_SMS
+
+
+def _next_pow2(v: int) -> int:
+    return 1 << max(v - 1, 0).bit_length()
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _launch_config(m: int, n: int, k: int) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages) for m rows, n output columns, reduction length k.
+
+    A hand heuristic (no autotune: CUDA graphs are captured right after warm-up). The kernel is bound by
+    streaming W, so it wants enough programs to fill the GPU (>= 2 per SM where n allows) with enough
+    bytes in flight each. BLOCK_N is the largest candidate that still gives >= _MIN_PROGRAMS programs,
+    else the smallest. With gated=True n is the output width (I); each program then reads 2*BLOCK_N rows.
+    - m == 1 (multiply + row-sum path): BLOCK_N 4..16, wide BLOCK_K so each thread issues several
+      16-byte loads along K per iteration; 8 warps once the tile reaches 8192 elements.
+    - 2 <= m <= 16 (tl.dot path, rows padded to 16): BLOCK_N 16..64, BLOCK_K 128 (256 bytes of bf16 per
+      W row per stage), 3 stages of cp.async pipelining.
+    """
+    if m == 1:
+        block_k = min(512, max(64, _next_pow2(k)))
+        block_n = next((b for b in (16, 8) if _cdiv(n, b) >= _MIN_PROGRAMS), 4)
+        return block_n, block_k, 8 if block_n * block_k >= 8192 else 4, 3
+    block_k = min(128, max(16, _next_pow2(k)))
+    block_n = next((b for b in (64, 32) if _cdiv(n, b) >= _MIN_PROGRAMS), 16)
+    return block_n, block_k, 4, 3
+
+
+def skinny_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                      norm_weight: torch.Tensor | None = None, eps: float = 0.0, gated: bool = False,
+                      residual: torch.Tensor | None = None) -> torch.Tensor:
+    """The definition: rms_norm_ref -> F.linear -> silu_mul_ref -> residual add (in place, returns residual)."""
+    if norm_weight is not None:
+        x = rms_norm_ref(x, norm_weight, eps)[0]
+    y = F.linear(x, weight, bias)
+    if gated:
+        y = silu_mul_ref(y)
+    if residual is None:
+        return y
+    return residual.copy_(residual + y)
+
+
+def skinny_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the Triton kernel applies to this activation / weight pair."""
+    return (use_triton(x) and x.dim() == 2 and 1 <= x.shape[0] <= 16 and x.is_contiguous()
+            and x.dtype == weight.dtype and weight.is_contiguous())
+
+
+def _operands_fit(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  norm_weight: torch.Tensor | None, gated: bool, residual: torch.Tensor | None) -> bool:
+    """The remaining operands have the shapes, dtype and layout the kernel indexes them with."""
+    if weight.dim() != 2 or weight.shape[1] != x.shape[1] or (gated and weight.shape[0] % 2):
+        return False
+    n_out = weight.shape[0] // 2 if gated else weight.shape[0]
+
+    def fits(t: torch.Tensor | None, shape: tuple[int, ...]) -> bool:
+        return t is None or (t.shape == shape and t.dtype == x.dtype and t.is_contiguous() and t.device == x.device)
+
+    return (fits(bias, (weight.shape[0],)) and fits(norm_weight, (x.shape[1],))
+            and fits(residual, (x.shape[0], n_out)))
+
+
+def _skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                          norm_weight: torch.Tensor | None, eps: float, gated: bool,
+                          residual: torch.Tensor | None) -> torch.Tensor:
+    """Launch without the support checks (the tests call it on CPU tensors under TRITON_INTERPRET=1)."""
+    m, k = x.shape
+    n_out = weight.shape[0] // 2 if gated else weight.shape[0]
+    out = residual if residual is not None else torch.empty(m, n_out, dtype=x.dtype, device=x.device)
+    block_n, block_k, num_warps, num_stages = _launch_config(m, n_out, k)
+    use_dot = m > 1
+    _skinny_linear_kernel[(triton.cdiv(n_out, block_n),)](
+        x, weight, bias if bias is not None else x, norm_weight if norm_weight is not None else x, out,
+        m, n_out, eps, K=k,
+        HAS_BIAS=bias is not None, HAS_NORM=norm_weight is not None, GATED=gated, HAS_RES=residual is not None,
+        USE_DOT=use_dot, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        BLOCK_M=16 if use_dot else 1, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages)
+    return out
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                  norm_weight: torch.Tensor | None = None, eps: float = 0.0, gated: bool = False,
+                  residual: torch.Tensor | None = None) -> torch.Tensor:
+    """One launch for norm + projection + SwiGLU / residual add; the reference elsewhere (CPU, M > 16, grad)."""
+    if skinny_supported(x, weight) and _operands_fit(x, weight, bias, norm_weight, gated, residual):
+        return _skinny_linear_triton(x, weight, bias, norm_weight, eps, gated, residual)
+    return skinny_linear_ref(x, weight, bias, norm_weight=norm_weight, eps=eps, gated=gated, residual=residual)

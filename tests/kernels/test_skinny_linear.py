@@ -1,0 +1,226 @@
+"""Skinny GEMM with folded RMSNorm / SwiGLU / residual: the reference against a hand computation (always, CPU),
+the Triton kernel against the reference (on a GPU, or on CPU under TRITON_INTERPRET=1).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from blockspec.kernels.skinny_linear import (
+    _MIN_PROGRAMS,
+    _launch_config,
+    skinny_linear,
+    skinny_linear_ref,
+    skinny_supported,
+)
+
+try:
+    import triton  # noqa: F401
+
+    HAVE_TRITON = True
+except ImportError:
+    HAVE_TRITON = False
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+if HAVE_TRITON and torch.cuda.is_available():
+    KERNEL_DEVICE: str | None = "cuda"
+elif HAVE_TRITON and INTERPRET:
+    KERNEL_DEVICE = "cpu"  # Triton's interpreter runs the kernel on CPU tensors
+else:
+    KERNEL_DEVICE = None
+
+kernel = pytest.mark.skipif(KERNEL_DEVICE is None, reason="needs a CUDA GPU, or Triton with TRITON_INTERPRET=1")
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def make_inputs(m: int, n: int, k: int, dtype: torch.dtype, *, bias: bool, norm: bool, gated: bool,
+                residual: bool, device: str = "cpu", seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    n_out = n // 2 if gated else n
+
+    def rand(*shape: int, scale: float = 1.0, offset: float = 0.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g) * scale + offset).to(dtype=dtype, device=device)
+
+    return dict(
+        x=rand(m, k, scale=2.0, offset=0.3),
+        weight=rand(n, k, scale=k ** -0.5),
+        bias=rand(n, scale=0.1) if bias else None,
+        norm_weight=(torch.rand(k, generator=g) + 0.5).to(dtype=dtype, device=device) if norm else None,
+        eps=1e-6 if norm else 0.0,
+        gated=gated,
+        residual=rand(m, n_out, scale=0.2) if residual else None,
+    )
+
+
+def by_hand(x, weight, bias, norm_weight, eps, gated, residual) -> torch.Tensor:
+    """The same math written out, rounding to the activation dtype wherever a torch op would."""
+    dt = x.dtype
+    if norm_weight is not None:
+        xf = x.float()
+        h = (xf / torch.sqrt((xf * xf).sum(-1, keepdim=True) / x.shape[-1] + eps)).to(dt)
+        x = (h.float() * norm_weight.float()).to(dt)
+    y = x.float() @ weight.float().T
+    if bias is not None:
+        y = y + bias.float()
+    y = y.to(dt)
+    if gated:
+        g, u = y[:, : y.shape[1] // 2].float(), y[:, y.shape[1] // 2:].float()
+        y = ((g * torch.sigmoid(g)).to(dt).float() * u).to(dt)
+    if residual is not None:
+        y = (residual.float() + y.float()).to(dt)
+    return y
+
+
+COMBOS = list(itertools.product([False, True], repeat=4))  # bias, norm, gated, residual
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias,norm,gated,residual", COMBOS)
+def test_reference_matches_hand_computation(dtype, bias, norm, gated, residual):
+    inp = make_inputs(3, 48, 40, dtype, bias=bias, norm=norm, gated=gated, residual=residual)
+    x0 = inp["x"].clone()
+    r0 = inp["residual"].clone() if residual else None
+    expected = by_hand(**{**inp, "residual": r0})
+    out = skinny_linear_ref(**inp)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    else:
+        assert rel_err(out, expected) < 1e-2
+    assert out.shape == (3, 24 if gated else 48) and out.dtype == dtype
+    assert torch.equal(inp["x"], x0)
+    if residual:
+        assert out is inp["residual"] and not torch.equal(out, r0)
+
+
+def test_reference_parts_match_torch_ops():
+    """Gated = F.silu(gate) * up on the F.linear output; residual = residual + F.linear(...)."""
+    inp = make_inputs(2, 32, 24, torch.float32, bias=True, norm=False, gated=False, residual=False)
+    lin = F.linear(inp["x"], inp["weight"], inp["bias"])
+    torch.testing.assert_close(skinny_linear_ref(inp["x"], inp["weight"], inp["bias"], gated=True),
+                               F.silu(lin[:, :16]) * lin[:, 16:])
+    r = torch.randn(2, 32)
+    torch.testing.assert_close(skinny_linear_ref(inp["x"], inp["weight"], inp["bias"], residual=r.clone()), r + lin)
+
+
+def test_cpu_falls_back_to_reference():
+    inp = make_inputs(2, 64, 32, torch.float32, bias=True, norm=True, gated=True, residual=False)
+    assert not skinny_supported(inp["x"], inp["weight"])
+    torch.testing.assert_close(skinny_linear(**inp), skinny_linear_ref(**inp), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("m", [1, 2, 16])
+@pytest.mark.parametrize("n,k", [(576, 576), (192, 960), (4096, 4096), (12288, 4096), (151936, 960),
+                                 (200, 96), (1, 8)])
+def test_launch_config(m, n, k):
+    block_n, block_k, num_warps, num_stages = _launch_config(m, n, k)
+    for v in (block_n, block_k, num_warps):
+        assert v & (v - 1) == 0
+    assert block_k >= 16 and num_stages >= 1
+    if m == 1:
+        assert 4 <= block_n <= 16 and 64 <= block_k <= 1024
+    else:
+        assert 16 <= block_n <= 64  # tl.dot needs >= 16 in every dimension
+    if -(-n // 16) >= _MIN_PROGRAMS:  # enough columns: the grid fills the GPU
+        assert -(-n // block_n) >= _MIN_PROGRAMS
+
+
+@pytest.fixture
+def launch(monkeypatch):
+    """Runs the kernel: the public entry point on a GPU; under the interpreter the launch itself on CPU."""
+    if INTERPRET:
+        _interpreter_like_gpu(monkeypatch)
+    if KERNEL_DEVICE == "cuda":
+        def run(**inp):
+            assert skinny_supported(inp["x"], inp["weight"])
+            with torch.no_grad():
+                return skinny_linear(**inp)
+        return run
+    from blockspec.kernels.skinny_linear import _skinny_linear_triton
+
+    def run(**inp):
+        return _skinny_linear_triton(inp["x"], inp["weight"], inp["bias"], inp["norm_weight"], inp["eps"],
+                                     inp["gated"], inp["residual"])
+    return run
+
+
+def _interpreter_like_gpu(monkeypatch) -> None:
+    """Triton 3.6's interpreter keeps bf16 as raw uint16 bits: its float32 -> bf16 cast truncates (the GPU rounds
+    to nearest even) and its tl.dot multiplies the bit patterns as integers. Make both behave as on the GPU."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpreterBuilder, TensorHandle
+
+    def to_bf16_bits(data: np.ndarray) -> np.ndarray:
+        t = torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32)).to(torch.bfloat16)
+        return t.view(torch.int16).numpy().view(np.uint16)
+
+    def from_bf16_bits(data: np.ndarray) -> np.ndarray:
+        return (data.astype(np.uint32) << 16).view(np.float32)
+
+    def fix_cast(orig):
+        def cast(self, src, dst_type, *args):
+            if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+                return TensorHandle(to_bf16_bits(src.data), tl.bfloat16)
+            return orig(self, src, dst_type, *args)
+        return cast
+
+    orig_dot = InterpreterBuilder.create_dot
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if a.dtype.scalar == tl.bfloat16 and b.dtype.scalar == tl.bfloat16:
+            a, b = TensorHandle(from_bf16_bits(a.data), tl.float32), TensorHandle(from_bf16_bits(b.data), tl.float32)
+        return orig_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+
+    monkeypatch.setattr(InterpreterBuilder, "cast_impl", fix_cast(InterpreterBuilder.cast_impl))
+    monkeypatch.setattr(InterpreterBuilder, "create_fp_to_fp", fix_cast(InterpreterBuilder.create_fp_to_fp))
+    monkeypatch.setattr(InterpreterBuilder, "create_dot", create_dot)
+
+
+CASES = {  # name: (N, K, options); N and K are deliberately not multiples of the block sizes
+    "plain": (200, 96, dict()),
+    "bias": (200, 96, dict(bias=True)),
+    "norm": (576, 576, dict(norm=True)),
+    "norm+gated": (384, 1536, dict(norm=True, gated=True)),
+    "residual": (200, 96, dict(residual=True)),
+    "all": (200, 160, dict(bias=True, norm=True, gated=True, residual=True)),
+}
+
+
+@kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("m", [1, 2, 5, 16])
+def test_kernel_matches_reference(launch, m, case, dtype):
+    n, k, opts = CASES[case]
+    flags = dict(bias=False, norm=False, gated=False, residual=False) | opts
+    inp = make_inputs(m, n, k, dtype, device=KERNEL_DEVICE, seed=m, **flags)
+    x0 = inp["x"].clone()
+    ref_inp = {**inp, "residual": inp["residual"].clone() if flags["residual"] else None}
+    r0 = ref_inp["residual"].clone() if flags["residual"] else None
+    expected = skinny_linear_ref(**ref_inp)
+    ptr = inp["residual"].data_ptr() if flags["residual"] else None
+    out = launch(**inp)
+    assert out.shape == expected.shape and out.dtype == dtype
+    assert rel_err(out, expected) < (1e-2 if dtype == torch.bfloat16 else 1e-4)
+    assert torch.equal(inp["x"], x0)
+    if flags["residual"]:
+        assert out.data_ptr() == ptr and torch.equal(out, inp["residual"]) and not torch.equal(out, r0)
+        # the projection itself, not just the residual it was added to
+        assert rel_err(out.float() - r0.float(), expected.float() - r0.float()) < (3e-2 if dtype == torch.bfloat16
+                                                                                 else 1e-4)
+
+
+@kernel
+def test_kernel_fp16_all_options(launch):
+    inp = make_inputs(5, 200, 160, torch.float16, device=KERNEL_DEVICE, bias=True, norm=True, gated=True,
+                      residual=True)
+    ref_inp = {**inp, "residual": inp["residual"].clone()}
+    assert rel_err(launch(**inp), skinny_linear_ref(**ref_inp)) < 1e-2
