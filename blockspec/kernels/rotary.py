@@ -52,7 +52,7 @@ if HAVE_TRITON:
             y2 = (x2 * c2 + x1 * s2).to(QKV.dtype.element_ty)
             tl.store(base + i, y1)
             tl.store(base + half + i, y2)
-            if STORE:
+            if STORE:  # noqa: SIM102 - a compile-time branch around a run-time one
                 if h >= num_q:
                     slot = tl.load(SLOTS + t).to(tl.int64)
                     off = (slot * num_k + (h - num_q)) * HEAD_DIM
