@@ -9,7 +9,6 @@ from blockspec.kernels._triton import kernel_device
 from blockspec.kernels.paged_attention import paged_attention, paged_attention_ref
 from blockspec.models.layers.attention import AttentionMetadata, paged_attention_reference
 
-
 DEVICE = kernel_device()
 
 
