@@ -151,30 +151,39 @@ def load_shard(path: Path) -> list[Sample]:
     return [Sample(t["tokens"][a:b].long(), t["mask"][a:b].bool()) for a, b in zip(off[:-1], off[1:])]
 
 
+def _drain(engine: Engine) -> dict[str, tuple[list[int], str | None]]:
+    """Run the engine until every request finished: request id -> (response ids, finish reason)."""
+    done: dict[str, tuple[list[int], str | None]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = (out.token_ids, out.finish_reason)
+    return done
+
+
 def _run_shard(engine: Engine, prompt_ids: list[list[int]], indices: list[int], cfg: GenerationConfig,
                bar: tqdm) -> list[Sample]:
+    """Two phases, each submitted whole so the engine mostly runs pure decode batches (a continuation
+    trickling in one by one would mix prefill into nearly every step): the greedy answers and the
+    sampled lead-ins, then the greedy continuations of the lead-ins that did not end the answer."""
     n = len(prompt_ids)
     for i in indices:
         engine.add_request(f"train-{i}", prompt_ids[i % n], sample_params(i, n, cfg))
-    lead_in: dict[int, list[int]] = {}  # sample index -> its sampled lead-in, while the greedy rest runs
-    done: dict[int, Sample] = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if not out.finished:
-                continue
-            i = int(out.request_id.split("-")[1])
-            prompt = prompt_ids[i % n]
-            resp = lead_in.pop(i, []) + out.token_ids
-            left = cfg.response_len - len(resp)
-            if out.request_id.startswith("train-") and i >= n and out.finish_reason == "length" and left > 0:
-                lead_in[i] = resp  # continue greedily after the sampled lead-in
-                engine.add_request(f"rest-{i}", prompt + resp, SamplingParams(max_tokens=left, temperature=0.0))
-                continue
-            ids = torch.tensor(prompt + resp, dtype=torch.int64)
-            mask = torch.cat([torch.zeros(len(prompt), dtype=torch.bool), torch.ones(len(resp), dtype=torch.bool)])
-            done[i] = Sample(ids, mask)
-            bar.update(1)
-    return [done[i] for i in indices]
+    first = _drain(engine)
+    responses = {i: first[f"train-{i}"][0] for i in indices}
+    resume = [i for i in indices if i >= n and first[f"train-{i}"][1] == "length"
+              and len(responses[i]) < cfg.response_len]
+    for i in resume:  # continue greedily after the sampled lead-in
+        engine.add_request(f"rest-{i}", prompt_ids[i % n] + responses[i],
+                           SamplingParams(max_tokens=cfg.response_len - len(responses[i]), temperature=0.0))
+    rest = _drain(engine)
+    samples = []
+    for i in indices:
+        prompt, resp = prompt_ids[i % n], responses[i] + rest.get(f"rest-{i}", ([], None))[0]
+        mask = torch.cat([torch.zeros(len(prompt), dtype=torch.bool), torch.ones(len(resp), dtype=torch.bool)])
+        samples.append(Sample(torch.tensor(prompt + resp, dtype=torch.int64), mask))
+        bar.update(1)
+    return samples
 
 
 def generate_data(engine: Engine, prompts: list[TrainPrompt], cfg: GenerationConfig, data_dir: Path) -> Path:
