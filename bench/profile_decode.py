@@ -96,6 +96,7 @@ def time_linear(fn, reps: int = 50) -> float:
     return 1e6 * best
 
 
+@torch.no_grad()  # the Triton kernels serve inference only: with grad on, skinny_linear is the reference
 def gemv_table(bw: float) -> list[dict]:
     try:
         from blockspec.kernels.skinny_linear import skinny_linear

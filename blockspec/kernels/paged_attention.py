@@ -62,7 +62,7 @@ if triton is not None:
         stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
         stride_bt, stride_ob, stride_oh, stride_os, stride_om,
         scale, q_len, num_splits,
-        PER_SPLIT: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr,
+        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
     ):
         b = tl.program_id(0)
@@ -78,16 +78,12 @@ if triton is not None:
         d = tl.arange(0, HEAD_DIM)
         q = tl.load(Q + (b * q_len + qi)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                     mask=row_ok[:, None], other=0.0)
-        # This split's tiles: a fixed range of absolute key positions (PER_SPLIT tiles of BLOCK_N from the
-        # start of the block table), clipped to [kv_start, seq_len). Fixed ranges make a query's result
-        # independent of how many queries came with it: position p computes the same numbers in a
-        # 1-token decode step as inside a 16-token verify block (exact greedy speculation).
-        lo = kv_start // BLOCK_N
-        hi = tl.cdiv(seq_len, BLOCK_N)
-        t0 = split * PER_SPLIT
-        t1 = t0 + PER_SPLIT
-        t0 = tl.maximum(t0, lo)
-        t1 = tl.minimum(t1, hi)
+        # This split's share of the key range [kv_start, seq_len), in BLOCK_N tiles.
+        first_tile = kv_start // BLOCK_N
+        tiles = tl.cdiv(seq_len, BLOCK_N) - first_tile
+        per_split = tl.cdiv(tiles, num_splits)
+        t0 = first_tile + split * per_split
+        t1 = tl.minimum(t0 + per_split, first_tile + tiles)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
@@ -147,20 +143,14 @@ if triton is not None:
         tl.store(Out + (b * q_len + qi) * stride_t + head * stride_h + d, (num / den).to(Out.dtype.element_ty))
 
 
-BLOCK_N = 64  # keys per tile
-
-
 def _next_pow2(x: int) -> int:
     return 1 << (x - 1).bit_length()
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     seq_lens: torch.Tensor, kv_start: torch.Tensor, q_len: int, scale: float, causal: bool,
-                    max_splits: int = 32) -> torch.Tensor:
-    """Triton paged attention on CUDA (the reference elsewhere); same contract as paged_attention_ref.
-
-    The key range the block table can hold is cut into at most `max_splits` fixed ranges, one program
-    each (splits past a sequence's length exit at once)."""
+                    num_splits: int = 8) -> torch.Tensor:
+    """Triton paged attention on CUDA (the reference elsewhere); same contract as paged_attention_ref."""
     if triton is None or not use_triton(q):
         return paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, kv_start, q_len, scale, causal)
     b_count = seq_lens.shape[0]
@@ -168,9 +158,6 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     num_kv = k_cache.shape[2]
     group = num_heads // num_kv
     block_m = max(16, _next_pow2(q_len * group))
-    tiles = -(-block_tables.shape[1] * k_cache.shape[1] // BLOCK_N)
-    per_split = -(-tiles // min(max_splits, tiles))
-    num_splits = -(-tiles // per_split)
     o = torch.empty(b_count, num_kv, num_splits, block_m, head_dim, device=q.device, dtype=torch.float32)
     m = torch.empty(b_count, num_kv, num_splits, block_m, device=q.device, dtype=torch.float32)
     ll = torch.empty_like(m)
@@ -180,8 +167,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0), o.stride(0), o.stride(1), o.stride(2), o.stride(3),
         scale, q_len, num_splits,
-        PER_SPLIT=per_split, GROUP=group, HEAD_DIM=head_dim, PAGE=k_cache.shape[1], BLOCK_M=block_m,
-        BLOCK_N=BLOCK_N, CAUSAL=causal,
+        GROUP=group, HEAD_DIM=head_dim, PAGE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_N=64, CAUSAL=causal,
         num_warps=4, num_stages=2,
     )
     out = torch.empty_like(q)

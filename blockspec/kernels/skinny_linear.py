@@ -3,10 +3,10 @@
     y = epilogue(prologue(x) @ W.T + bias)
 
 Batch-1 decode is launch-bound, so one kernel does what otherwise takes three to five: an optional RMSNorm
-prologue (each program gathers the row statistics as it streams x: x is tiny), then one of three epilogues:
-plain output, SwiGLU over a stacked [gate; up] weight, or a residual add written in place. float32
-accumulation; the epilogues round as the reference (`skinny_linear_ref`) does, the folded norm rounds once
-(x * w_norm) where the reference rounds twice, so results agree to bf16 precision, not bit for bit.
+prologue (each program recomputes the row statistics: x is tiny), then one of three epilogues: plain output,
+SwiGLU over a stacked [gate; up] weight, or a residual add written in place. float32 accumulation; the
+epilogues round as the reference (`skinny_linear_ref`) does; a one-row norm folds into the main loop and
+rounds once (x * w_norm) where the reference rounds twice, so it agrees to bf16 precision, not bit for bit.
 """
 
 from __future__ import annotations
@@ -25,14 +25,13 @@ if HAVE_TRITON:
     @triton.jit
     def _skinny_linear_kernel(X, W, B, NW, Y, M, N_OUT, eps, K: tl.constexpr,
                               HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr, GATED: tl.constexpr,
-                              HAS_RES: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                              HAS_RES: tl.constexpr, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         # One program owns BLOCK_N output columns for all M rows; with GATED it reads the matching gate rows
         # (n) and up rows (N_OUT + n) of W. With HAS_RES, Y is the residual: read, added to, written back.
-        # Rows are always padded to BLOCK_M = 16 and reduced with tl.dot, whatever M is: a row's result then
-        # does not depend on how many rows came with it, so a 1-token decode step and a 16-token verify
-        # step compute the same numbers for the same token (greedy speculation stays token-identical).
-        # K is constexpr: a model has a handful of K values and the trip count becomes compile-time.
+        # K is constexpr: a model has a handful of K values, the trip count and (when BLOCK_K divides K) the
+        # K masks become compile-time, and Triton's interpreter cannot range() over a runtime scalar under
+        # NumPy >= 2.4.
         dtype = Y.dtype.element_ty
         offs_m = tl.arange(0, BLOCK_M)
         offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -43,39 +42,69 @@ if HAVE_TRITON:
         g_rows = W + offs_n[:, None].to(tl.int64) * K  # [BLOCK_N, 1]
         u_rows = W + (offs_n[:, None] + N_OUT).to(tl.int64) * K
 
-        acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        ss = tl.zeros([BLOCK_M], dtype=tl.float32)
+        if HAS_NORM and USE_DOT:  # first pass over K: per-row sum of squares, as rms_norm_ref computes it
+            # (the dot path keeps its operand a plain load: a transformed one stalls Triton's pipelining)
+            ss = tl.zeros([BLOCK_M], dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                ks = k0 + offs_k
+                xv = tl.load(x_rows + ks[None, :], mask=m_mask[:, None] & (ks[None, :] < K), other=0.0)
+                xf = xv.to(tl.float32)
+                ss += tl.sum(xf * xf, axis=1)
+            rstd = tl.rsqrt(ss / K + eps)
+
+        if USE_DOT:
+            acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        else:  # M == 1: accumulate products elementwise, reduce across K once after the loop
+            acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+            acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        ss1 = tl.zeros([BLOCK_M], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             ks = k0 + offs_k
             k_mask = ks < K
-            xv = tl.load(x_rows + ks[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-            if HAS_NORM:
-                # RMSNorm folded into the same pass: norm(x) @ W.T == rstd * ((x * w_norm) @ W.T), with
-                # the row statistics gathered on the way (a separate first pass stalled every program)
+            x_mask = m_mask[:, None] & k_mask[None, :]
+            xv = tl.load(x_rows + ks[None, :], mask=x_mask, other=0.0)
+            if HAS_NORM and USE_DOT:
+                h = (xv.to(tl.float32) * rstd[:, None]).to(dtype)
+                nw = tl.load(NW + ks, mask=k_mask, other=0.0)
+                xv = (h.to(tl.float32) * nw.to(tl.float32)[None, :]).to(dtype)
+                xv = tl.where(x_mask, xv, 0.0).to(dtype)  # padded rows: rsqrt(0 + 0) would be inf
+            elif HAS_NORM:
+                # one row: the norm folds into the same pass, norm(x) @ W.T == rstd * ((x * w_norm) @ W.T),
+                # the statistics gathered on the way (a separate first pass stalled every program ~13 us)
                 xf = xv.to(tl.float32)
-                ss += tl.sum(xf * xf, axis=1)
+                ss1 += tl.sum(xf * xf, axis=1)
                 nw = tl.load(NW + ks, mask=k_mask, other=0.0)
                 xv = (xf * nw.to(tl.float32)[None, :]).to(dtype)
             w_mask = n_mask[:, None] & k_mask[None, :]
             wg = tl.load(g_rows + ks[None, :], mask=w_mask, other=0.0)
-            acc_g = tl.dot(xv, tl.trans(wg), acc_g, input_precision=DOT_PRECISION)
+            if USE_DOT:
+                acc_g = tl.dot(xv, tl.trans(wg), acc_g, input_precision=DOT_PRECISION)
+            else:
+                acc_g += wg.to(tl.float32) * xv.to(tl.float32)
             if GATED:
                 wu = tl.load(u_rows + ks[None, :], mask=w_mask, other=0.0)
-                acc_u = tl.dot(xv, tl.trans(wu), acc_u, input_precision=DOT_PRECISION)
+                if USE_DOT:
+                    acc_u = tl.dot(xv, tl.trans(wu), acc_u, input_precision=DOT_PRECISION)
+                else:
+                    acc_u += wu.to(tl.float32) * xv.to(tl.float32)
 
-        yg = acc_g
-        yu = acc_u
-        if HAS_NORM:
-            rstd = tl.where(m_mask, tl.rsqrt(ss / K + eps), 0.0)[:, None]
-            yg = yg * rstd
-            yu = yu * rstd
+        if USE_DOT:
+            yg = acc_g
+            yu = acc_u
+        else:
+            yg = tl.sum(acc_g, axis=1)[None, :]  # [1, BLOCK_N]
+            yu = tl.sum(acc_u, axis=1)[None, :]
+            if HAS_NORM:
+                rstd1 = tl.rsqrt(ss1 / K + eps)[:, None]
+                yg = yg * rstd1
+                yu = yu * rstd1
         if HAS_BIAS:
             yg += tl.load(B + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
             if GATED:
                 yu += tl.load(B + N_OUT + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
         y = yg.to(dtype)  # the F.linear output
-        if GATED:  # silu_mul_ref: F.silu rounds, then the multiply rounds again
+        if GATED:  # silu_mul_ref: F.silu rounds, then the bf16 multiply rounds again
             g = y.to(tl.float32)
             s = (g / (1.0 + tl.exp(-g))).to(dtype)
             y = (s.to(tl.float32) * yu.to(dtype).to(tl.float32)).to(dtype)
@@ -99,16 +128,22 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _launch_config(n: int, k: int) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages) for n output columns and reduction length k.
+def _launch_config(m: int, n: int, k: int) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages) for m rows, n output columns, reduction length k.
 
-    A hand heuristic (no autotune: CUDA graphs are captured right after warm-up), independent of the
-    row count on purpose (see the kernel: same blocking, same numbers for 1 and 16 rows). The kernel
-    streams W, so it wants enough programs to fill the GPU (>= 2 per SM where n allows): BLOCK_N is the
-    largest of 64, 32 that still gives >= _MIN_PROGRAMS programs, else 16 (tl.dot's minimum); BLOCK_K
-    128 (256 bytes of bf16 per W row per stage), 3 stages of cp.async pipelining. Measured on an H100
-    (bench/profile_decode.py): 84-96% of copy bandwidth for the Qwen3-8B projections.
+    A hand heuristic (no autotune: CUDA graphs are captured right after warm-up). The kernel is bound by
+    streaming W, so it wants enough programs to fill the GPU (>= 2 per SM where n allows) with enough
+    bytes in flight each. BLOCK_N is the largest candidate that still gives >= _MIN_PROGRAMS programs,
+    else the smallest. With gated=True n is the output width (I); each program then reads 2*BLOCK_N rows.
+    - m == 1 (multiply + row-sum path): BLOCK_N 4..16, wide BLOCK_K so each thread issues several
+      16-byte loads along K per iteration; 8 warps once the tile reaches 8192 elements.
+    - 2 <= m <= 16 (tl.dot path, rows padded to 16): BLOCK_N 16..64, BLOCK_K 128 (256 bytes of bf16 per
+      W row per stage), 3 stages of cp.async pipelining.
     """
+    if m == 1:
+        block_k = min(512, max(64, _next_pow2(k)))
+        block_n = next((b for b in (16, 8) if _cdiv(n, b) >= _MIN_PROGRAMS), 4)
+        return block_n, block_k, 8 if block_n * block_k >= 8192 else 4, 3
     block_k = min(128, max(16, _next_pow2(k)))
     block_n = next((b for b in (64, 32) if _cdiv(n, b) >= _MIN_PROGRAMS), 16)
     return block_n, block_k, 4, 3
@@ -155,13 +190,14 @@ def _skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     m, k = x.shape
     n_out = weight.shape[0] // 2 if gated else weight.shape[0]
     out = residual if residual is not None else torch.empty(m, n_out, dtype=x.dtype, device=x.device)
-    block_n, block_k, num_warps, num_stages = _launch_config(n_out, k)
+    block_n, block_k, num_warps, num_stages = _launch_config(m, n_out, k)
+    use_dot = m > 1
     _skinny_linear_kernel[(triton.cdiv(n_out, block_n),)](
         x, weight, bias if bias is not None else x, norm_weight if norm_weight is not None else x, out,
         m, n_out, eps, K=k,
         HAS_BIAS=bias is not None, HAS_NORM=norm_weight is not None, GATED=gated, HAS_RES=residual is not None,
-        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages)
+        USE_DOT=use_dot, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        BLOCK_M=16 if use_dot else 1, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages)
     return out
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from blockspec.kernels.activation import silu_mul
@@ -155,8 +156,7 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm(h), features
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Decode/verify rows take the skinny kernel: the same numbers for a token alone or in a block."""
-        return skinny_linear(hidden, self.lm_head_weight)
+        return F.linear(hidden, self.lm_head_weight)
 
     def load_weight(self, name: str, tensor: torch.Tensor) -> bool:
         """Copy one checkpoint tensor into its parameter; False for names this model does not have."""
