@@ -4,6 +4,8 @@ The drafter borrows the target's embedding and LM head. Its residual stream hold
 [anchor, MASK, ..., MASK]; keys and values come from the block and from the target's context
 features. Context K/V are projected once per committed token and kept in a paged cache that shares
 the target's block tables (same positions, same slots); block K/V live for one pass only.
+Projections are fused like the target's (q|k|v, gate|up), so decode steps run the same skinny kernels;
+z-lab's separate checkpoint names load into the fused slices and train/export.py splits them back.
 """
 
 from __future__ import annotations
@@ -18,7 +20,10 @@ from torch import nn
 
 from blockspec.errors import ConfigError
 from blockspec.kernels.paged_attention import paged_attention
+from blockspec.kernels.rotary import rope_qk
+from blockspec.kernels.skinny_linear import skinny_linear, skinny_supported
 from blockspec.models.layers.attention import DecodeMetadata, gather_kv, sdpa, store_kv
+from blockspec.models.layers.linear import FusedLinear
 from blockspec.models.layers.norm import RMSNorm
 from blockspec.models.layers.rotary import RotaryEmbedding
 from blockspec.models.model_config import ModelConfig, read_config_json
@@ -161,14 +166,16 @@ class DraftMetadata:
 
 
 class DFlashAttention(nn.Module):
+    """q|k|v in one FusedLinear (as the target's attention), so decode steps project, norm, rotate and
+    store K/V in two kernels; the unfused path reads each projection from its slice of the weight."""
+
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, causal: bool, window: int | None) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = (
             cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
         h, d = cfg.hidden_size, cfg.head_dim
-        self.q_proj = nn.Linear(h, self.num_heads * d, bias=cfg.attention_bias)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=cfg.attention_bias)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=cfg.attention_bias)
+        self.qkv_proj = FusedLinear(h, [self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d],
+                                    cfg.attention_bias)
         self.o_proj = nn.Linear(self.num_heads * d, h, bias=cfg.attention_bias)
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
@@ -177,10 +184,26 @@ class DFlashAttention(nn.Module):
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
 
+    def _shard(self, x: torch.Tensor, shard: int) -> torch.Tensor:
+        """x through one checkpoint projection (0: q, 1: k, 2: v), a row slice of the fused weight: the same
+        GEMM, and the same numbers, as the separate q_proj/k_proj/v_proj layers gave."""
+        p = self.qkv_proj
+        start, end = p.shard_offset(shard), p.shard_offset(shard + 1)
+        return F.linear(x, p.weight[start:end], None if p.bias is None else p.bias[start:end])
+
+    def proj_q(self, x: torch.Tensor) -> torch.Tensor:
+        return self._shard(x, 0)
+
+    def proj_k(self, x: torch.Tensor) -> torch.Tensor:
+        return self._shard(x, 1)
+
+    def proj_v(self, x: torch.Tensor) -> torch.Tensor:
+        return self._shard(x, 2)
+
     def _kv(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         t = x.shape[0]
-        k = self.k_norm(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim))
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        k = self.k_norm(self.proj_k(x).view(t, self.num_kv_heads, self.head_dim))
+        v = self.proj_v(x).view(t, self.num_kv_heads, self.head_dim)
         (k,) = self.rotary(positions, k)
         return k, v
 
@@ -188,9 +211,41 @@ class DFlashAttention(nn.Module):
         k, v = self._kv(ctx, positions)
         store_kv(self.k_cache, self.v_cache, slots, k, v)
 
+    def can_fuse(self) -> bool:
+        """The fused kernels apply: rotary over the whole head (rope_qk's layout) and a bound cache."""
+        return self.rotary.rotary_dim == self.head_dim and self.k_cache is not None and self.v_cache is not None
+
+    def decode_fusable(self, meta: DraftMetadata) -> bool:
+        """The uniform-block fast path (non-causal, no window) with the fused kernels."""
+        return meta.decode is not None and self.window is None and not self.causal and self.can_fuse()
+
+    def write_context_fused(self, ctx_raw: torch.Tensor, norm: RMSNorm, positions: torch.Tensor,
+                            slots: torch.Tensor) -> None:
+        """write_context on the un-normed fc output: the drafter's hidden_norm folds into this layer's K|V
+        GEMM as its prologue, then rope_qk does k_norm + rotary and writes K and V to the cache. rope_qk
+        norms only when given a q weight, so q_norm's rides along unused (no q heads: num_q=0)."""
+        p = self.qkv_proj
+        start = p.shard_offset(1)  # k|v rows: a contiguous view
+        kv = skinny_linear(ctx_raw, p.weight[start:], None if p.bias is None else p.bias[start:],
+                           norm_weight=norm.weight, eps=norm.eps)
+        rope_qk(kv, positions, self.rotary.cos, self.rotary.sin, 0, self.num_kv_heads, self.head_dim,
+                self.q_norm.weight, self.k_norm.weight, self.k_norm.eps, self.k_cache, self.v_cache, slots)
+
+    def attend_fused(self, qkv: torch.Tensor, meta: DraftMetadata) -> torch.Tensor:
+        """Fused q|k|v projection [T, (nq + 2 nk) d] of the block -> attention output [T, nq d], before
+        o_proj: q/k norm, rotary and the block's K/V cache write in one kernel, then the paged kernel."""
+        t, nq, nk, d = qkv.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        rope_qk(qkv, meta.block_positions, self.rotary.cos, self.rotary.sin, nq, nk, d, self.q_norm.weight,
+                self.k_norm.weight, self.q_norm.eps, self.k_cache, self.v_cache, meta.block_slots)
+        q = qkv[:, : nq * d].view(t, nq, d)
+        dm = meta.decode
+        out = paged_attention(q, self.k_cache, self.v_cache, dm.block_tables, dm.seq_lens, dm.kv_start, dm.q_len,
+                              self.head_dim**-0.5, causal=False)
+        return out.reshape(t, -1)
+
     def forward(self, x: torch.Tensor, meta: DraftMetadata) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_norm(self.q_proj(x).view(t, self.num_heads, self.head_dim))
+        q = self.q_norm(self.proj_q(x).view(t, self.num_heads, self.head_dim))
         (q,) = self.rotary(meta.block_positions, q)
         kb, vb = self._kv(x, meta.block_positions)
         if meta.decode is not None and self.window is None and not self.causal:
@@ -208,16 +263,18 @@ class DFlashAttention(nn.Module):
 
 
 class DFlashMLP(nn.Module):
-    """Unfused on purpose: training exports the state dict as is, in the z-lab checkpoint layout."""
+    """SwiGLU with gate|up in one FusedLinear (as the target's MLP): decode steps run it as one skinny GEMM
+    with the norm and SwiGLU folded in. z-lab's gate_proj/up_proj names load into its halves
+    (copy_named) and export.zlab_state_dict splits them back."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.gate_up_proj = FusedLinear(cfg.hidden_size, [cfg.intermediate_size, cfg.intermediate_size], bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DFlashLayer(nn.Module):
@@ -229,8 +286,20 @@ class DFlashLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, h: torch.Tensor, meta: DraftMetadata) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        """The block's residual stream in, the layer's output out. Decode steps (<= 16 block rows on GPU,
+        fast-path layers) take the target layers' fused kernels and update h IN PLACE (the caller owns
+        it); everything else the unfused ops."""
+        attn, mlp = self.self_attn, self.mlp
+        if not (attn.decode_fusable(meta) and skinny_supported(h, attn.qkv_proj.weight)):
+            h = h + attn(self.input_layernorm(h), meta)
+            return h + mlp(self.post_attention_layernorm(h))
+        norm = self.input_layernorm
+        qkv = skinny_linear(h, attn.qkv_proj.weight, attn.qkv_proj.bias, norm_weight=norm.weight, eps=norm.eps)
+        h = skinny_linear(attn.attend_fused(qkv, meta), attn.o_proj.weight, attn.o_proj.bias, residual=h)
+        norm = self.post_attention_layernorm
+        act = skinny_linear(h, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, norm_weight=norm.weight,
+                            eps=norm.eps, gated=True)
+        return skinny_linear(act, mlp.down_proj.weight, mlp.down_proj.bias, residual=h)
 
 
 class DFlashDrafter(nn.Module):
@@ -255,14 +324,22 @@ class DFlashDrafter(nn.Module):
         """
         if features.shape[0] == 0:
             return
+        attns = self.attention_layers
+        if skinny_supported(features, self.fc.weight) and all(a.can_fuse() for a in attns):
+            # decode steps: fc, then per layer one K|V GEMM (hidden_norm as its prologue) and one rope_qk
+            ctx_raw = skinny_linear(features, self.fc.weight)
+            for attn in attns:
+                attn.write_context_fused(ctx_raw, self.hidden_norm, positions, slots)
+            return
         ctx = self.hidden_norm(self.fc(features))
-        for layer in self.layers:
-            layer.self_attn.write_context(ctx, positions, slots)
+        for attn in attns:
+            attn.write_context(ctx, positions, slots)
 
     def forward_blocks(self, block_embeds: torch.Tensor, meta: DraftMetadata) -> torch.Tensor:
         """Denoise the [anchor, MASK * k] blocks against the cached context; normed hidden [Tb, H]."""
         scale = self.config.input_embedding_scale
-        h = block_embeds * scale if scale != 1.0 else block_embeds
+        # a tensor of our own: the fused decode layers update h in place
+        h = block_embeds * scale if scale != 1.0 else block_embeds.clone()
         for layer in self.layers:
             h = layer(h, meta)
         return self.norm(h)

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from blockspec.errors import ConfigError
+from blockspec.models.layers.linear import FusedLinear
 from blockspec.spec.dflash import DFlashDrafter, DrafterConfig, default_target_layer_ids
 
 DEFAULT_NUM_FEATURE_LAYERS = 5  # DESIGN.md §1: typically 5 target layers spread from 1 to L-3
@@ -52,14 +53,19 @@ def pick_mask_token(tokenizer, response_counts: torch.Tensor, vocab_size: int) -
 
 
 def init_weights(drafter: nn.Module, std: float = 0.02, seed: int = 0) -> None:
-    """Linear weights N(0, std), norms one (the usual Qwen3 initialisation), reproducibly."""
+    """Linear weights N(0, std), norms one (the usual Qwen3 initialisation), reproducibly.
+
+    A fused projection (q|k|v, gate|up) draws shard by shard, so the random stream and the weights are
+    those of the unfused layout (z-lab's tensor order) for a given seed."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in drafter.named_parameters():
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
             elif p.dim() == 2:
-                p.copy_(torch.randn(p.shape, generator=g) * std)
+                owner = drafter.get_submodule(name.rpartition(".")[0])
+                sizes = owner.shard_sizes if isinstance(owner, FusedLinear) else [p.shape[0]]
+                p.copy_(torch.cat([torch.randn((n, *p.shape[1:]), generator=g) for n in sizes]) * std)
             else:
                 p.zero_()
 

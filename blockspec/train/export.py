@@ -2,8 +2,9 @@
 
 config.json carries the Qwen3-style fields plus block_size, num_target_layers and dflash_config
 {mask_token_id, target_layer_ids}; model.safetensors holds the z-lab tensor names (fc, hidden_norm,
-layers.{i}.*, norm), which are also DFlashDrafter's parameter names. blockspec (--draft) and the
-`dflash` reference package both load the result.
+layers.{i}.*, norm). DFlashDrafter keeps those names except for its fused projections (qkv_proj,
+gate_up_proj), which are split back into q_proj/k_proj/v_proj and gate_proj/up_proj here. blockspec
+(--draft) and the `dflash` reference package both load the result.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from blockspec.models.layers.linear import FUSED_SHARDS, FusedLinear
 from blockspec.models.model_config import ModelConfig
 from blockspec.spec.dflash import DFlashDrafter
 
@@ -59,11 +61,31 @@ def drafter_config_json(target: ModelConfig, num_layers: int, block_size: int, m
     return cfg
 
 
+def zlab_state_dict(drafter: DFlashDrafter) -> dict[str, torch.Tensor]:
+    """The drafter's state dict under z-lab's names and shapes: every FusedLinear split into the checkpoint
+    projections it holds (the inverse of the loading side, weight_utils.copy_named)."""
+    checkpoint_name = {slot: proj for proj, slot in FUSED_SHARDS.items()}  # (fused name, shard) -> proj
+    fused = {name: m for name, m in drafter.named_modules() if isinstance(m, FusedLinear)}
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in drafter.state_dict().items():
+        owner, _, rest = name.rpartition(".")  # rest: weight | bias
+        layer = fused.get(owner)
+        if layer is None:
+            out[name] = tensor
+            continue
+        parent, _, attr = owner.rpartition(".")
+        for shard, size in enumerate(layer.shard_sizes):
+            start = layer.shard_offset(shard)
+            proj = checkpoint_name[(attr, shard)]
+            out[f"{parent}.{proj}.{rest}" if parent else f"{proj}.{rest}"] = tensor[start:start + size]
+    return out
+
+
 def save_drafter(drafter: DFlashDrafter, config: dict[str, Any], out_dir: Path,
                  dtype: torch.dtype = torch.bfloat16) -> Path:
     """Write config.json + model.safetensors (weights cast to `dtype`); returns out_dir."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    tensors = {name: p.detach().to("cpu", dtype).contiguous() for name, p in drafter.state_dict().items()}
+    tensors = {name: p.detach().to("cpu", dtype).contiguous() for name, p in zlab_state_dict(drafter).items()}
     cfg = {**config, "torch_dtype": str(dtype).removeprefix("torch.")}
     tmp = out_dir / (WEIGHTS + ".tmp")
     save_file(tensors, str(tmp), metadata={"format": "pt"})

@@ -38,12 +38,12 @@ def train_forward(drafter: DFlashDrafter, features: torch.Tensor, block_embeds: 
     for layer in drafter.layers:
         attn = layer.self_attn
         x = layer.input_layernorm(h)
-        q = _rope(attn.rotary, attn.q_norm(_heads(attn.q_proj(x), attn.num_heads, attn.head_dim)), block_positions)
+        q = _rope(attn.rotary, attn.q_norm(_heads(attn.proj_q(x), attn.num_heads, attn.head_dim)), block_positions)
         keys, values = [], []
         for src, pos in ((ctx, ctx_positions), (x, block_positions)):  # context vectors skip the input norm
-            k = _rope(attn.rotary, attn.k_norm(_heads(attn.k_proj(src), attn.num_kv_heads, attn.head_dim)), pos)
+            k = _rope(attn.rotary, attn.k_norm(_heads(attn.proj_k(src), attn.num_kv_heads, attn.head_dim)), pos)
             keys.append(k)
-            values.append(_heads(attn.v_proj(src), attn.num_kv_heads, attn.head_dim))
+            values.append(_heads(attn.proj_v(src), attn.num_kv_heads, attn.head_dim))
         k = torch.cat(keys, dim=1).transpose(1, 2)
         v = torch.cat(values, dim=1).transpose(1, 2)
         out = attention(q.transpose(1, 2), k, v, attn.head_dim**-0.5)

@@ -8,10 +8,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from blockspec.loader.weights import load_weights
 from blockspec.models.model_config import ModelConfig
 from blockspec.spec.dflash import DFlashDrafter, DrafterConfig
 from blockspec.train.drafter_init import build_training_drafter, pick_mask_token, spread_layer_ids
-from blockspec.train.export import drafter_config_json, save_drafter
+from blockspec.train.export import drafter_config_json, save_drafter, zlab_state_dict
 
 dflash_model = pytest.importorskip("dflash.model", reason="test-only oracle: pip install --no-deps dflash")
 
@@ -30,15 +31,26 @@ def test_export_loads_in_reference_and_blockspec(tmp_path, tiny_models):
     assert saved["architectures"] == ["DFlashDraftModel"] and saved["block_size"] == 8
     assert saved["dflash_config"] == {"mask_token_id": 300, "target_layer_ids": [1, 3]}
     tensors = load_file(str(out / "model.safetensors"))
-    assert set(tensors) == set(dict(drafter.named_parameters()))
     assert {"fc.weight", "hidden_norm.weight", "norm.weight", "layers.1.self_attn.q_norm.weight",
-            "layers.0.mlp.gate_proj.weight"} <= set(tensors)
+            "layers.0.self_attn.q_proj.weight", "layers.0.self_attn.k_proj.weight", "layers.0.self_attn.v_proj.weight",
+            "layers.0.mlp.gate_proj.weight", "layers.0.mlp.up_proj.weight"} <= set(tensors)
+    assert not any("qkv_proj" in n or "gate_up_proj" in n for n in tensors)  # fused weights split back
 
     ref = dflash_model.DFlashDraftModel.from_pretrained(out, dtype=torch.float32)
     assert ref.block_size == 8 and ref.mask_token_id == 300 and list(ref.target_layer_ids) == [1, 3]
-    ref_sd = ref.state_dict()
-    for name, p in drafter.named_parameters():
-        torch.testing.assert_close(ref_sd[name], p.detach())
+    ref_params = dict(ref.named_parameters())
+    assert set(tensors) == set(ref_params)  # z-lab's names and shapes, nothing more or less
+    for name, t in zlab_state_dict(drafter).items():
+        assert ref_params[name].shape == t.shape == tensors[name].shape
+        torch.testing.assert_close(ref_params[name].detach(), t, rtol=0, atol=0)
+
+    # blockspec -> export -> blockspec: every parameter back bit for bit (q/k/v, gate/up into the fused slices)
+    again = DFlashDrafter(DrafterConfig.from_dir(out), 128)
+    load_weights(again, out, "cpu", torch.float32)
+    mine = dict(drafter.named_parameters())
+    assert set(dict(again.named_parameters())) == set(mine)
+    for name, p in again.named_parameters():
+        assert torch.equal(p, mine[name]), name
 
     back = DrafterConfig.from_dir(out)
     back.check_target(target)
