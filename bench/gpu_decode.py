@@ -126,7 +126,7 @@ def engine(model_dir: Path, draft: Path | None, k: int, dummy: bool, max_len: in
         if draft else SpeculativeConfig()
     return Engine(EngineConfig(model=str(model_dir), device="cuda", dtype="bfloat16", max_model_len=max_len,
                                max_num_seqs=4, load_format="dummy" if dummy else "auto", speculative=spec,
-                               gpu_memory_utilization=0.45))
+                               gpu_memory_utilization=float(os.environ.get("GPU_UTIL", "0.45"))))
 
 
 def eight_b(work: Path, smol: Path, bw: float, tokens: int, runs: int) -> dict:

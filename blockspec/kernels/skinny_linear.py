@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from blockspec.kernels._triton import HAVE_TRITON, use_triton
-from blockspec.kernels.activation import silu_mul_ref
-from blockspec.kernels.rms_norm import rms_norm_ref
+from blockspec.kernels.activation import silu_mul, silu_mul_ref
+from blockspec.kernels.rms_norm import rms_norm, rms_norm_ref
 
 if HAVE_TRITON:
     import triton
@@ -149,6 +149,9 @@ def _launch_config(m: int, n: int, k: int) -> tuple[int, int, int, int]:
     return block_n, block_k, 4, 3
 
 
+SMALL_WEIGHT = 1 << 22  # elements: below this a verify block's GEMM is launch-bound and one kernel wins
+
+
 def skinny_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                       norm_weight: torch.Tensor | None = None, eps: float = 0.0, gated: bool = False,
                       residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -204,7 +207,17 @@ def _skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                   norm_weight: torch.Tensor | None = None, eps: float = 0.0, gated: bool = False,
                   residual: torch.Tensor | None = None) -> torch.Tensor:
-    """One launch for norm + projection + SwiGLU / residual add; the reference elsewhere (CPU, M > 16, grad)."""
+    """One launch for norm + projection + SwiGLU / residual add. 2-16 rows (verify) on a large weight
+    compose cuBLAS with the fused norm and SwiGLU kernels instead: measured faster than this kernel's
+    tl.dot path for the Qwen3-8B shapes on an H100, slower for SmolLM2's (bench/NOTES.md). The
+    reference elsewhere (CPU, grad)."""
     if skinny_supported(x, weight) and _operands_fit(x, weight, bias, norm_weight, gated, residual):
-        return _skinny_linear_triton(x, weight, bias, norm_weight, eps, gated, residual)
+        if x.shape[0] == 1 or weight.numel() <= SMALL_WEIGHT:
+            return _skinny_linear_triton(x, weight, bias, norm_weight, eps, gated, residual)
+        if norm_weight is not None:
+            x = rms_norm(x, norm_weight, eps)[0]
+        y = F.linear(x, weight, bias)
+        if gated:
+            y = silu_mul(y)
+        return y if residual is None else residual.add_(y)
     return skinny_linear_ref(x, weight, bias, norm_weight=norm_weight, eps=eps, gated=gated, residual=residual)
