@@ -58,7 +58,7 @@ if HAVE_TRITON:
         else:  # M == 1: accumulate products elementwise, reduce across K once after the loop
             acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
             acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        ss1 = tl.zeros([BLOCK_M], dtype=tl.float32)
+        ss1 = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)  # one-row norm: x^2 summed across K at the end
         for k0 in range(0, K, BLOCK_K):
             ks = k0 + offs_k
             k_mask = ks < K
@@ -73,7 +73,7 @@ if HAVE_TRITON:
                 # one row: the norm folds into the same pass, norm(x) @ W.T == rstd * ((x * w_norm) @ W.T),
                 # the statistics gathered on the way (a separate first pass stalled every program ~13 us)
                 xf = xv.to(tl.float32)
-                ss1 += tl.sum(xf * xf, axis=1)
+                ss1 += xf * xf  # elementwise: a reduction across warps every iteration stalled the stream
                 nw = tl.load(NW + ks, mask=k_mask, other=0.0)
                 xv = (xf * nw.to(tl.float32)[None, :]).to(dtype)
             w_mask = n_mask[:, None] & k_mask[None, :]
@@ -96,7 +96,7 @@ if HAVE_TRITON:
             yg = tl.sum(acc_g, axis=1)[None, :]  # [1, BLOCK_N]
             yu = tl.sum(acc_u, axis=1)[None, :]
             if HAS_NORM:
-                rstd1 = tl.rsqrt(ss1 / K + eps)[:, None]
+                rstd1 = tl.rsqrt(tl.sum(ss1, axis=1) / K + eps)[:, None]
                 yg = yg * rstd1
                 yu = yu * rstd1
         if HAS_BIAS:
