@@ -216,6 +216,8 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
             return _skinny_linear_triton(x, weight, bias, norm_weight, eps, gated, residual)
         if norm_weight is not None:
             x = rms_norm(x, norm_weight, eps)[0]
+        if residual is not None and bias is None and not gated:
+            return residual.addmm_(x, weight.t())  # the add rides in the GEMM's epilogue (beta = 1)
         y = F.linear(x, weight, bias)
         if gated:
             y = silu_mul(y)
