@@ -30,7 +30,7 @@ from blockspec.engine.engine import Engine
 from blockspec.engine.sampling_params import SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from first_gpu import QWEN3_8B, copy_bandwidth, drafter_config, write_dir  # noqa: E402
+from first_gpu import QWEN3_8B, copy_bandwidth, drafter_config, replay_ms, write_dir  # noqa: E402
 from gpu_decode import engine  # noqa: E402
 
 REPLAYS = 20
@@ -39,14 +39,7 @@ REPLAYS = 20
 def kernel_table(eng: Engine, name: str) -> dict:
     """Per-kernel GPU time of one replay of graph `name` at batch 1, and the replay's wall time."""
     graphs = eng.runner.decode.graphs
-    for _ in range(3):
-        graphs.run(name, 1, None)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(REPLAYS):
-        graphs.run(name, 1, None)
-    torch.cuda.synchronize()
-    wall_us = 1e6 * (time.perf_counter() - t0) / REPLAYS
+    wall_us = 1000 * replay_ms(eng, name, REPLAYS)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(REPLAYS):
             graphs.run(name, 1, None)

@@ -16,13 +16,11 @@ from __future__ import annotations
 
 import torch
 
-from blockspec.kernels._triton import use_triton
+from blockspec.kernels._triton import HAVE_TRITON, use_triton
 
-try:
+if HAVE_TRITON:  # CPU-only installs: the reference below is the implementation there
     import triton
     import triton.language as tl
-except ImportError:  # CPU-only installs: the reference below is the implementation there
-    triton = None
 
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -54,7 +52,7 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     return out
 
 
-if triton is not None:
+if HAVE_TRITON:
 
     @triton.jit
     def _paged_attention_kernel(
@@ -115,7 +113,7 @@ if triton is not None:
         tl.store(L + (b * tl.num_programs(1) + kvh) * num_splits * BLOCK_M + split * BLOCK_M + rows, l_i)
 
 
-if triton is not None:
+if HAVE_TRITON:
 
     @triton.jit
     def _merge_splits_kernel(Part, M, L, Out, stride_ob, stride_oh, stride_os, stride_om, stride_t, stride_h,
@@ -151,7 +149,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     seq_lens: torch.Tensor, kv_start: torch.Tensor, q_len: int, scale: float, causal: bool,
                     num_splits: int = 8) -> torch.Tensor:
     """Triton paged attention on CUDA (the reference elsewhere); same contract as paged_attention_ref."""
-    if triton is None or not use_triton(q):
+    if not use_triton(q):
         return paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, kv_start, q_len, scale, causal)
     b_count = seq_lens.shape[0]
     num_heads, head_dim = q.shape[1], q.shape[2]

@@ -23,7 +23,7 @@ from blockspec.kernels.paged_attention import paged_attention
 from blockspec.kernels.rotary import rope_qk
 from blockspec.kernels.skinny_linear import skinny_linear, skinny_supported
 from blockspec.models.layers.attention import DecodeMetadata, gather_kv, sdpa, store_kv
-from blockspec.models.layers.linear import FusedLinear
+from blockspec.models.layers.linear import FusedLinear, fused_attention_residual, fused_swiglu_residual
 from blockspec.models.layers.norm import RMSNorm
 from blockspec.models.layers.rotary import RotaryEmbedding
 from blockspec.models.model_config import ModelConfig, read_config_json
@@ -293,13 +293,9 @@ class DFlashLayer(nn.Module):
         if not (attn.decode_fusable(meta) and skinny_supported(h, attn.qkv_proj.weight)):
             h = h + attn(self.input_layernorm(h), meta)
             return h + mlp(self.post_attention_layernorm(h))
-        norm = self.input_layernorm
-        qkv = skinny_linear(h, attn.qkv_proj.weight, attn.qkv_proj.bias, norm_weight=norm.weight, eps=norm.eps)
-        h = skinny_linear(attn.attend_fused(qkv, meta), attn.o_proj.weight, attn.o_proj.bias, residual=h)
-        norm = self.post_attention_layernorm
-        act = skinny_linear(h, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, norm_weight=norm.weight,
-                            eps=norm.eps, gated=True)
-        return skinny_linear(act, mlp.down_proj.weight, mlp.down_proj.bias, residual=h)
+        h = fused_attention_residual(h, self.input_layernorm, attn.qkv_proj, attn.o_proj,
+                                     lambda qkv: attn.attend_fused(qkv, meta))
+        return fused_swiglu_residual(h, self.post_attention_layernorm, mlp.gate_up_proj, mlp.down_proj)
 
 
 class DFlashDrafter(nn.Module):

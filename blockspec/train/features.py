@@ -14,6 +14,8 @@ from torch import nn
 
 from blockspec.models.layers.attention import DenseCausalMetadata, forward_context
 
+GREEDY_CHUNK = 4096  # rows of target logits at a time
+
 
 @torch.no_grad()
 def target_features(target: nn.Module, input_ids: torch.Tensor, layer_ids: Sequence[int],
@@ -31,5 +33,3 @@ def target_features(target: nn.Module, input_ids: torch.Tensor, layer_ids: Seque
         next_ids = next_ids.view(b, s)
     return features.view(b, s, -1), next_ids
 
-
-GREEDY_CHUNK = 4096  # rows of target logits at a time

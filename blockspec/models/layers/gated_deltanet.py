@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
@@ -252,7 +253,7 @@ class GatedDeltaNet(nn.Module):
             tokens.extend(range(start, start + c))
             start += meta.lengths[b]
         idx = torch.tensor(tokens, device=dev)
-        cu = torch.tensor([0] + list(_accumulate(counts)), dtype=torch.int64, device=dev)
+        cu = torch.tensor(list(accumulate(counts, initial=0)), dtype=torch.int64, device=dev)
         _, final = delta_rule_fla.run(k[idx], k[idx], v[idx], g[idx], beta[idx], st.ssm[slots].float(), cu,
                                       max(counts))
         st.ssm[slots] = final.to(st.ssm.dtype)
@@ -276,14 +277,6 @@ def _from_slots(states: torch.Tensor, meta: StateMetadata) -> torch.Tensor:
         return picked
     mask = meta.has_state_t.view(-1, *[1] * (states.dim() - 1))
     return torch.where(mask, picked, torch.zeros((), dtype=picked.dtype, device=picked.device))
-
-
-def _accumulate(values: list[int]) -> list[int]:
-    out, total = [], 0
-    for v in values:
-        total += v
-        out.append(total)
-    return out
 
 
 def _windows(meta: StateMetadata, bases: list[int], width: int) -> list[list[int]]:

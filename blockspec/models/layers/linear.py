@@ -6,7 +6,12 @@ the projections apart, so loading copies each into its slice (see weight_utils.c
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import torch
 from torch import nn
+
+from blockspec.kernels.skinny_linear import skinny_linear
 
 # checkpoint projection name -> (fused module name, shard index)
 FUSED_SHARDS = {
@@ -22,3 +27,21 @@ class FusedLinear(nn.Linear):
 
     def shard_offset(self, index: int) -> int:
         return sum(self.shard_sizes[:index])
+
+
+# Decode-path residual sub-blocks (<= 16 rows on GPU), shared by the target's and the drafter's layers:
+# each updates the residual stream h in place with two skinny GEMMs, the norm folded into the first.
+
+def fused_attention_residual(h: torch.Tensor, norm: nn.Module, qkv_proj: nn.Linear, o_proj: nn.Linear,
+                             attend: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """h += o_proj(attend(qkv_proj(norm(h)))); `attend` maps the fused q|k|v rows to attention output."""
+    qkv = skinny_linear(h, qkv_proj.weight, qkv_proj.bias, norm_weight=norm.weight, eps=norm.eps)
+    return skinny_linear(attend(qkv), o_proj.weight, o_proj.bias, residual=h)
+
+
+def fused_swiglu_residual(h: torch.Tensor, norm: nn.Module, gate_up_proj: nn.Linear,
+                          down_proj: nn.Linear) -> torch.Tensor:
+    """h += down_proj(silu(gate) * up) with [gate; up] = gate_up_proj(norm(h))."""
+    act = skinny_linear(h, gate_up_proj.weight, gate_up_proj.bias, norm_weight=norm.weight, eps=norm.eps,
+                        gated=True)
+    return skinny_linear(act, down_proj.weight, down_proj.bias, residual=h)

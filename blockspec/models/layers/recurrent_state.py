@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import Any
 
 import torch
@@ -91,7 +92,7 @@ class StateMetadata:
 
     @property
     def cu_seqlens(self) -> torch.Tensor:
-        return self.tensor("cu_seqlens", lambda: ([0] + _cumsum(self.lengths), torch.int64))
+        return self.tensor("cu_seqlens", lambda: (list(accumulate(self.lengths, initial=0)), torch.int64))
 
     def conv_layout(self, width: int) -> tuple[list[int], list[int]]:
         """Rows of the extended conv input buffer: each span's `width` previous inputs, then its new ones.
@@ -108,14 +109,6 @@ class StateMetadata:
                 rows.extend(b_count * width + s + i for i in range(n))
             self._cache[key] = (rows, bases)
         return self._cache[key]
-
-
-def _cumsum(values: list[int]) -> list[int]:
-    out, total = [], 0
-    for v in values:
-        total += v
-        out.append(total)
-    return out
 
 
 class LayerState:
