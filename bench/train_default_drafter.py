@@ -12,7 +12,7 @@ Writes $OUT/smollm2-135m-instruct/ (config.json, model.safetensors, README.md mo
 blockspec/drafters/) and $OUT/train_default_drafter.json, and prints a table.
 
 Usage:
-  python bench/train_default_drafter.py [--out DIR] [--gen-minutes 4] [--train-minutes 11]
+  python bench/train_default_drafter.py [--out DIR] [--gen-minutes 3.5] [--train-minutes 12]
   python bench/train_default_drafter.py --eval-only --drafter DIR [--device cpu]   # measure a drafter
 """
 
@@ -124,7 +124,7 @@ def main() -> None:
     ap.add_argument("--labels", choices=("greedy", "data"), default="greedy")
     ap.add_argument("--shard-size", type=int, default=1024)
     ap.add_argument("--gen-batch", type=int, default=256)
-    ap.add_argument("--gen-minutes", type=float, default=4.0)
+    ap.add_argument("--gen-minutes", type=float, default=3.5)
     ap.add_argument("--num-layers", type=int, default=3)
     ap.add_argument("--epochs", type=int, default=20, help="upper bound; --train-minutes usually stops first")
     ap.add_argument("--lr", type=float, default=1.5e-3)
@@ -132,7 +132,7 @@ def main() -> None:
     ap.add_argument("--num-anchors", type=int, default=128)
     ap.add_argument("--attention", default="auto")
     ap.add_argument("--eval-every", type=int, default=10**9, help="steps between held-out evals (each costs ~10 s)")
-    ap.add_argument("--train-minutes", type=float, default=11.0)
+    ap.add_argument("--train-minutes", type=float, default=12.0)
     ap.add_argument("--heldout-prompts", type=int, default=16, help="training prompts held out for periodic tau")
     ap.add_argument("--heldout-max-tokens", type=int, default=128)
     ap.add_argument("--humaneval", type=int, default=164)

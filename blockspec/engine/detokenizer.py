@@ -14,6 +14,10 @@ _CONTEXT_TOKENS = 5
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Any, prompt_ids: list[int], skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
+        # The Rust tokenizer directly: the transformers wrapper costs ~10x the decode itself, twice per token.
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._backend = backend if backend is not None and not getattr(
+            tokenizer, "clean_up_tokenization_spaces", False) else None
         self.skip_special_tokens = skip_special_tokens
         tail = prompt_ids[-(_CONTEXT_TOKENS + 1):]
         self.ids: list[int] = list(tail)
@@ -22,6 +26,8 @@ class IncrementalDetokenizer:
         self.text = ""
 
     def _decode(self, ids: list[int]) -> str:
+        if self._backend is not None:
+            return self._backend.decode(ids, skip_special_tokens=self.skip_special_tokens)
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def add(self, token_id: int) -> str:

@@ -82,6 +82,7 @@ class Engine:
         self.allocator = block_allocator(self, num_blocks)  # + a state slot per sequence for hybrids
         self.scheduler = Scheduler(self.allocator, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, self.num_speculative_tokens)
+        self._set_lookahead()
         self.requests: dict[str, Sequence] = {}
         self.spec_counters = SpecDecodeCounters(accepted_per_pos=[0] * self.num_speculative_tokens)
         self._generator = torch.Generator(device=self.device)
@@ -156,6 +157,11 @@ class Engine:
         self.spec_counters = SpecDecodeCounters(accepted_per_pos=[0] * k)
         self.runner.prepare_decode(self.config.max_num_seqs, self.max_model_len, not self.config.enforce_eager,
                                    log.info)
+        self._set_lookahead()
+
+    def _set_lookahead(self) -> None:
+        decode = self.runner.decode
+        self.scheduler.lookahead = decode.q if decode is not None and decode.pipelined else 0
 
     # ---- requests -----------------------------------------------------------------------------
 
@@ -193,7 +199,7 @@ class Engine:
         if params.seed is not None:
             generator = torch.Generator(device=self.device)
             generator.manual_seed(params.seed)
-        detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
+        detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens) if params.detokenize else None
         seq = Sequence(request_id, ids, params, detok, self.eos_ids, generator)
         self.requests[request_id] = seq
         self.scheduler.add(seq)

@@ -25,6 +25,7 @@ class SamplingParams:
     logprobs: int | None = None  # number of top logprobs per token (0: only the chosen token's)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    detokenize: bool = True  # False: token ids only (no text, no stop strings), for bulk generation
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -54,6 +55,7 @@ class SamplingParams:
             (self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
              "min_tokens must not exceed max_tokens"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "logprobs must be in [0, 20]"),
+            (self.detokenize or not self.stop, "stop", "stop strings need detokenize=True"),
         ]
         for ok, param, message in checks:
             if not ok:

@@ -46,6 +46,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.k = num_speculative_tokens
+        self.lookahead = 0  # positions to allocate past a decode step (the chained step's k + 1)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -75,7 +76,10 @@ class Scheduler:
             if num_new <= 0 or budget < num_new + drafts:
                 i += 1
                 continue
-            while not self.allocator.ensure(seq, seq.num_computed + num_new + drafts):
+            want = seq.num_computed + num_new + drafts
+            # Pipelined decoding chains the next step before this one is read: blocks for it too, if free.
+            ahead = remaining == 1 and self.lookahead and self.allocator.ensure(seq, want + self.lookahead)
+            while not ahead and not self.allocator.ensure(seq, want):
                 victim = self.running[-1]
                 self._preempt(victim, out)
                 if victim is seq:

@@ -16,21 +16,29 @@ from dataclasses import dataclass
 import torch
 
 # Integer inputs of a decode step: name -> length per sequence row (q: tokens per row, m: max blocks).
+# The host writes the first group (kernels/decode_inputs.py: ROW_INPUTS, in this order); the
+# decode-inputs kernel derives the rest on the device.
 SECTIONS = {
+    "anchor": 1,  # position of the last committed token
+    "token": 1,  # that token
+    "ctx_pos0": 1,  # first context position the previous step committed (drafter input)
+    "ctx_count": 1,  # how many
+    "ctx_row0": 1,  # their first row in the feature buffer
+    "num_drafts": 1,
+    "tables": "m",  # block table row (scratch block for padding and finished rows)
     "tokens": "q",  # anchor, d_1..d_k per row (the draft graph writes the drafts in place)
     "positions": "q",
     "slots": "q",  # KV slot of each verified position (scratch for padding)
-    "tables": "m",  # block table row
     "seq_lens": 1,  # target: anchor + q (queries at the end, causal)
     "kv_start": 1,  # zeros
     "draft_seq_lens": 1,  # drafter: anchor + num_drafts + 1 (non-causal over the exact block)
     "draft_kv_start": 1,  # drafter context window start
     "draft_tokens": "q",  # anchor, MASK * k
-    "num_drafts": 1,
     "ctx_rows": "q",  # rows of the feature buffer committed by the previous step (context to project)
     "ctx_positions": "q",
     "ctx_slots": "q",  # scratch where a row has fewer committed positions
 }
+HOST_SECTIONS = tuple(SECTIONS)[:7]
 
 
 @dataclass
@@ -85,14 +93,28 @@ class DecodeGraphs:
             self._views[bp] = DecodeViews(bp, self.q_len, self.buffer[: self._total(bp)], parts)
         return self._views[bp]
 
-    def upload(self, bp: int, host: dict[str, list[int]]) -> DecodeViews:
-        """One pinned, asynchronous copy of the step's integers (every section, in SECTIONS order)."""
+    def host_size(self, bp: int) -> int:
+        """Elements of the host-written prefix of bucket bp's layout."""
+        return sum(self._sizes(bp)[: len(HOST_SECTIONS)])
+
+    def host_views(self, staging: torch.Tensor, bp: int) -> dict[str, torch.Tensor]:
+        """The host-written sections of bucket bp laid over a staging tensor (same layout as the device)."""
+        sizes = self._sizes(bp)[: len(HOST_SECTIONS)]
+        parts = dict(zip(HOST_SECTIONS, torch.split(staging[: sum(sizes)], sizes)))
+        parts["tables"] = parts["tables"].view(bp, self.max_blocks)
+        return parts
+
+    def upload(self, bp: int, staging: torch.Tensor, first: str = "anchor") -> DecodeViews:
+        """One asynchronous copy of the host-written sections from `first` on (staging is pinned on GPU)."""
         v = self.views(bp)
-        src = torch.tensor([x for name in SECTIONS for x in host[name]], dtype=torch.int64)
-        if self.device.type == "cuda":
-            src = src.pin_memory()
-        v.flat.copy_(src, non_blocking=True)
+        start = sum(self._sizes(bp)[: HOST_SECTIONS.index(first)])
+        end = self.host_size(bp)
+        v.flat[start:end].copy_(staging[start:end], non_blocking=True)
         return v
+
+    def output(self, name: str, bp: int) -> object:
+        """What the captured graph (name, bp) returns (its static output tensors)."""
+        return self._graphs[(name, bp)][1]
 
     def run(self, name: str, bp: int, fn: Callable[[DecodeViews], object]) -> object:
         """Replay the captured graph of (name, bucket), or call fn eagerly."""

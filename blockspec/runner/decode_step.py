@@ -1,8 +1,16 @@
 """The fast path for uniform decode/verify steps (every sequence: its anchor plus up to k drafts).
 
-Per step: one host-to-device copy of the packed integer inputs, one drafter graph (project the
-context features the previous step committed, denoise the blocks, write the drafts into the verify
-input), one target graph (verify pass, logits, greedy acceptance), one device-to-host copy.
+Per step: one host-to-device copy of a few integers per sequence, a one-kernel graph deriving the
+step's indices from them, one drafter graph (project the context features the previous step
+committed, denoise the blocks, write the drafts into the verify input), one target graph (verify
+pass, logits, greedy acceptance), one device-to-host copy of [accepted, tokens] per row.
+
+Pipelined decoding (CUDA): when every row is greedy and cannot reach its end within the next step,
+the next step is launched before this one's tokens are read back; its inputs are advanced on the
+device from this step's acceptance. The GPU then never waits for the host's per-step work
+(detokenizing, stop checks, scheduling). If the next schedule is not that step (a sequence finished
+or joined), the chained step is dropped: it only wrote K/V past the committed frontier, which the
+next step overwrites, and the drafter context it projected is correct either way.
 
 Context features stay on the device between steps: the target graph writes every verified position's
 features into a persistent buffer, and the next step's drafter graph gathers the committed rows from
@@ -12,12 +20,14 @@ before the buffer is overwritten, so the general path can pick them up.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from blockspec.engine.scheduler import ScheduledSeq
 from blockspec.engine.sequence import Sequence
+from blockspec.kernels.decode_inputs import decode_inputs
 from blockspec.models.layers.attention import AttentionMetadata, DecodeMetadata, forward_context
 from blockspec.runner.acceptance import accept, greedy_only
 from blockspec.runner.decode_graphs import DecodeGraphs, DecodeViews
@@ -27,29 +37,74 @@ if TYPE_CHECKING:
     from blockspec.runner.model_runner import ModelRunner, StepResult
 
 
+@dataclass
+class _Launch:
+    """A step queued on the device: which sequence each row holds, and where its result lands."""
+
+    bp: int
+    rows: list[Sequence | None]  # None: padding, or a sequence no longer in the batch
+    num_drafts: list[int]
+    result: torch.Tensor  # [bp, 1 + q]: accepted count, then the argmax tokens (host copy on GPU)
+    event: torch.cuda.Event | None
+    logits: torch.Tensor | None = None
+
+    def wait(self) -> torch.Tensor:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.result
+
+
 class DecodeStep:
     def __init__(self, runner: ModelRunner, max_batch: int, max_model_len: int, use_graphs: bool) -> None:
         self.r = runner
         self.k = runner.num_speculative_tokens
         self.q = self.k + 1
+        self.max_model_len = max_model_len
         max_blocks = -(-(max_model_len + self.q) // runner.block_size)
         self.graphs = DecodeGraphs(runner.device, max_batch, self.q, max_blocks, use_graphs)
         self.uses_drafter = runner.drafter is not None and self.k > 0
         width = len(runner.capture_layer_ids) * runner.target.config.hidden_size if self.uses_drafter else 0
         self.features = torch.zeros(max_batch * self.q, width, device=runner.device, dtype=runner.dtype)
         self.holders: list[Sequence] = []  # sequences whose committed features sit in self.features
+        # Chain the next step before reading this one (only worth it where the device runs ahead).
+        self.pipelined = self.graphs.use_graphs
+        self.inflight: _Launch | None = None
+        self.chained_used = self.chained_dropped = 0  # chained steps that were / were not the next step
+        cuda = runner.device.type == "cuda"
+        # Two of each host buffer: one step's copies may still be queued while the next is written.
+        self._staging = [torch.zeros(self.graphs.host_size(max_batch), dtype=torch.int64, pin_memory=cuda)
+                         for _ in range(2)]
+        self._staged: list[torch.cuda.Event | None] = [None, None]
+        self._results = [torch.zeros(max_batch, self.q + 1, dtype=torch.int64, pin_memory=cuda) for _ in range(2)]
+        self._turn = 0
+        self._greedy: torch.Tensor | None = None  # eager mode: the last verify pass's [accepted, argmax]
 
     @property
     def max_batch(self) -> int:
         return self.graphs.buckets[-1]
 
     def capture(self, log) -> float:
-        fns = {"target": self._target_fn}
+        fns = {"prepare": self._prepare_fn}
         if self.uses_drafter and self.r.synthetic is None:
-            fns = {"draft": self._draft_fn, **fns}
+            fns["draft"] = self._draft_fn
+        fns["target"] = self._target_fn
+        if self.pipelined:
+            fns["advance"] = self._advance_fn
         return self.graphs.capture(fns, self._fill_dummy, log)
 
     # ---- graphs ---------------------------------------------------------------------------------
+
+    def _derive(self, v: DecodeViews, greedy: torch.Tensor | None) -> None:
+        r = self.r
+        decode_inputs(v.parts, greedy, r.scratch_block, r.block_size, r.mask_token_id, r.draft_window)
+
+    def _prepare_fn(self, v: DecodeViews) -> None:
+        self._derive(v, None)
+
+    def _advance_fn(self, v: DecodeViews) -> None:
+        """The chained step's inputs: each live row moved past what the previous verify pass accepted."""
+        greedy = self.graphs.output("target", v.batch)[0] if self.graphs.use_graphs else self._greedy
+        self._derive(v, greedy)
 
     def _target_fn(self, v: DecodeViews) -> tuple[torch.Tensor, torch.Tensor]:
         r, bp, q = self.r, v.batch, v.q_len
@@ -78,52 +133,83 @@ class DecodeStep:
         v.tokens.view(bp, q)[:, 1:].copy_(drafts)  # straight into the verify input
         return drafts
 
+
     def _fill_dummy(self, v: DecodeViews) -> None:
-        self.graphs.upload(v.batch, self._pack([], v.batch))
+        """Every row padding (scratch block), for graph capture."""
+        staging = self._stage(v.batch, [None] * v.batch, [0] * v.batch, [])
+        self.graphs.upload(v.batch, staging)
+        self._derive(self.graphs.views(v.batch), None)
 
     # ---- host side ------------------------------------------------------------------------------
 
-    def _pack(self, items: list[ScheduledSeq], bp: int) -> dict[str, list[int]]:
-        """The step's integer inputs per section; rows past len(items) are padding on the scratch block."""
-        r, q, k = self.r, self.q, self.k
-        bs, scratch = r.block_size, r.scratch_block
-        scratch_slots = [scratch * bs + i % bs for i in range(q)]
-        h: dict[str, list[int]] = {name: [] for name in DecodeGraphs.section_names()}
-        for item in items:
-            seq = item.seq
-            anchor = seq.num_tokens - 1
-            h["tokens"] += [seq.token_ids(anchor, anchor + 1)[0]] + [0] * k
-            h["positions"] += range(anchor, anchor + q)
-            h["slots"] += [r._slot(seq, anchor + i) if i <= item.num_drafts else scratch_slots[i] for i in range(q)]
-            h["tables"] += seq.block_table + [scratch] * (self.graphs.max_blocks - len(seq.block_table))
-            h["seq_lens"].append(anchor + q)
-            h["draft_seq_lens"].append(anchor + item.num_drafts + 1)
-            h["draft_kv_start"].append(0 if r.draft_window is None else max(0, anchor - r.draft_window))
-            h["num_drafts"].append(item.num_drafts)
-            rows = seq.feature_rows
-            count = rows[1] if rows is not None else 0
-            h["ctx_rows"] += [rows[0] + i if i < count else 0 for i in range(q)]
-            h["ctx_positions"] += [seq.drafter_computed + i if i < count else 0 for i in range(q)]
-            h["ctx_slots"] += [r._slot(seq, seq.drafter_computed + i) if i < count else scratch_slots[i]
-                               for i in range(q)]
-            if rows is not None:
-                seq.drafter_computed += count
-                seq.feature_rows = None
-        pad = bp - len(items)
-        h["tokens"] += [0] * (pad * q)
-        h["positions"] += list(range(q)) * pad
-        h["slots"] += scratch_slots * pad
-        h["tables"] += [scratch] * (pad * self.graphs.max_blocks)
-        h["seq_lens"] += [q] * pad
-        h["draft_seq_lens"] += [q] * pad
-        h["draft_kv_start"] += [0] * pad
-        h["num_drafts"] += [0] * pad
-        h["ctx_rows"] += [0] * (pad * q)
-        h["ctx_positions"] += [0] * (pad * q)
-        h["ctx_slots"] += scratch_slots * pad
-        h["kv_start"] = [0] * bp
-        h["draft_tokens"] = [t if i % q == 0 else r.mask_token_id for i, t in enumerate(h["tokens"])]
-        return h
+    def _next_staging(self) -> torch.Tensor:
+        """A staging buffer whose previous copy to the device has been carried out."""
+        self._turn ^= 1
+        event = self._staged[self._turn]
+        if event is not None:
+            event.synchronize()
+        return self._staging[self._turn]
+
+    def _staged_now(self) -> None:
+        if self.r.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+            self._staged[self._turn] = event
+
+    def _stage(self, bp: int, rows: list[Sequence | None], num_drafts: list[int],
+               items: list[ScheduledSeq] | None = None) -> torch.Tensor:
+        """Write the host sections for rows (None: padding). With `items` (a fresh step) every row
+        input is written and the committed feature rows handed to the drafter; without, only the
+        draft counts and block tables (a chained step: the device advances the rest)."""
+        staging = self._next_staging()
+        h = self.graphs.host_views(staging, bp)
+        tables = h["tables"].numpy()
+        tables.fill(self.r.scratch_block)
+        for b, seq in enumerate(rows):
+            if seq is not None:
+                table = seq.block_table[: tables.shape[1]]  # lookahead blocks may pass the last position
+                tables[b, : len(table)] = table
+        h["num_drafts"].numpy()[:] = [n if seq is not None else 0 for n, seq in zip(num_drafts, rows)]
+        if items is not None:
+            anchor, token, pos0, count, row0 = ([0] * bp for _ in range(5))
+            for b, item in enumerate(items):
+                seq = item.seq
+                anchor[b] = seq.num_tokens - 1
+                token[b] = seq.output_ids[-1] if seq.output_ids else seq.prompt_ids[-1]
+                pos0[b] = seq.drafter_computed
+                if seq.feature_rows is not None:
+                    row0[b], count[b] = seq.feature_rows
+                    seq.drafter_computed += count[b]
+                    seq.feature_rows = None
+            for name, values in zip(("anchor", "token", "ctx_pos0", "ctx_count", "ctx_row0"),
+                                    (anchor, token, pos0, count, row0)):
+                h[name].numpy()[:] = values
+        return staging
+
+    def _launch(self, bp: int, rows: list[Sequence | None], num_drafts: list[int], chained: bool,
+                synthetic_items: list[ScheduledSeq] | None = None) -> _Launch:
+        """Queue a step whose host sections are staged: derive the indices, draft, verify, copy back."""
+        r, q = self.r, self.q
+        v = self.graphs.upload(bp, self._staging[self._turn], "num_drafts" if chained else "anchor")
+        self._staged_now()
+        self.graphs.run("advance" if chained else "prepare", bp, self._advance_fn if chained else self._prepare_fn)
+        if synthetic_items is not None:
+            drafts = r._synthetic_drafts(synthetic_items)
+            if drafts is not None:
+                index = [b * q + 1 + i for b, item in enumerate(synthetic_items) for i in range(item.num_drafts)]
+                v.tokens.index_copy_(0, r._tensor(index), drafts)
+        elif self.uses_drafter:
+            self.graphs.run("draft", bp, self._draft_fn)
+        greedy, logits = self.graphs.run("target", bp, self._target_fn)
+        self._greedy = greedy
+        if r.device.type == "cuda":
+            result = self._results[self._turn][:bp]
+            result.copy_(greedy[:bp], non_blocking=True)  # the step's one device-to-host copy
+            event = torch.cuda.Event()
+            event.record()
+        else:
+            result, event = greedy[:bp], None
+        return _Launch(bp, rows, num_drafts, result, event, logits)
 
     def release_features(self, keep: set[int] | None = None) -> None:
         """Copy the committed feature rows of held sequences out of the shared buffer (before it is reused)."""
@@ -136,12 +222,47 @@ class DecodeStep:
             seq.feature_rows = None
         self.holders = []
 
-    def execute(self, items: list[ScheduledSeq]) -> list[StepResult]:
-        from blockspec.runner.model_runner import StepResult
+    def drop_inflight(self) -> None:
+        """Forget a chained step (it still runs, ahead of anything queued later; its results go unread)."""
+        if self.inflight is not None:
+            self.chained_dropped += 1
+        self.inflight = None
 
-        r, q = self.r, self.q
-        batch = len(items)
-        bp = self.graphs.bucket(batch)
+    def _take_inflight(self, items: list[ScheduledSeq]) -> _Launch | None:
+        """The chained step if it computes exactly this schedule for every item, else None."""
+        launch = self.inflight
+        if launch is None:
+            return None
+        row_of = {id(s): b for b, s in enumerate(launch.rows) if s is not None}
+        for item in items:
+            b = row_of.get(id(item.seq))
+            if b is None or item.num_new != 1 or item.num_drafts != launch.num_drafts[b]:
+                self.drop_inflight()
+                return None
+        self.inflight = None
+        self.chained_used += 1
+        keep = {id(item.seq) for item in items}
+        launch.rows = [s if s is not None and id(s) in keep else None for s in launch.rows]
+        return launch
+
+    def _chainable(self, launch: _Launch) -> bool:
+        """Whether the step after `launch` is already known up to its acceptance: every row greedy, with
+        the same number of drafts however many tokens this step commits, and blocks for it allocated."""
+        if not self.pipelined or self.r.synthetic is not None:
+            return False
+        seqs = [s for s in launch.rows if s is not None]
+        if not seqs or not greedy_only(seqs):
+            return False
+        bs, q = self.r.block_size, self.q
+        for seq in seqs:
+            left = min(seq.max_tokens - seq.num_output, self.max_model_len - seq.num_tokens + 1)
+            if left < 2 * q or len(seq.block_table) * bs < seq.num_tokens - 1 + 2 * q:
+                return False
+        return True
+
+    def _launch_fresh(self, items: list[ScheduledSeq]) -> _Launch:
+        r = self.r
+        bp = self.graphs.bucket(len(items))
         self.release_features(keep={id(i.seq) for i in items})
         # Features committed through the general path (e.g. a prefill) are projected eagerly, once.
         pending = [i.seq for i in items if i.seq.pending_features is not None]
@@ -154,28 +275,52 @@ class DecodeStep:
                 seq.drafter_computed += seq.pending_features.shape[0]
                 seq.pending_features = None
             r.drafter.write_context(torch.cat(feats), r._tensor(pos), r._tensor(slots))
-        v = self.graphs.upload(bp, self._pack(items, bp))
-        if self.k and r.synthetic is not None:
-            drafts = r._synthetic_drafts(items)
-            if drafts is not None:
-                index = [b * q + 1 + i for b, item in enumerate(items) for i in range(item.num_drafts)]
-                v.tokens.index_copy_(0, r._tensor(index), drafts)
-        elif self.uses_drafter:
-            self.graphs.run("draft", bp, self._draft_fn)
-        greedy, logits = self.graphs.run("target", bp, self._target_fn)
+        rows: list[Sequence | None] = [i.seq for i in items] + [None] * (bp - len(items))
+        num_drafts = [i.num_drafts for i in items] + [0] * (bp - len(items))
+        self._stage(bp, rows, num_drafts, items)
+        synthetic = items if self.k and r.synthetic is not None else None
+        return self._launch(bp, rows, num_drafts, chained=False, synthetic_items=synthetic)
+
+    def _launch_chained(self, prev: _Launch) -> _Launch:
+        self._stage(prev.bp, prev.rows, prev.num_drafts)
+        return self._launch(prev.bp, list(prev.rows), prev.num_drafts, chained=True)
+
+    def execute(self, items: list[ScheduledSeq]) -> list[StepResult]:
+        from blockspec.runner.model_runner import StepResult
+
+        r, q = self.r, self.q
         seqs = [i.seq for i in items]
-        if greedy_only(seqs):
-            host = greedy[:batch].tolist()  # the step's one device-to-host copy
-            rows = [(row[0], row[1:row[0] + 2], None) for row in host]
+        launch = self._take_inflight(items)
+        greedy = greedy_only(seqs)
+        if launch is None:
+            launch = self._launch_fresh(items)
+        chained = greedy and self._chainable(launch)
+        if chained:
+            self.inflight = self._launch_chained(launch)
+        row_of = {id(s): b for b, s in enumerate(launch.rows) if s is not None}
+        if greedy:
+            host = launch.wait().tolist()
+            rows = []
+            for seq in seqs:
+                row = host[row_of[id(seq)]]
+                rows.append((row[0], row[1:row[0] + 2], None))
         else:
-            logits = logits.view(bp, q, -1)[:batch]
-            rows = accept(seqs, [i.num_drafts for i in items], logits, v.tokens.view(bp, q)[:batch], r.device)
+            n = len(items)  # a fresh step: rows 0..n-1
+            logits = launch.logits.view(launch.bp, q, -1)[:n]
+            tokens_in = self.graphs.views(launch.bp).tokens.view(launch.bp, q)[:n]
+            rows = accept(seqs, [i.num_drafts for i in items], logits, tokens_in, r.device)
         results = [StepResult(item.seq, tokens, item.num_drafts, a, lps) for item, (a, tokens, lps) in zip(items, rows)]
         committed = [1 + res.num_accepted for res in results]
         r._commit_state(items, committed)
-        for b, (seq, n) in enumerate(zip(seqs, committed)):
+        holders = []
+        for seq, n in zip(seqs, committed):
             seq.num_computed += n
-            if self.uses_drafter:
-                seq.feature_rows = (b * q, n)
-        self.holders = seqs if self.uses_drafter else []
+            if not self.uses_drafter:
+                continue
+            if chained:  # the chained step's drafter pass projects these rows
+                seq.drafter_computed += n
+            else:
+                seq.feature_rows = (row_of[id(seq)] * q, n)
+                holders.append(seq)
+        self.holders = holders
         return results

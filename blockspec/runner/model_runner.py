@@ -115,6 +115,7 @@ class ModelRunner:
         if self._uniform_decode(items):
             return self.decode.execute(items)
         if self.decode is not None:
+            self.decode.drop_inflight()
             self.decode.release_features()  # the general path reads pending_features
         drafts = self._draft(items) if self.drafter is not None or self.synthetic is not None else None
         hidden, features, offsets = self._target(items, drafts)

@@ -63,10 +63,10 @@ def sample_params(index: int, num_prompts: int, cfg: GenerationConfig) -> Sampli
     """Greedy on the first pass over the prompts; afterwards the seeded sampled lead-in (or, with
     sampled_prefix 0, a whole sampled response)."""
     if index < num_prompts or cfg.temperature <= 0:
-        return SamplingParams(max_tokens=cfg.response_len, temperature=0.0)
+        return SamplingParams(max_tokens=cfg.response_len, temperature=0.0, detokenize=False)
     max_tokens = min(cfg.sampled_prefix, cfg.response_len) if cfg.sampled_prefix > 0 else cfg.response_len
     return SamplingParams(max_tokens=max_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
-                          seed=cfg.seed * 1_000_003 + index)
+                          seed=cfg.seed * 1_000_003 + index, detokenize=False)
 
 
 def encode_prompts(engine: Engine, prompts: list[TrainPrompt], response_len: int) -> list[list[int]]:
@@ -163,9 +163,19 @@ def _drain(engine: Engine) -> dict[str, tuple[list[int], str | None]]:
 
 def _run_shard(engine: Engine, prompt_ids: list[list[int]], indices: list[int], cfg: GenerationConfig,
                bar: tqdm) -> list[Sample]:
-    """Two phases, each submitted whole so the engine mostly runs pure decode batches (a continuation
-    trickling in one by one would mix prefill into nearly every step): the greedy answers and the
-    sampled lead-ins, then the greedy continuations of the lead-ins that did not end the answer."""
+    """The shard in waves of max_num_seqs, so the engine runs pure decode batches after each wave's
+    prefill (requests trickling in as others finish would mix a prefill into nearly every step)."""
+    wave = engine.config.max_num_seqs
+    samples: list[Sample] = []
+    for start in range(0, len(indices), wave):
+        samples += _run_wave(engine, prompt_ids, indices[start:start + wave], cfg, bar)
+    return samples
+
+
+def _run_wave(engine: Engine, prompt_ids: list[list[int]], indices: list[int], cfg: GenerationConfig,
+              bar: tqdm) -> list[Sample]:
+    """Two phases, each submitted whole: the greedy answers and the sampled lead-ins, then the greedy
+    continuations of the lead-ins that did not end the answer."""
     n = len(prompt_ids)
     for i in indices:
         engine.add_request(f"train-{i}", prompt_ids[i % n], sample_params(i, n, cfg))
@@ -175,7 +185,8 @@ def _run_shard(engine: Engine, prompt_ids: list[list[int]], indices: list[int], 
               and len(responses[i]) < cfg.response_len]
     for i in resume:  # continue greedily after the sampled lead-in
         engine.add_request(f"rest-{i}", prompt_ids[i % n] + responses[i],
-                           SamplingParams(max_tokens=cfg.response_len - len(responses[i]), temperature=0.0))
+                           SamplingParams(max_tokens=cfg.response_len - len(responses[i]), temperature=0.0,
+                                          detokenize=False))
     rest = _drain(engine)
     samples = []
     for i in indices:

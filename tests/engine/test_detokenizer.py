@@ -24,3 +24,16 @@ def test_real_tokenizer_spaces(default_model):
     ids = tok.encode(text, add_special_tokens=False)
     detok = IncrementalDetokenizer(tok, tok.encode("x = 1\n", add_special_tokens=False))
     assert "".join(detok.add(t) for t in ids) + detok.flush() == text
+
+
+def test_fast_path_decodes_like_the_tokenizer(default_model):
+    """The Rust backend shortcut gives the transformers tokenizer's text, special tokens and bytes included."""
+    import torch
+
+    tok = AutoTokenizer.from_pretrained(default_model)
+    detok = IncrementalDetokenizer(tok, [])
+    assert detok._backend is not None
+    ids = torch.randint(0, tok.vocab_size, (300,), generator=torch.Generator().manual_seed(0)).tolist() + [0, 1, 2]
+    for skip in (True, False):
+        detok.skip_special_tokens = skip
+        assert detok._decode(ids) == tok.decode(ids, skip_special_tokens=skip)
