@@ -86,7 +86,10 @@ def main() -> None:
             rows = []
             for cfg in CONFIGS:
                 fn = dot_path(x, w, nw, torch.zeros_like(res), epilogue, cfg)
-                got = fn().float()
+                try:
+                    got = fn().float()
+                except triton.runtime.errors.OutOfResources:
+                    continue
                 if epilogue != "residual":
                     err = float((got - want).norm() / want.norm())
                 else:
