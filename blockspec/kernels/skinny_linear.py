@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from blockspec.kernels._triton import HAVE_TRITON, use_triton
-from blockspec.kernels.activation import silu_mul, silu_mul_ref
+from blockspec.kernels.activation import silu_mul_ref
 from blockspec.kernels.rms_norm import rms_norm, rms_norm_ref
 
 if HAVE_TRITON:
@@ -116,6 +116,7 @@ if HAVE_TRITON:
         tl.store(y_ptrs, y, mask=out_mask)
 
 
+SMALL_WEIGHT = 1 << 22  # elements: below this a verify block's GEMM is launch-bound and one kernel wins
 _NUM_SMS = 132  # H100 / H200
 _MIN_PROGRAMS = 2 * _NUM_SMS
 
@@ -128,7 +129,7 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _launch_config(m: int, n: int, k: int) -> tuple[int, int, int, int]:
+def _launch_config(m: int, n: int, k: int, gated: bool = False) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages) for m rows, n output columns, reduction length k.
 
     A hand heuristic (no autotune: CUDA graphs are captured right after warm-up). The kernel is bound by
@@ -139,17 +140,21 @@ def _launch_config(m: int, n: int, k: int) -> tuple[int, int, int, int]:
       16-byte loads along K per iteration; 8 warps once the tile reaches 8192 elements.
     - 2 <= m <= 16 (tl.dot path, rows padded to 16): BLOCK_N 16..64, BLOCK_K 128 (256 bytes of bf16 per
       W row per stage), 3 stages of cp.async pipelining.
+    - 2 <= m <= 16 on weights above SMALL_WEIGHT (bench/tune_skinny.py sweep on the Qwen3-8B shapes, H100):
+      BLOCK_N 32 with deep pipelining, 5 stages of BLOCK_K 256 for long rows (K > 4096) and the LM head,
+      128 otherwise; the gated [gate; up] pair (two tiles per stage) 3 stages of 128.
     """
     if m == 1:
         block_k = min(512, max(64, _next_pow2(k)))
         block_n = next((b for b in (16, 8) if _cdiv(n, b) >= _MIN_PROGRAMS), 4)
         return block_n, block_k, 8 if block_n * block_k >= 8192 else 4, 3
+    if (2 if gated else 1) * n * k > SMALL_WEIGHT:
+        if gated:
+            return 32, 128, 4, 3
+        return 32, 256 if k > 4096 or n >= 65536 else 128, 4, 5
     block_k = min(128, max(16, _next_pow2(k)))
     block_n = next((b for b in (64, 32) if _cdiv(n, b) >= _MIN_PROGRAMS), 16)
     return block_n, block_k, 4, 3
-
-
-SMALL_WEIGHT = 1 << 22  # elements: below this a verify block's GEMM is launch-bound and one kernel wins
 
 
 def skinny_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
@@ -193,7 +198,7 @@ def _skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     m, k = x.shape
     n_out = weight.shape[0] // 2 if gated else weight.shape[0]
     out = residual if residual is not None else torch.empty(m, n_out, dtype=x.dtype, device=x.device)
-    block_n, block_k, num_warps, num_stages = _launch_config(m, n_out, k)
+    block_n, block_k, num_warps, num_stages = _launch_config(m, n_out, k, gated)
     use_dot = m > 1
     _skinny_linear_kernel[(triton.cdiv(n_out, block_n),)](
         x, weight, bias if bias is not None else x, norm_weight if norm_weight is not None else x, out,
@@ -208,18 +213,16 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                   norm_weight: torch.Tensor | None = None, eps: float = 0.0, gated: bool = False,
                   residual: torch.Tensor | None = None) -> torch.Tensor:
     """One launch for norm + projection + SwiGLU / residual add. 2-16 rows (verify) on a large weight
-    compose cuBLAS with the fused norm and SwiGLU kernels instead: measured faster than this kernel's
-    tl.dot path for the Qwen3-8B shapes on an H100, slower for SmolLM2's (bench/NOTES.md). The
-    reference elsewhere (CPU, grad)."""
+    take the norm as its own kernel first (a norm inside the tl.dot loop stalls its pipelining), and a
+    square residual projection (K <= 4096) goes to cuBLAS with the add in its epilogue: measured
+    fastest per Qwen3-8B shape on an H100 (bench/tune_skinny.py, bench/NOTES.md). The reference
+    elsewhere (CPU, grad)."""
     if skinny_supported(x, weight) and _operands_fit(x, weight, bias, norm_weight, gated, residual):
         if x.shape[0] == 1 or weight.numel() <= SMALL_WEIGHT:
             return _skinny_linear_triton(x, weight, bias, norm_weight, eps, gated, residual)
         if norm_weight is not None:
             x = rms_norm(x, norm_weight, eps)[0]
-        if residual is not None and bias is None and not gated:
+        if residual is not None and bias is None and not gated and x.shape[1] <= 4096:
             return residual.addmm_(x, weight.t())  # the add rides in the GEMM's epilogue (beta = 1)
-        y = F.linear(x, weight, bias)
-        if gated:
-            y = silu_mul(y)
-        return y if residual is None else residual.add_(y)
+        return _skinny_linear_triton(x, weight, bias, None, eps, gated, residual)
     return skinny_linear_ref(x, weight, bias, norm_weight=norm_weight, eps=eps, gated=gated, residual=residual)
