@@ -45,6 +45,7 @@ NAME = "smollm2-135m-instruct"
 def train(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     gen = GenerationConfig(num_samples=args.num_samples, response_len=args.response_len,
                            temperature=args.temperature, sampled_prefix=args.sampled_prefix,
+                           self_prompts=args.self_prompts,
                            shard_size=args.shard_size, seed=args.seed,
                            max_time_s=args.gen_minutes * 60)
     training = TrainConfig(epochs=args.epochs, lr=args.lr, batch_size=args.batch_size,
@@ -122,6 +123,7 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.7)
     ap.add_argument("--sampled-prefix", type=int, default=16, help="sampled lead-in tokens before greedy")
     ap.add_argument("--labels", choices=("greedy", "data"), default="greedy")
+    ap.add_argument("--self-prompts", type=float, default=0.5, help="share of self-written prompts after pass 1")
     ap.add_argument("--shard-size", type=int, default=1024)
     ap.add_argument("--gen-batch", type=int, default=256)
     ap.add_argument("--gen-minutes", type=float, default=3.5)

@@ -26,6 +26,9 @@ def add_train_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="sampling temperature after the first (greedy) pass over the prompts")
     g.add_argument("--sampled-prefix", type=int, default=16,
                    help="later passes sample this many tokens, then continue greedily (0: sample throughout)")
+    g.add_argument("--self-prompts", type=float, default=0.5,
+                   help="share of later samples whose user message the target writes itself from a built-in "
+                        "opener (more distinct prompts; 0: only --prompts)")
     g.add_argument("--gen-batch", type=int, default=None, help="sequences generated at once (default 256 GPU, 32 CPU)")
     g.add_argument("--max-prompt-len", type=int, default=768, help="longer prompts are skipped")
     g.add_argument("--gen-minutes", type=float, default=None,
@@ -65,12 +68,15 @@ def config_from_args(args: argparse.Namespace):
     for name in ("num_samples", "response_len", "num_layers", "epochs", "batch_size", "num_anchors"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
+    if not 0 <= args.self_prompts <= 1:
+        raise ConfigError("--self-prompts must be between 0 and 1")
     if args.sampled_prefix < 0:
         raise ConfigError("--sampled-prefix must be 0 or more")
     if args.block_size < 2:
         raise ConfigError("--block-size must be at least 2 (one anchor and one draft)")
     gen = GenerationConfig(num_samples=args.num_samples, response_len=args.response_len,
-                           temperature=args.temperature, sampled_prefix=args.sampled_prefix, seed=args.seed,
+                           temperature=args.temperature, sampled_prefix=args.sampled_prefix,
+                           self_prompts=args.self_prompts, seed=args.seed,
                            max_time_s=None if args.gen_minutes is None else args.gen_minutes * 60)
     train = TrainConfig(epochs=args.epochs, lr=args.lr, batch_size=args.batch_size, num_anchors=args.num_anchors,
                         gamma=args.gamma, labels=args.labels, eval_every=args.eval_every, attention=args.attention,

@@ -6,7 +6,11 @@ the prompts is greedy (the distribution temperature-0 serving sees). Later passe
 lead-in (`sampled_prefix` tokens at `temperature`, per-sample seed, so the data is reproducible) and
 continue greedily from it: the lead-in makes each pass a different answer, the greedy remainder is a
 chain the drafter is later scored on (greedy acceptance), not noise around it. `sampled_prefix=0`
-samples whole responses instead. Samples are written in shards
+samples whole responses instead. With `self_prompts` > 0 that share of the later samples answers
+a user message the target wrote itself, starting from one of our openers ("Complete the following
+Python function ... def "), as Magpie-style self-instruct data is made: far more distinct prompts
+than any hand-written set, in the target's own distribution; those answers are greedy throughout.
+Samples are written in shards
 (safetensors: flat token ids, response mask, offsets); a rerun skips finished shards, and asking
 for more samples later only generates the missing ones.
 """
@@ -16,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import random
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -28,10 +33,11 @@ from tqdm import tqdm
 
 from blockspec.engine.sampling_params import SamplingParams
 from blockspec.errors import ConfigError
-from blockspec.train.prompts import TrainPrompt
+from blockspec.train.prompts import Opener, TrainPrompt, openers
 
 if TYPE_CHECKING:
     from blockspec.engine.engine import Engine
+    from blockspec.engine.outputs import RequestOutput
 
 log = logging.getLogger("blockspec")
 META = "meta.json"
@@ -44,6 +50,8 @@ class GenerationConfig:
     temperature: float = 0.7  # for passes after the first, greedy pass over the prompts
     top_p: float = 0.95
     sampled_prefix: int = 16  # later passes: sampled lead-in tokens, then greedy (0: sample throughout)
+    self_prompts: float = 0.0  # share of later samples answering a user message the target wrote itself
+    self_prompt_len: int = 128  # max tokens of such a message
     shard_size: int = 512
     seed: int = 0
     max_time_s: float | None = None  # stop after the shard that crosses this (not part of the data's identity)
@@ -151,14 +159,52 @@ def load_shard(path: Path) -> list[Sample]:
     return [Sample(t["tokens"][a:b].long(), t["mask"][a:b].bool()) for a, b in zip(off[:-1], off[1:])]
 
 
-def _drain(engine: Engine) -> dict[str, tuple[list[int], str | None]]:
-    """Run the engine until every request finished: request id -> (response ids, finish reason)."""
-    done: dict[str, tuple[list[int], str | None]] = {}
+def _drain(engine: Engine) -> dict[str, RequestOutput]:
+    """Run the engine until every request finished: request id -> its final output."""
+    done: dict[str, RequestOutput] = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished:
-                done[out.request_id] = (out.token_ids, out.finish_reason)
+                done[out.request_id] = out
     return done
+
+
+def is_self_prompted(index: int, num_prompts: int, cfg: GenerationConfig) -> bool:
+    """Whether sample `index` answers a self-written prompt (never in the first, greedy pass)."""
+    return index >= num_prompts and random.Random(cfg.seed * 7919 + index).random() < cfg.self_prompts
+
+
+def _user_turn(engine: Engine) -> str:
+    """The chat template's text before a user message's content (system prompt and role header)."""
+    mark = "\x00MSG\x00"
+    return engine.apply_chat_template([{"role": "user", "content": mark}]).split(mark)[0]
+
+
+def _self_prompts(engine: Engine, indices: list[int], cfg: GenerationConfig, limit: int) -> dict[int, list[int]]:
+    """Sample index -> chat-templated ids of a user message the target wrote from a random opener
+    (messages that make the prompt longer than `limit` tokens are left out)."""
+    if not indices:
+        return {}
+    choices: list[Opener] = openers()
+    before = _user_turn(engine)
+    picked = {}
+    for i in indices:
+        opener = choices[random.Random(cfg.seed * 104_729 + i).randrange(len(choices))]
+        picked[i] = opener
+        params = SamplingParams(max_tokens=cfg.self_prompt_len, temperature=0.8, top_p=0.95,
+                                seed=cfg.seed * 1_000_003 + i, stop=[opener.stop] if opener.stop else [])
+        engine.add_request(f"ask-{i}", engine.encode(before + opener.text), params)
+    written = _drain(engine)
+    out = {}
+    for i, opener in picked.items():
+        text = written[f"ask-{i}"].text.rstrip()
+        if len(text.strip()) < 8:  # closed the message at once: the sample keeps its built-in prompt
+            continue
+        message = opener.text + text + ("\n" + opener.close if opener.close else "")
+        ids = engine.encode(engine.apply_chat_template([{"role": "user", "content": message}]))
+        if len(ids) <= limit:
+            out[i] = ids
+    return out
 
 
 def _run_shard(engine: Engine, prompt_ids: list[list[int]], indices: list[int], cfg: GenerationConfig,
@@ -177,20 +223,25 @@ def _run_wave(engine: Engine, prompt_ids: list[list[int]], indices: list[int], c
     """Two phases, each submitted whole: the greedy answers and the sampled lead-ins, then the greedy
     continuations of the lead-ins that did not end the answer."""
     n = len(prompt_ids)
+    own = _self_prompts(engine, [i for i in indices if is_self_prompted(i, n, cfg)], cfg,
+                        engine.max_model_len - cfg.response_len)
+    prompts = {i: own.get(i, prompt_ids[i % n]) for i in indices}
+    greedy = SamplingParams(max_tokens=cfg.response_len, temperature=0.0, detokenize=False)
     for i in indices:
-        engine.add_request(f"train-{i}", prompt_ids[i % n], sample_params(i, n, cfg))
+        engine.add_request(f"train-{i}", prompts[i], greedy if i in own else sample_params(i, n, cfg))
     first = _drain(engine)
-    responses = {i: first[f"train-{i}"][0] for i in indices}
-    resume = [i for i in indices if i >= n and first[f"train-{i}"][1] == "length"
+    responses = {i: first[f"train-{i}"].token_ids for i in indices}
+    resume = [i for i in indices if i >= n and i not in own and first[f"train-{i}"].finish_reason == "length"
               and len(responses[i]) < cfg.response_len]
     for i in resume:  # continue greedily after the sampled lead-in
-        engine.add_request(f"rest-{i}", prompt_ids[i % n] + responses[i],
+        engine.add_request(f"rest-{i}", prompts[i] + responses[i],
                            SamplingParams(max_tokens=cfg.response_len - len(responses[i]), temperature=0.0,
                                           detokenize=False))
     rest = _drain(engine)
     samples = []
     for i in indices:
-        prompt, resp = prompt_ids[i % n], responses[i] + rest.get(f"rest-{i}", ([], None))[0]
+        prompt = prompts[i]
+        resp = responses[i] + (rest[f"rest-{i}"].token_ids if f"rest-{i}" in rest else [])
         mask = torch.cat([torch.zeros(len(prompt), dtype=torch.bool), torch.ones(len(resp), dtype=torch.bool)])
         samples.append(Sample(torch.tensor(prompt + resp, dtype=torch.int64), mask))
         bar.update(1)

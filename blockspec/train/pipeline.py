@@ -180,9 +180,12 @@ def _summary(cfg: PipelineConfig, target_dir: Path, config_json: dict[str, Any],
 
 def _later_passes(d: dict[str, Any]) -> str:
     sampled = f"at temperature {d['temperature']} (top-p {d['top_p']})"
-    if d.get("sampled_prefix", 0) > 0:
-        return f"a {d['sampled_prefix']}-token lead-in sampled {sampled}, then greedy"
-    return f"sampled {sampled}"
+    text = f"a {d['sampled_prefix']}-token lead-in sampled {sampled}, then greedy" if d.get("sampled_prefix", 0) > 0 \
+        else f"sampled {sampled}"
+    if d.get("self_prompts", 0) > 0:
+        text += (f"; {d['self_prompts']:.0%} of them instead answer, greedily, a user message the target wrote "
+                 "itself (sampled at temperature 0.8 from one of our openers, e.g. the start of a Python function stub)")
+    return text
 
 
 def _labels(t: dict[str, Any]) -> str:

@@ -29,6 +29,18 @@ class TrainPrompt:
     messages: list[dict[str, str]]
 
 
+@dataclass
+class Opener:
+    """The start of a user message that the target finishes itself (self-prompting): a few hundred
+    hand-written prompts become thousands of different ones, in the target's own words. `stop` ends
+    the sampled part (e.g. a code fence), `close` is appended after it."""
+
+    prompt_class: str
+    text: str
+    stop: str | None = None
+    close: str = ""
+
+
 def _user(text: str) -> list[dict[str, str]]:
     return [{"role": "user", "content": text}]
 
@@ -92,6 +104,12 @@ def builtin_prompts(seed: int = 0) -> list[TrainPrompt]:
             prompts.append(p)
     random.Random(seed).shuffle(prompts)
     return prompts
+
+
+def openers() -> list[Opener]:
+    """The built-in user-message openers for self-prompting (code weighted up: coding assistants)."""
+    return [Opener(o["class"], o["text"], o.get("stop"), o.get("close", ""))
+            for o in _builtin_data()["self_prompt_openers"]]
 
 
 def read_prompt_file(path: Path) -> list[TrainPrompt]:

@@ -76,3 +76,30 @@ def test_later_passes_sample_a_lead_in_then_continue_greedily(tiny_models, tmp_p
                              seed=1)
     again = load_samples(generate_data(engine, PROMPTS, other, tmp_path / "other"))
     assert any(a.ids.tolist() != b.ids.tolist() for a, b in zip(samples[4:], again[4:]))
+
+
+def test_self_prompted_samples_answer_a_message_the_target_wrote(tiny_models, tmp_path):
+    """Self-prompting: after the greedy pass, a share of samples answers (greedily) a user message that
+    starts with one of our openers and continues with text the target sampled."""
+    from blockspec.train.data import is_self_prompted
+    from blockspec.train.prompts import openers
+
+    engine = Engine(EngineConfig(model=str(tiny_models["llama"]), device="cpu", max_num_seqs=8, max_model_len=160))
+    cfg = GenerationConfig(num_samples=16, response_len=10, temperature=1.0, self_prompts=0.5, self_prompt_len=12,
+                           shard_size=16)
+    samples = load_samples(generate_data(engine, PROMPTS, cfg, tmp_path / "data"))
+    own = [i for i in range(16) if is_self_prompted(i, len(PROMPTS), cfg)]
+    assert own and all(i >= len(PROMPTS) for i in own) and len(own) < 12
+    texts = [o.text for o in openers()]
+    for i in own:
+        s = samples[i]
+        prompt = s.ids[~s.mask].tolist()
+        text = engine.tokenizer.decode(prompt)
+        assert text.startswith("<|im_start|>user\n") and text.endswith("<|im_start|>assistant\n")
+        message = text[len("<|im_start|>user\n"):-len("<|im_end|>\n<|im_start|>assistant\n")]
+        opener = next(t for t in texts if message.startswith(t))
+        assert len(message) > len(opener)  # the target wrote the rest
+        answer = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=10))[0]
+        assert s.ids[s.mask].tolist() == answer.token_ids  # answered greedily throughout
+    again = load_samples(generate_data(engine, PROMPTS, cfg, tmp_path / "again"))
+    assert [s.ids.tolist() for s in again] == [s.ids.tolist() for s in samples]  # seeded: reproducible
