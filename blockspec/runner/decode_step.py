@@ -133,7 +133,6 @@ class DecodeStep:
         v.tokens.view(bp, q)[:, 1:].copy_(drafts)  # straight into the verify input
         return drafts
 
-
     def _fill_dummy(self, v: DecodeViews) -> None:
         """Every row padding (scratch block), for graph capture."""
         staging = self._stage(v.batch, [None] * v.batch, [0] * v.batch, [])

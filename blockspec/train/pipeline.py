@@ -184,7 +184,8 @@ def _later_passes(d: dict[str, Any]) -> str:
         else f"sampled {sampled}"
     if d.get("self_prompts", 0) > 0:
         text += (f"; {d['self_prompts']:.0%} of them instead answer, greedily, a user message the target wrote "
-                 "itself (sampled at temperature 0.8 from one of our openers, e.g. the start of a Python function stub)")
+                 "itself (sampled at temperature 0.8 from one of our openers, e.g. the start of a Python "
+                 "function stub)")
     return text
 
 
