@@ -55,3 +55,43 @@ def test_pipelined_decode_equals_autoregressive(tiny_models, tiny_drafter):
     """Greedy DFlash through chained steps is still exactly greedy AR."""
     ar = run(engine_for(tiny_models, tiny_drafter, 0, pipelined=False), base=44)
     assert run(engine_for(tiny_models, tiny_drafter, 6, pipelined=True), base=44) == ar
+
+
+def test_abort_and_preemption_while_a_step_is_chained(tiny_models, tiny_drafter, monkeypatch):
+    """A request aborted between steps leaves a dead row in the chained step; a KV cache too small for
+    every lookahead block forces preemption and recompute. The survivors' tokens stay exact."""
+    def engine(pipelined: bool) -> Engine:
+        spec = SpeculativeConfig(model=str(tiny_drafter), num_speculative_tokens=3)
+        # 18 blocks of 16 positions for 4 sequences needing ~27 (plus lookahead): not all fit at once
+        per_block = 16 * 2 * 2 * 16 * 4 * (6 + 2)  # K and V, 2 heads of 16, fp32; 6 target + 2 drafter layers
+        e = Engine(EngineConfig(model=str(tiny_models["qwen3"]), device="cpu", speculative=spec,
+                                kv_cache_memory=18 * per_block, max_model_len=256))
+        e.runner.decode.pipelined = pipelined
+        e._set_lookahead()
+        return e
+
+    def run_with_abort(e: Engine) -> dict[str, list[int]]:
+        for i, p in enumerate(PROMPTS[:4]):
+            e.add_request(f"r{i}", p, SamplingParams(temperature=0, max_tokens=70, ignore_eos=True))
+        done, steps = {}, 0
+        while e.has_unfinished_requests():
+            steps += 1
+            if steps == 30:
+                assert e.abort_request("r3")
+            for out in e.step():
+                if out.finished:
+                    done[out.request_id] = out.token_ids
+        return done
+
+    from blockspec.engine.scheduler import Scheduler
+
+    preempted = []
+    preempt = Scheduler._preempt
+    monkeypatch.setattr(Scheduler, "_preempt", lambda self, seq, out: preempted.append(seq) or preempt(self, seq, out))
+    plain = run_with_abort(engine(False))
+    e = engine(True)
+    preempted.clear()
+    assert run_with_abort(e) == plain and "r3" not in plain
+    assert preempted
+    assert e.runner.decode.chained_used > 0
+    assert e.allocator.num_free == e.allocator.num_blocks
