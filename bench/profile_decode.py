@@ -14,7 +14,6 @@ Usage: python bench/profile_decode.py [--smol DIR] [--out DIR]
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import sys
@@ -64,9 +63,8 @@ def model_tables(model_dir: Path, draft: Path | None, dummy: bool, prompt: list[
         eng.generate([prompt], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
         for name in (("target",) if k == 0 else ("target", "draft")):
             out.append({"k": k} | kernel_table(eng, name))
+        eng.release()
         del eng
-        gc.collect()
-        torch.cuda.empty_cache()
     return out
 
 

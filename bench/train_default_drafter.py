@@ -70,9 +70,8 @@ def evaluate_tau(drafter: Path, device: str, humaneval_count: int, max_tokens: i
         t0 = time.perf_counter()
         texts = chat_texts(engine, [p.messages for p in prompts])
         results[name] = measure_tau(engine, texts, max_tokens) | {"wall_s": round(time.perf_counter() - t0, 1)}
-    engine.runner.allocate_kv_cache(0)
+    engine.release()
     del engine
-    gc.collect()
     return results
 
 

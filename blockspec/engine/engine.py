@@ -8,6 +8,7 @@ from one worker thread and talks to it through queues.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import time
 from collections.abc import Iterable
@@ -227,6 +228,15 @@ class Engine:
     @property
     def kv_usage(self) -> float:
         return self.allocator.usage
+
+    def release(self) -> None:
+        """Give the KV cache (and the allocator's cached GPU memory) back now, before another engine plans
+        its memory: the runner and its decode step reference each other, so dropping the engine frees
+        them only when a garbage collection happens to run."""
+        self.runner.allocate_kv_cache(0)
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     # ---- the step -----------------------------------------------------------------------------
 

@@ -23,6 +23,16 @@ if HAVE_TRITON:
     import triton.language as tl
 
     @triton.jit
+    def _accumulate(acc, xv, w, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        """acc += xv @ w.T for one K tile: a tensor-core dot for a block of rows; for one row the
+        products, summed across K once after the loop."""
+        if USE_DOT:
+            acc = tl.dot(xv, tl.trans(w), acc, input_precision=DOT_PRECISION)
+        else:
+            acc += w.to(tl.float32) * xv.to(tl.float32)
+        return acc
+
+    @triton.jit
     def _skinny_linear_kernel(X, W, B, NW, Y, M, N_OUT, eps, K: tl.constexpr,
                               HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr, GATED: tl.constexpr,
                               HAS_RES: tl.constexpr, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -78,16 +88,10 @@ if HAVE_TRITON:
                 xv = (xf * nw.to(tl.float32)[None, :]).to(dtype)
             w_mask = n_mask[:, None] & k_mask[None, :]
             wg = tl.load(g_rows + ks[None, :], mask=w_mask, other=0.0)
-            if USE_DOT:
-                acc_g = tl.dot(xv, tl.trans(wg), acc_g, input_precision=DOT_PRECISION)
-            else:
-                acc_g += wg.to(tl.float32) * xv.to(tl.float32)
+            acc_g = _accumulate(acc_g, xv, wg, USE_DOT, DOT_PRECISION)
             if GATED:
                 wu = tl.load(u_rows + ks[None, :], mask=w_mask, other=0.0)
-                if USE_DOT:
-                    acc_u = tl.dot(xv, tl.trans(wu), acc_u, input_precision=DOT_PRECISION)
-                else:
-                    acc_u += wu.to(tl.float32) * xv.to(tl.float32)
+                acc_u = _accumulate(acc_u, xv, wu, USE_DOT, DOT_PRECISION)
 
         if USE_DOT:
             yg = acc_g

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from blockspec.kernels.decode_inputs import ROW_INPUTS
+
 # Integer inputs of a decode step: name -> length per sequence row (q: tokens per row, m: max blocks).
 # The host writes the first group (kernels/decode_inputs.py: ROW_INPUTS, in this order); the
 # decode-inputs kernel derives the rest on the device.
@@ -38,7 +40,8 @@ SECTIONS = {
     "ctx_positions": "q",
     "ctx_slots": "q",  # scratch where a row has fewer committed positions
 }
-HOST_SECTIONS = tuple(SECTIONS)[:7]
+HOST_SECTIONS = ROW_INPUTS
+assert tuple(SECTIONS)[: len(HOST_SECTIONS)] == HOST_SECTIONS, "host-written sections lead the layout"
 
 
 @dataclass

@@ -27,7 +27,7 @@ import torch
 
 from blockspec.engine.scheduler import ScheduledSeq
 from blockspec.engine.sequence import Sequence
-from blockspec.kernels.decode_inputs import decode_inputs
+from blockspec.kernels.decode_inputs import ROW_INPUTS, decode_inputs
 from blockspec.models.layers.attention import AttentionMetadata, DecodeMetadata, forward_context
 from blockspec.runner.acceptance import accept, greedy_only
 from blockspec.runner.decode_graphs import DecodeGraphs, DecodeViews
@@ -180,8 +180,7 @@ class DecodeStep:
                     row0[b], count[b] = seq.feature_rows
                     seq.drafter_computed += count[b]
                     seq.feature_rows = None
-            for name, values in zip(("anchor", "token", "ctx_pos0", "ctx_count", "ctx_row0"),
-                                    (anchor, token, pos0, count, row0)):
+            for name, values in zip(ROW_INPUTS, (anchor, token, pos0, count, row0)):  # then num_drafts, tables
                 h[name].numpy()[:] = values
         return staging
 

@@ -67,11 +67,16 @@ class Sample:
     mask: torch.Tensor  # bool [S]: True where the target wrote the token (the loss region)
 
 
+def greedy_params(max_tokens: int) -> SamplingParams:
+    """Greedy token ids (no text: nothing reads it, and detokenizing costs host time per token)."""
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, detokenize=False)
+
+
 def sample_params(index: int, num_prompts: int, cfg: GenerationConfig) -> SamplingParams:
     """Greedy on the first pass over the prompts; afterwards the seeded sampled lead-in (or, with
     sampled_prefix 0, a whole sampled response)."""
     if index < num_prompts or cfg.temperature <= 0:
-        return SamplingParams(max_tokens=cfg.response_len, temperature=0.0, detokenize=False)
+        return greedy_params(cfg.response_len)
     max_tokens = min(cfg.sampled_prefix, cfg.response_len) if cfg.sampled_prefix > 0 else cfg.response_len
     return SamplingParams(max_tokens=max_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
                           seed=cfg.seed * 1_000_003 + index, detokenize=False)
@@ -220,23 +225,21 @@ def _run_shard(engine: Engine, prompt_ids: list[list[int]], indices: list[int], 
 
 def _run_wave(engine: Engine, prompt_ids: list[list[int]], indices: list[int], cfg: GenerationConfig,
               bar: tqdm) -> list[Sample]:
-    """Two phases, each submitted whole: the greedy answers and the sampled lead-ins, then the greedy
-    continuations of the lead-ins that did not end the answer."""
+    """Phases, each submitted whole: the self-written user messages (if any), then the answers (greedy,
+    or sampled lead-ins), then the greedy continuations of the lead-ins that did not end the answer."""
     n = len(prompt_ids)
     own = _self_prompts(engine, [i for i in indices if is_self_prompted(i, n, cfg)], cfg,
                         engine.max_model_len - cfg.response_len)
     prompts = {i: own.get(i, prompt_ids[i % n]) for i in indices}
-    greedy = SamplingParams(max_tokens=cfg.response_len, temperature=0.0, detokenize=False)
     for i in indices:
-        engine.add_request(f"train-{i}", prompts[i], greedy if i in own else sample_params(i, n, cfg))
+        params = greedy_params(cfg.response_len) if i in own else sample_params(i, n, cfg)
+        engine.add_request(f"train-{i}", prompts[i], params)
     first = _drain(engine)
     responses = {i: first[f"train-{i}"].token_ids for i in indices}
     resume = [i for i in indices if i >= n and i not in own and first[f"train-{i}"].finish_reason == "length"
               and len(responses[i]) < cfg.response_len]
     for i in resume:  # continue greedily after the sampled lead-in
-        engine.add_request(f"rest-{i}", prompts[i] + responses[i],
-                           SamplingParams(max_tokens=cfg.response_len - len(responses[i]), temperature=0.0,
-                                          detokenize=False))
+        engine.add_request(f"rest-{i}", prompts[i] + responses[i], greedy_params(cfg.response_len - len(responses[i])))
     rest = _drain(engine)
     samples = []
     for i in indices:

@@ -7,7 +7,6 @@ and without the drafter, side by side, plus whether the two outputs are token-id
 
 from __future__ import annotations
 
-import gc
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -82,14 +81,6 @@ def _batch1(engine: Engine, prompts: Sequence[str], max_tokens: int) -> SpeedRun
     return SpeedRun(tokens / seconds if seconds else 0.0, tokens, seconds, [o.token_ids for o in outs], tau)
 
 
-def _free(engine: Engine | None) -> None:
-    if engine is not None:
-        engine.runner.allocate_kv_cache(0)
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
 def measure_speed(target: str | None, drafter_dir: Path, conversations: Sequence[list[dict[str, str]]],
                   max_tokens: int, device: str, k: int | None = None, **engine_kw: Any) -> dict[str, Any]:
     """Batch-1 greedy decode tok/s, autoregressive vs DFlash, on the same prompts, one engine at a time."""
@@ -98,13 +89,13 @@ def measure_speed(target: str | None, drafter_dir: Path, conversations: Sequence
     texts = chat_texts(ar, conversations)
     ar_run = _batch1(ar, texts, max_tokens)
     info = {"device": str(ar.device), "dtype": str(ar.dtype).removeprefix("torch.")}
-    _free(ar)
+    ar.release()
     del ar
     spec = SpeculativeConfig(model=str(drafter_dir), num_speculative_tokens=k)
     sp = Engine(EngineConfig(**common, speculative=spec))
     sp_run = _batch1(sp, texts, max_tokens)
     info["k"] = sp.num_speculative_tokens
-    _free(sp)
+    sp.release()
     del sp
     same = sum(a == b for a, b in zip(ar_run.outputs, sp_run.outputs))
     return {**info, "prompts": len(texts), "max_tokens": max_tokens,

@@ -32,4 +32,3 @@ def target_features(target: nn.Module, input_ids: torch.Tensor, layer_ids: Seque
         next_ids = torch.cat([target.compute_logits(rows).argmax(-1) for rows in hidden.split(GREEDY_CHUNK)])
         next_ids = next_ids.view(b, s)
     return features.view(b, s, -1), next_ids
-

@@ -7,7 +7,6 @@ it was: data generation always resumes, training resumes with --resume.
 
 from __future__ import annotations
 
-import gc
 import json
 import logging
 import time
@@ -65,14 +64,6 @@ def _device(name: str) -> torch.device:
     return EngineConfig(device=name).resolve_device()
 
 
-def _release(engine: Engine) -> None:
-    """Give a finished engine's KV cache back before the next stage allocates."""
-    engine.runner.allocate_kv_cache(0)
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
 def generate_stage(cfg: PipelineConfig, device: torch.device, prompts: list) -> Path:
     gen = cfg.generation or GenerationConfig(seed=cfg.seed)
     data_dir = cfg.data_dir or cfg.out / "data"
@@ -86,7 +77,7 @@ def generate_stage(cfg: PipelineConfig, device: torch.device, prompts: list) -> 
     try:
         generate_data(engine, prompts, gen, data_dir)
     finally:
-        _release(engine)
+        engine.release()
     return data_dir
 
 
@@ -150,7 +141,7 @@ def run(cfg: PipelineConfig) -> dict[str, Any]:
     trainer = Trainer(train_cfg, drafter, engine.runner.target, samples, cfg.out, device, evaluator)
     result = trainer.train(resume=cfg.resume)
     save_drafter(drafter, config_json, cfg.out)
-    _release(engine)
+    engine.release()
 
     summary = _summary(cfg, target_dir, config_json, samples, result, device, t_data, time.perf_counter() - t0)
     (cfg.out / "train_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
