@@ -1,8 +1,9 @@
 """Train the default DFlash drafter for the embedded SmolLM2-135M-Instruct on one GPU, then measure it.
 
-One run, about 18 minutes on an H100/H200:
-  1. data: the target answers our built-in prompts through blockspec's engine (256 sequences at once,
-     first pass greedy, then sampled), capped by --gen-minutes;
+One run, about 23 minutes on an H100/H200:
+  1. data: the target answers our built-in prompts and messages it wrote itself through blockspec's
+     engine (4 engine processes of 256 sequences each; first pass greedy, then sampled lead-ins or
+     self-written prompts), capped by --gen-minutes;
   2. training: `blockspec train-drafter`'s pipeline, capped by --train-minutes (the cosine schedule
      is fitted to the cap after the first steps);
   3. evaluation at temperature 0, k = 15, on prompts never used for training: HumanEval (all 164 by
@@ -12,7 +13,8 @@ Writes $OUT/smollm2-135m-instruct/ (config.json, model.safetensors, README.md mo
 blockspec/drafters/) and $OUT/train_default_drafter.json, and prints a table.
 
 Usage:
-  python bench/train_default_drafter.py [--out DIR] [--gen-minutes 3.5] [--train-minutes 12]
+  python bench/train_default_drafter.py [--out DIR] [--gen-minutes 9] [--train-minutes 12]
+  python bench/train_default_drafter.py --init-from DIR --data-seed 1   # a second run: new data, same drafter
   python bench/train_default_drafter.py --eval-only --drafter DIR [--device cpu]   # measure a drafter
 """
 
@@ -46,13 +48,14 @@ def train(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     gen = GenerationConfig(num_samples=args.num_samples, response_len=args.response_len,
                            temperature=args.temperature, sampled_prefix=args.sampled_prefix,
                            self_prompts=args.self_prompts,
-                           shard_size=args.shard_size, seed=args.seed,
+                           shard_size=args.shard_size, seed=args.data_seed,
                            max_time_s=args.gen_minutes * 60)
     training = TrainConfig(epochs=args.epochs, lr=args.lr, batch_size=args.batch_size,
                            num_anchors=args.num_anchors, eval_every=args.eval_every, attention=args.attention,
                            labels=args.labels, max_time_s=args.train_minutes * 60, seed=args.seed, save_every=250)
     cfg = PipelineConfig(out=work, generation=gen, training=training, num_layers=args.num_layers,
-                         block_size=16, gen_batch=args.gen_batch, eval_prompts=args.heldout_prompts,
+                         block_size=16, gen_batch=args.gen_batch, gen_workers=args.gen_workers,
+                         init_from=args.init_from, eval_prompts=args.heldout_prompts,
                          eval_max_tokens=args.heldout_max_tokens,
                          device=args.device, resume=args.resume, seed=args.seed)
     return run(cfg)
@@ -117,7 +120,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench_out")))
     ap.add_argument("--device", default="auto")
-    ap.add_argument("--num-samples", type=int, default=32768, help="upper bound; --gen-minutes usually stops first")
+    ap.add_argument("--num-samples", type=int, default=400_000, help="upper bound; --gen-minutes usually stops first")
     ap.add_argument("--response-len", type=int, default=256)
     ap.add_argument("--temperature", type=float, default=0.7)
     ap.add_argument("--sampled-prefix", type=int, default=16, help="sampled lead-in tokens before greedy")
@@ -125,12 +128,16 @@ def main() -> None:
     ap.add_argument("--self-prompts", type=float, default=0.5, help="share of self-written prompts after pass 1")
     ap.add_argument("--shard-size", type=int, default=1024)
     ap.add_argument("--gen-batch", type=int, default=256)
-    ap.add_argument("--gen-minutes", type=float, default=3.5)
+    ap.add_argument("--gen-workers", type=int, default=4, help="engine processes generating at once")
+    ap.add_argument("--data-seed", type=int, default=0,
+                    help="seed of the sampled lead-ins and self-written prompts (a second run: new data)")
+    ap.add_argument("--init-from", type=Path, default=None, help="continue from this drafter (a second run)")
+    ap.add_argument("--gen-minutes", type=float, default=9.0)
     ap.add_argument("--num-layers", type=int, default=3)
     ap.add_argument("--epochs", type=int, default=20, help="upper bound; --train-minutes usually stops first")
     ap.add_argument("--lr", type=float, default=1.5e-3)
-    ap.add_argument("--batch-size", type=int, default=32)
-    ap.add_argument("--num-anchors", type=int, default=128)
+    ap.add_argument("--batch-size", type=int, default=64)
+    ap.add_argument("--num-anchors", type=int, default=64)
     ap.add_argument("--attention", default="auto")
     ap.add_argument("--eval-every", type=int, default=10**9, help="steps between held-out evals (each costs ~10 s)")
     ap.add_argument("--train-minutes", type=float, default=12.0)

@@ -43,7 +43,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--kv-cache-memory", type=_size, default=None, help="KV cache size on CPU, e.g. 2GiB")
+    p.add_argument("--kv-cache-memory", type=_size, default=None,
+                   help="KV cache size, e.g. 2GiB (CPU default 1GiB; on CUDA it replaces --gpu-memory-utilization)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--chat-template", default=None)
     p.add_argument("--load-format", default="auto", help="auto | dummy (random weights)")

@@ -56,7 +56,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
-    kv_cache_memory: int | None = None  # bytes; CPU default 1 GiB
+    kv_cache_memory: int | None = None  # bytes; CPU default 1 GiB; on CUDA overrides the utilization share
     seed: int = 0
     enforce_eager: bool = False
     load_format: str = "auto"  # auto | dummy (random weights in the checkpoint's shapes)

@@ -1,7 +1,9 @@
 """How many KV blocks the engine may allocate, or a clear refusal when the minimum does not fit.
 
 On CUDA the budget is `gpu_memory_utilization` of the card, minus what other processes hold, minus
-the weights and the activation peak of the largest step (measured by running one, vLLM-style).
+the weights and the activation peak of the largest step (measured by running one, vLLM-style), or
+exactly `--kv-cache-memory` when given (as vLLM's --kv-cache-memory-bytes): a share of the card that
+does not depend on what other processes hold at start-up, so several engines can share one GPU.
 On CPU it is `--kv-cache-memory` (default 1 GiB), capped at what max_num_seqs full-length
 sequences could use. Hybrid models' recurrent state (one slot per sequence, times k + 1 when
 checkpoints are kept; engine/state_pool.py) is allocated before planning: on CUDA the profiled peak
@@ -87,12 +89,24 @@ def plan_kv_blocks(engine: Engine) -> int:
     return num_blocks
 
 
+def fixed_kv_budget(kv_cache_memory: int, free_after_peak: int) -> int:
+    """--kv-cache-memory on CUDA: that many bytes, or a refusal if the card cannot hold them now."""
+    if kv_cache_memory > free_after_peak:
+        raise OutOfMemoryError(f"--kv-cache-memory {kv_cache_memory / GIB:.2f} GiB does not fit: only "
+                               f"{max(0, free_after_peak) / GIB:.2f} GiB of the GPU are free after the weights "
+                               "and activations: lower --kv-cache-memory")
+    return kv_cache_memory
+
+
 def _cuda_kv_budget(engine: Engine) -> int:
     dev = engine.device
     torch.cuda.synchronize(dev)
     free, total = torch.cuda.mem_get_info(dev)
     others = (total - free) - torch.cuda.memory_reserved(dev)
     peak = profile_step_peak(engine)
+    if engine.config.kv_cache_memory is not None:
+        free_now, _ = torch.cuda.mem_get_info(dev)
+        return fixed_kv_budget(engine.config.kv_cache_memory, free_now + torch.cuda.memory_reserved(dev) - peak)
     return cuda_kv_budget(total, engine.config.gpu_memory_utilization, others, peak)
 
 

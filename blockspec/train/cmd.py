@@ -30,6 +30,9 @@ def add_train_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="share of later samples whose user message the target writes itself from a built-in "
                         "opener (more distinct prompts; 0: only --prompts)")
     g.add_argument("--gen-batch", type=int, default=None, help="sequences generated at once (default 256 GPU, 32 CPU)")
+    g.add_argument("--gen-workers", type=int, default=1,
+                   help="engine processes generating at once on the device (a small target is host-bound: "
+                        "on a GPU with spare cores 4 generate several times faster than 1)")
     g.add_argument("--max-prompt-len", type=int, default=768, help="longer prompts are skipped")
     g.add_argument("--gen-minutes", type=float, default=None,
                    help="stop generating after the shard that crosses this many minutes")
@@ -39,6 +42,9 @@ def add_train_parser(subparsers: argparse._SubParsersAction) -> None:
     d.add_argument("--block-size", type=int, default=16, help="B: anchor + B-1 drafts")
     d.add_argument("--target-layer-ids", default=None,
                    help="target layers to read, e.g. 1,8,14,21,27 (default: 5 spread from 1 to L-3)")
+    d.add_argument("--init-from", type=Path, default=None,
+                   help="start from this DFlash drafter (its weights and config: layers, block size, target "
+                        "layers, mask token), e.g. to fine-tune a published drafter on your own prompts")
     d.add_argument("--mask-token-id", type=int, default=None, help="default: a special token the target never writes")
     t = p.add_argument_group("training")
     t.add_argument("--epochs", type=int, default=4)
@@ -65,7 +71,7 @@ def config_from_args(args: argparse.Namespace):
     from blockspec.train.pipeline import PipelineConfig
     from blockspec.train.trainer import TrainConfig
 
-    for name in ("num_samples", "response_len", "num_layers", "epochs", "batch_size", "num_anchors"):
+    for name in ("num_samples", "response_len", "num_layers", "epochs", "batch_size", "num_anchors", "gen_workers"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
     if not 0 <= args.self_prompts <= 1:
@@ -85,7 +91,8 @@ def config_from_args(args: argparse.Namespace):
     return PipelineConfig(out=args.out, target=args.target, prompts=args.prompts, data_dir=args.data_dir,
                           generation=gen, training=train, num_layers=args.num_layers, block_size=args.block_size,
                           target_layer_ids=args.target_layer_ids, mask_token_id=args.mask_token_id,
-                          gen_batch=args.gen_batch, max_prompt_len=args.max_prompt_len,
+                          gen_batch=args.gen_batch, gen_workers=args.gen_workers, init_from=args.init_from,
+                          max_prompt_len=args.max_prompt_len,
                           eval_prompts=args.eval_prompts, eval_max_tokens=args.eval_max_tokens,
                           device=args.device, resume=args.resume, seed=args.seed)
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import random
 import time
 from dataclasses import asdict, dataclass
@@ -113,7 +114,9 @@ def _check_meta(data_dir: Path, meta: dict) -> None:
             raise ConfigError(f"{data_dir} holds data generated with other settings ({', '.join(diff)} differ): "
                               "pass a new --out (or --data-dir), or delete that directory")
     data_dir.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(meta, indent=1))
+    tmp = path.with_name(f"{META}.{os.getpid()}.tmp")  # atomic: parallel generators check it concurrently
+    tmp.write_text(json.dumps(meta, indent=1))
+    tmp.replace(path)
 
 
 def shard_path(data_dir: Path, index: int) -> Path:
@@ -251,9 +254,11 @@ def _run_wave(engine: Engine, prompt_ids: list[list[int]], indices: list[int], c
     return samples
 
 
-def generate_data(engine: Engine, prompts: list[TrainPrompt], cfg: GenerationConfig, data_dir: Path) -> Path:
+def generate_data(engine: Engine, prompts: list[TrainPrompt], cfg: GenerationConfig, data_dir: Path,
+                  shards: list[int] | None = None, progress: bool = True) -> Path:
     """Fill `data_dir` with cfg.num_samples target-written samples (resuming finished shards), or as
-    many whole shards as fit in cfg.max_time_s."""
+    many whole shards as fit in cfg.max_time_s; `shards` limits the work to those shard numbers
+    (one generator process of several, train/parallel_data.py)."""
     start = time.perf_counter()
     prompt_ids = encode_prompts(engine, prompts, cfg.response_len)
     meta = {**cfg.identity(), "target": str(engine.model_dir), "prompts": _prompts_digest(prompt_ids),
@@ -261,8 +266,11 @@ def generate_data(engine: Engine, prompts: list[TrainPrompt], cfg: GenerationCon
     _check_meta(data_dir, meta)
     num_shards = -(-cfg.num_samples // cfg.shard_size)
     todo = missing_shards(data_dir, cfg)
+    if shards is not None:
+        todo = [s for s in todo if s in set(shards)]
     have = sum(min(cfg.shard_size, cfg.num_samples - s * cfg.shard_size) for s in range(num_shards) if s not in todo)
-    with tqdm(total=cfg.num_samples, initial=have, desc="generating", unit="sample", dynamic_ncols=True) as bar:
+    with tqdm(total=cfg.num_samples, initial=have, desc="generating", unit="sample", dynamic_ncols=True,
+              disable=not progress) as bar:
         for s in todo:
             indices = list(range(s * cfg.shard_size, min((s + 1) * cfg.shard_size, cfg.num_samples)))
             samples = _run_shard(engine, prompt_ids, indices, cfg, bar)

@@ -20,7 +20,7 @@ from blockspec.config import EngineConfig, SpeculativeConfig
 from blockspec.engine.engine import Engine
 from blockspec.errors import ConfigError
 from blockspec.loader.tokenizer import load_tokenizer
-from blockspec.loader.weights import resolve_model_path
+from blockspec.loader.weights import load_weights, resolve_model_path
 from blockspec.models.model_config import ModelConfig
 from blockspec.spec.dflash import DrafterConfig
 from blockspec.train.data import GenerationConfig, data_complete, generate_data, load_samples, token_counts
@@ -32,6 +32,7 @@ from blockspec.train.drafter_init import (
 )
 from blockspec.train.evaluate import TauEvaluator, chat_texts
 from blockspec.train.export import drafter_config_json, save_drafter, write_model_card
+from blockspec.train.parallel_data import GeneratorSpec, generate_parallel, kv_share
 from blockspec.train.prompts import load_prompts, split_heldout
 from blockspec.train.trainer import TrainConfig, Trainer, TrainResult
 
@@ -52,6 +53,8 @@ class PipelineConfig:
     target_layer_ids: str | None = None  # "1,8,14,21,27"; None: 5 spread from 1 to L-3
     mask_token_id: int | None = None  # None: an unused special token
     gen_batch: int | None = None  # max_num_seqs while generating (default 256 on CUDA, 32 on CPU)
+    gen_workers: int = 1  # engine processes generating at once (train/parallel_data.py)
+    init_from: Path | None = None  # start from this drafter's weights and config (fine-tuning)
     max_prompt_len: int = 768
     eval_prompts: int = 16  # held out from the prompts, for the periodic tau evaluation
     eval_max_tokens: int = 128
@@ -71,9 +74,15 @@ def generate_stage(cfg: PipelineConfig, device: torch.device, prompts: list) -> 
         log.info("training data already in %s", data_dir)
         return data_dir
     batch = cfg.gen_batch or (256 if device.type == "cuda" else 32)
-    engine = Engine(EngineConfig(model=cfg.target, device=str(device), max_num_seqs=batch,
-                                 max_num_batched_tokens=8192 if device.type == "cuda" else 2048,
-                                 max_model_len=cfg.max_prompt_len + gen.response_len, seed=cfg.seed))
+    spec = GeneratorSpec(target=cfg.target, device=str(device), max_num_seqs=batch,
+                         max_num_batched_tokens=8192 if device.type == "cuda" else 2048,
+                         max_model_len=cfg.max_prompt_len + gen.response_len, seed=cfg.seed)
+    if cfg.gen_workers > 1:
+        spec.kv_cache_memory = kv_share(device, cfg.gen_workers)
+        return generate_parallel(spec, prompts, gen, data_dir, cfg.gen_workers)
+    engine = Engine(EngineConfig(model=spec.target, device=spec.device, max_num_seqs=spec.max_num_seqs,
+                                 max_num_batched_tokens=spec.max_num_batched_tokens,
+                                 max_model_len=spec.max_model_len, seed=spec.seed))
     try:
         generate_data(engine, prompts, gen, data_dir)
     finally:
@@ -89,10 +98,13 @@ def _eval_memory_fraction(device: torch.device, kv_bytes: int) -> float:
 
 
 def drafter_config(cfg: PipelineConfig, target_dir: Path, target_cfg: ModelConfig, samples: list) -> dict[str, Any]:
-    """The drafter's z-lab config: reused from out/config.json when resuming, else made fresh."""
+    """The drafter's z-lab config: reused from out/config.json when resuming, taken from the
+    --init-from drafter when fine-tuning one, else made fresh."""
     existing = cfg.out / "config.json"
     if cfg.resume and existing.is_file():
         return json.loads(existing.read_text())
+    if cfg.init_from is not None:
+        return init_config(cfg.init_from, target_cfg)
     if cfg.mask_token_id is not None:
         mask_id = cfg.mask_token_id
         if not 0 <= mask_id < target_cfg.vocab_size:
@@ -102,6 +114,19 @@ def drafter_config(cfg: PipelineConfig, target_dir: Path, target_cfg: ModelConfi
         mask_id = pick_mask_token(tokenizer, token_counts(samples, target_cfg.vocab_size), target_cfg.vocab_size)
     layer_ids = parse_layer_ids(cfg.target_layer_ids, target_cfg.num_hidden_layers)
     return drafter_config_json(target_cfg, cfg.num_layers, cfg.block_size, mask_id, layer_ids)
+
+
+def init_config(init_from: Path, target_cfg: ModelConfig) -> dict[str, Any]:
+    """The config of the drafter to fine-tune, checked against the target it will read."""
+    path = init_from / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"--init-from {init_from} has no config.json: pass a DFlash drafter directory")
+    config_json = json.loads(path.read_text())
+    try:
+        DrafterConfig.from_dict(config_json).check_target(target_cfg)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ConfigError(f"--init-from {init_from}: not a DFlash drafter config ({exc})") from None
+    return config_json
 
 
 def run(cfg: PipelineConfig) -> dict[str, Any]:
@@ -123,6 +148,8 @@ def run(cfg: PipelineConfig) -> dict[str, Any]:
     block = dcfg.block_size
     longest = -(-max(len(s.ids) for s in samples) // 128) * 128
     drafter = build_training_drafter(dcfg, longest + block, device, cfg.seed)
+    if cfg.init_from is not None and not cfg.resume:
+        load_weights(drafter, cfg.init_from, device, torch.float32)
     save_drafter(drafter, config_json, cfg.out)  # the evaluation engine loads the drafter from here
 
     eval_len = cfg.max_prompt_len + cfg.eval_max_tokens + block
@@ -135,7 +162,7 @@ def run(cfg: PipelineConfig) -> dict[str, Any]:
         speculative=SpeculativeConfig(model=str(cfg.out)), **kw))
     evaluator = TauEvaluator(engine, chat_texts(engine, [p.messages for p in heldout]),
                              cfg.eval_max_tokens) if heldout else None
-    if not cfg.resume:
+    if not cfg.resume and cfg.init_from is None:
         copy_final_norm(drafter, engine.runner.target)
     train_cfg = cfg.training or TrainConfig(seed=cfg.seed)
     trainer = Trainer(train_cfg, drafter, engine.runner.target, samples, cfg.out, device, evaluator)
@@ -162,6 +189,7 @@ def _summary(cfg: PipelineConfig, target_dir: Path, config_json: dict[str, Any],
         "training": {**asdict(cfg.training or TrainConfig(seed=cfg.seed)), "steps": result.steps,
                      "epochs_done": round(result.epochs_done, 2), "final_loss": round(result.loss, 4),
                      "final_tau_est": round(result.tau_est, 3), "wall_s": round(result.wall_s, 1)},
+        "init_from": str(cfg.init_from) if cfg.init_from else None,
         "heldout_eval": result.last_eval,
         "device": dev,
         "data_wall_s": round(t_data, 1),
@@ -186,6 +214,11 @@ def _labels(t: dict[str, Any]) -> str:
     return "the stored tokens"
 
 
+def _init_from(summary: dict[str, Any]) -> str:
+    src = summary.get("init_from")
+    return f"Starting from the weights of the drafter in {src} (see its own card): " if src else ""
+
+
 def card_sections(summary: dict[str, Any]) -> dict[str, str]:
     """Model-card sections from a pipeline summary (callers may add their own evaluation)."""
     d, t, m = summary["data"], summary["training"], summary["drafter"]
@@ -201,7 +234,8 @@ def card_sections(summary: dict[str, Any]) -> dict[str, str]:
                  f"prose and JSON prompts; no HumanEval task, none of the benchmark prompts): the first pass over the "
                  f"prompts greedy, later passes {_later_passes(d)}; responses up to {d['response_len']} tokens. "
                  f"Generation took {summary['data_wall_s']} s."),
-        "Training": (f"{t['steps']} steps ({t['epochs_done']} epochs) of {t['batch_size']} sequences x "
+        "Training": (_init_from(summary)
+                     + f"{t['steps']} steps ({t['epochs_done']} epochs) of {t['batch_size']} sequences x "
                      f"{t['num_anchors']} random anchors, AdamW lr {t['lr']}, cosine with {t['warmup_ratio']:.0%} "
                      f"warm-up, grad clip {t['grad_clip']}, loss weights exp(-(k-1)/gamma), labels "
                      f"{_labels(t)}, on {summary['device']}; "

@@ -75,3 +75,36 @@ def test_resume_reuses_data_and_state(trained, capsys):
     summary = json.loads((out / "train_summary.json").read_text())
     assert summary["training"]["steps"] == 80  # already finished: nothing more to train
     assert "drafter written to" in capsys.readouterr().out
+
+
+def _arg(args: list[str], flag: str, value: str) -> list[str]:
+    i = args.index(flag)
+    return [*args[:i + 1], value, *args[i + 2:]]
+
+
+def test_init_from_continues_from_a_trained_drafter(trained, tmp_path):
+    """--init-from starts from the drafter's weights and config: the first loss is already the trained
+    drafter's (far below a fresh start's), and the config (layers, block, mask token) is carried over."""
+    out = tmp_path / "tuned"
+    args = _arg(_arg(trained["args"], "--out", str(out)), "--epochs", "1")
+    args = _arg(_arg(args, "--lr", "1e-9"), "--num-layers", "2")  # --num-layers gives way to the drafter's own
+    args += ["--data-dir", str(trained["out"] / "data"), "--init-from", str(trained["out"])]
+    assert main(args) == 0
+
+    def losses(d):
+        return [json.loads(line)["loss"] for line in (d / "train_log.jsonl").read_text().splitlines()
+                if "loss" in json.loads(line)]
+
+    assert losses(out)[0] < 0.5 * losses(trained["out"])[0]
+    old, new = (json.loads((d / "config.json").read_text()) for d in (trained["out"], out))
+    assert new == old
+    summary = json.loads((out / "train_summary.json").read_text())
+    assert summary["init_from"] == str(trained["out"])
+    assert "Starting from the weights of the drafter" in (out / "README.md").read_text()
+
+
+def test_init_from_a_directory_without_a_drafter_is_refused(trained, tmp_path, capsys):
+    args = _arg(trained["args"], "--out", str(tmp_path / "x"))
+    args += ["--data-dir", str(trained["out"] / "data"), "--init-from", str(tmp_path)]
+    assert main(args) != 0
+    assert "has no config.json" in capsys.readouterr().err
