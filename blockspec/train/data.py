@@ -34,7 +34,7 @@ from tqdm import tqdm
 
 from blockspec.engine.sampling_params import SamplingParams
 from blockspec.errors import ConfigError
-from blockspec.train.prompts import Opener, TrainPrompt, openers
+from blockspec.train.prompts import Opener, TrainPrompt, openers, pick_opener
 
 if TYPE_CHECKING:
     from blockspec.engine.engine import Engine
@@ -190,18 +190,22 @@ def _user_turn(engine: Engine) -> str:
 
 def _self_prompts(engine: Engine, indices: list[int], cfg: GenerationConfig, limit: int) -> dict[int, list[int]]:
     """Sample index -> chat-templated ids of a user message the target wrote from a random opener
-    (messages that make the prompt longer than `limit` tokens are left out)."""
+    (messages that make the prompt longer than `limit` tokens are left out, and so are openers too
+    long to finish within `limit`: those samples keep their built-in prompt)."""
     if not indices:
         return {}
     choices: list[Opener] = openers()
     before = _user_turn(engine)
     picked = {}
     for i in indices:
-        opener = choices[random.Random(cfg.seed * 104_729 + i).randrange(len(choices))]
+        opener = pick_opener(choices, random.Random(cfg.seed * 104_729 + i))
+        start = engine.encode(before + opener.text)
+        if len(start) + cfg.self_prompt_len > limit:
+            continue
         picked[i] = opener
         params = SamplingParams(max_tokens=cfg.self_prompt_len, temperature=0.8, top_p=0.95,
                                 seed=cfg.seed * 1_000_003 + i, stop=[opener.stop] if opener.stop else [])
-        engine.add_request(f"ask-{i}", engine.encode(before + opener.text), params)
+        engine.add_request(f"ask-{i}", start, params)
     written = _drain(engine)
     out = {}
     for i, opener in picked.items():
@@ -263,6 +267,8 @@ def generate_data(engine: Engine, prompts: list[TrainPrompt], cfg: GenerationCon
     prompt_ids = encode_prompts(engine, prompts, cfg.response_len)
     meta = {**cfg.identity(), "target": str(engine.model_dir), "prompts": _prompts_digest(prompt_ids),
             "num_prompts": len(prompt_ids)}
+    if cfg.self_prompts > 0:
+        meta["openers"] = hashlib.sha256(json.dumps([asdict(o) for o in openers()]).encode()).hexdigest()[:16]
     _check_meta(data_dir, meta)
     num_shards = -(-cfg.num_samples // cfg.shard_size)
     todo = missing_shards(data_dir, cfg)

@@ -39,6 +39,7 @@ class Opener:
     text: str
     stop: str | None = None
     close: str = ""
+    weight: float = 1.0  # relative chance of being picked (function stubs: coding assistants' main task)
 
 
 def _user(text: str) -> list[dict[str, str]]:
@@ -108,8 +109,13 @@ def builtin_prompts(seed: int = 0) -> list[TrainPrompt]:
 
 def openers() -> list[Opener]:
     """The built-in user-message openers for self-prompting (code weighted up: coding assistants)."""
-    return [Opener(o["class"], o["text"], o.get("stop"), o.get("close", ""))
+    return [Opener(o["class"], o["text"], o.get("stop"), o.get("close", ""), float(o.get("weight", 1.0)))
             for o in _builtin_data()["self_prompt_openers"]]
+
+
+def pick_opener(choices: list[Opener], rng: random.Random) -> Opener:
+    """One opener, drawn by weight."""
+    return rng.choices(choices, weights=[o.weight for o in choices])[0]
 
 
 def read_prompt_file(path: Path) -> list[TrainPrompt]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 from collections import Counter
 
 import pytest
@@ -43,3 +44,14 @@ def test_user_jsonl_and_heldout_split(tmp_path):
     assert not {id(p) for p in held} & {id(p) for p in train}
     with pytest.raises(ConfigError):
         load_prompts(str(tmp_path / "missing.jsonl"))
+
+
+def test_openers_are_drawn_by_weight():
+    from blockspec.train.prompts import Opener, openers, pick_opener
+
+    stubs = [o for o in openers() if o.weight > 1]
+    assert stubs and all(o.prompt_class == "code" and o.text.endswith("def") for o in stubs)
+    choices = [Opener("code", "a", weight=3.0), Opener("prose", "b")]
+    rng = random.Random(0)
+    drawn = [pick_opener(choices, rng).text for _ in range(4000)]
+    assert 0.72 < drawn.count("a") / len(drawn) < 0.78
