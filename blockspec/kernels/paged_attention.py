@@ -26,29 +26,31 @@ if HAVE_TRITON:  # CPU-only installs: the reference below is the implementation 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                         seq_lens: torch.Tensor, kv_start: torch.Tensor, q_len: int, scale: float,
                         causal: bool) -> torch.Tensor:
-    """q [B * q_len, H, D] -> [B * q_len, H, D]; one sequence at a time, in float32."""
+    """q [B * q_len, H, D] -> [B * q_len, H, D]; one sequence at a time, in float32.
+
+    Each KV head's group of query heads attends as one matrix (no repeated K/V copies): this is also
+    the CPU implementation, where copying K/V per layer cost more than the attention itself."""
     b_count = seq_lens.shape[0]
     num_heads, head_dim = q.shape[1], q.shape[2]
-    page = k_cache.shape[1]
+    num_kv, page = k_cache.shape[2], k_cache.shape[1]
+    group = num_heads // num_kv
     out = torch.empty_like(q)
     for b in range(b_count):
         n = int(seq_lens[b])
         pages = block_tables[b, : -(-n // page)]
-        k = k_cache[pages].flatten(0, 1)[:n].float()  # [n, Hkv, D]
-        v = v_cache[pages].flatten(0, 1)[:n].float()
-        group = num_heads // k.shape[1]
-        k = k.repeat_interleave(group, dim=1)
-        v = v.repeat_interleave(group, dim=1)
-        qb = q[b * q_len:(b + 1) * q_len].float()  # [q_len, H, D]
-        scores = torch.einsum("qhd,khd->hqk", qb, k) * scale
+        k = k_cache[pages].flatten(0, 1)[:n].float().transpose(0, 1)  # [Hkv, n, D]
+        v = v_cache[pages].flatten(0, 1)[:n].float().transpose(0, 1)
+        qb = q[b * q_len:(b + 1) * q_len].float().view(q_len, num_kv, group, head_dim)
+        qb = qb.permute(1, 2, 0, 3).reshape(num_kv, group * q_len, head_dim)  # rows: (head in group, query)
+        scores = torch.matmul(qb, k.transpose(1, 2)) * scale  # [Hkv, G * q_len, n]
         key_pos = torch.arange(n, device=q.device)
-        query_pos = n - q_len + torch.arange(q_len, device=q.device)
+        query_pos = (n - q_len + torch.arange(q_len, device=q.device)).repeat(group)
         visible = key_pos[None, :] >= int(kv_start[b])
         if causal:
             visible = visible & (key_pos[None, :] <= query_pos[:, None])
         scores = scores.masked_fill(~visible[None], float("-inf"))
-        out[b * q_len:(b + 1) * q_len] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(q.dtype)
-    del head_dim
+        o = torch.matmul(scores.softmax(-1), v).view(num_kv, group, q_len, head_dim)
+        out[b * q_len:(b + 1) * q_len] = o.permute(2, 0, 1, 3).reshape(q_len, num_heads, head_dim).to(q.dtype)
     return out
 
 

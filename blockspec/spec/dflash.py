@@ -21,7 +21,7 @@ from torch import nn
 from blockspec.errors import ConfigError
 from blockspec.kernels.paged_attention import paged_attention
 from blockspec.kernels.rotary import rope_qk
-from blockspec.kernels.skinny_linear import skinny_linear, skinny_supported
+from blockspec.kernels.skinny_linear import linear, skinny_linear, skinny_supported
 from blockspec.models.layers.attention import DecodeMetadata, gather_kv, sdpa, store_kv
 from blockspec.models.layers.linear import FusedLinear, fused_attention_residual, fused_swiglu_residual
 from blockspec.models.layers.norm import RMSNorm
@@ -347,7 +347,8 @@ class DFlashDrafter(nn.Module):
         return self.forward_blocks(block_embeds, meta)
 
     def compute_logits(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, lm_head_weight)
+        # rows flattened to 2-D: a 3-D input sends CPU linear through a batched matmul over the whole head
+        logits = linear(hidden.reshape(-1, hidden.shape[-1]), lm_head_weight).view(*hidden.shape[:-1], -1)
         if self.config.output_multiplier != 1.0:
             logits = logits * self.config.output_multiplier
         cap = self.config.final_logit_softcapping

@@ -44,6 +44,25 @@ def test_reference_matches_gather_reference():
     torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_reference_matches_per_head_definition(causal):
+    """Query head h reads KV head h // group; keys from kv_start on (and up to the query with causal)."""
+    q_len, heads, kv_heads, d, page = 3, 6, 2, 8, 16
+    q, kc, vc, tables, seq_lens, kv_start = random_case("cpu", torch.float32, 2, q_len, heads, kv_heads, d, page)
+    ours = paged_attention_ref(q, kc, vc, tables, seq_lens, kv_start, q_len, d**-0.5, causal)
+    for b in range(2):
+        n, start = int(seq_lens[b]), int(kv_start[b])
+        keys = kc[tables[b]].flatten(0, 1)[:n]
+        values = vc[tables[b]].flatten(0, 1)[:n]
+        for i in range(q_len):
+            last = n - q_len + i if causal else n - 1
+            for h in range(heads):
+                kv = h // (heads // kv_heads)
+                w = (keys[start:last + 1, kv] @ q[b * q_len + i, h] * d**-0.5).softmax(0)
+                torch.testing.assert_close(ours[b * q_len + i, h], w @ values[start:last + 1, kv],
+                                           rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.skipif(DEVICE is None, reason="Triton kernel needs a CUDA GPU (or TRITON_INTERPRET=1)")
 @pytest.mark.parametrize("batch,q_len,heads,kv_heads,head_dim", [
     (1, 1, 32, 8, 128), (1, 16, 32, 8, 128), (3, 16, 9, 3, 64), (4, 8, 16, 16, 64), (2, 1, 14, 2, 64)])

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from blockspec.kernels.skinny_linear import (
     _MIN_PROGRAMS,
     _launch_config,
+    linear,
     skinny_linear,
     skinny_linear_ref,
     skinny_supported,
@@ -224,3 +225,12 @@ def test_kernel_fp16_all_options(launch):
                       residual=True)
     ref_inp = {**inp, "residual": inp["residual"].clone()}
     assert rel_err(launch(**inp), skinny_linear_ref(**ref_inp)) < 1e-2
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7])
+def test_cpu_linear_pads_two_and_three_rows_without_changing_results(rows):
+    g = torch.Generator().manual_seed(rows)
+    x, w, b = torch.randn(rows, 64, generator=g), torch.randn(96, 64, generator=g), torch.randn(96, generator=g)
+    y = linear(x, w, b)
+    assert y.shape == (rows, 96)
+    torch.testing.assert_close(y, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
