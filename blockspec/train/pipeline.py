@@ -80,9 +80,7 @@ def generate_stage(cfg: PipelineConfig, device: torch.device, prompts: list) -> 
     if cfg.gen_workers > 1:
         spec.kv_cache_memory = kv_share(device, cfg.gen_workers)
         return generate_parallel(spec, prompts, gen, data_dir, cfg.gen_workers)
-    engine = Engine(EngineConfig(model=spec.target, device=spec.device, max_num_seqs=spec.max_num_seqs,
-                                 max_num_batched_tokens=spec.max_num_batched_tokens,
-                                 max_model_len=spec.max_model_len, seed=spec.seed))
+    engine = spec.engine()
     try:
         generate_data(engine, prompts, gen, data_dir)
     finally:
