@@ -105,8 +105,7 @@ def _cuda_kv_budget(engine: Engine) -> int:
     others = (total - free) - torch.cuda.memory_reserved(dev)
     peak = profile_step_peak(engine)
     if engine.config.kv_cache_memory is not None:
-        free_now, _ = torch.cuda.mem_get_info(dev)
-        return fixed_kv_budget(engine.config.kv_cache_memory, free_now + torch.cuda.memory_reserved(dev) - peak)
+        return fixed_kv_budget(engine.config.kv_cache_memory, cuda_kv_budget(total, 1.0, others, peak))
     return cuda_kv_budget(total, engine.config.gpu_memory_utilization, others, peak)
 
 

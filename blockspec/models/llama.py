@@ -17,7 +17,7 @@ from blockspec.kernels.activation import silu_mul
 from blockspec.kernels.rotary import rope_qk
 from blockspec.kernels.skinny_linear import skinny_linear, skinny_supported
 from blockspec.models.layers.attention import PagedAttention
-from blockspec.models.layers.linear import FusedLinear, fused_attention_residual, fused_swiglu_residual
+from blockspec.models.layers.linear import FusedLinear, Linear, fused_attention_residual, fused_swiglu_residual
 from blockspec.models.layers.norm import RMSNorm
 from blockspec.models.layers.rotary import RotaryEmbedding
 from blockspec.models.model_config import ModelConfig
@@ -33,7 +33,7 @@ class LlamaAttention(nn.Module):
         h, d = cfg.hidden_size, cfg.head_dim
         bias = qkv_bias or cfg.attention_bias
         self.qkv_proj = FusedLinear(h, [self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], bias)
-        self.o_proj = nn.Linear(self.num_heads * d, h, bias=cfg.attention_bias)
+        self.o_proj = Linear(self.num_heads * d, h, bias=cfg.attention_bias)
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if qk_norm else None
         self.rotary = rotary
@@ -71,7 +71,7 @@ class LlamaMLP(nn.Module):
         super().__init__()
         h, i = cfg.hidden_size, intermediate_size or cfg.intermediate_size
         self.gate_up_proj = FusedLinear(h, [i, i], bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(i, h, bias=cfg.mlp_bias)
+        self.down_proj = Linear(i, h, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_mul(self.gate_up_proj(x)))

@@ -19,6 +19,7 @@ from torch import nn
 
 from blockspec.models.layers.attention import PagedAttention
 from blockspec.models.layers.gated_deltanet import GatedDeltaNet
+from blockspec.models.layers.linear import Linear
 from blockspec.models.layers.moe import load_expert_weight
 from blockspec.models.layers.recurrent_state import LayerState, bytes_per_sequence, state_dtype_of
 from blockspec.models.layers.rotary import RotaryEmbedding
@@ -50,10 +51,10 @@ class GatedAttention(nn.Module):
         self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
         h, d, bias = cfg.hidden_size, cfg.head_dim, cfg.attention_bias
-        self.q_proj = nn.Linear(h, self.num_heads * d * 2, bias=bias)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * d, h, bias=bias)
+        self.q_proj = Linear(h, self.num_heads * d * 2, bias=bias)
+        self.k_proj = Linear(h, self.num_kv_heads * d, bias=bias)
+        self.v_proj = Linear(h, self.num_kv_heads * d, bias=bias)
+        self.o_proj = Linear(self.num_heads * d, h, bias=bias)
         self.q_norm = ZeroCenteredRMSNorm(d, cfg.rms_norm_eps)
         self.k_norm = ZeroCenteredRMSNorm(d, cfg.rms_norm_eps)
         self.rotary = rotary

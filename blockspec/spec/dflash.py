@@ -23,7 +23,7 @@ from blockspec.kernels.paged_attention import paged_attention
 from blockspec.kernels.rotary import rope_qk
 from blockspec.kernels.skinny_linear import linear, skinny_linear, skinny_supported
 from blockspec.models.layers.attention import DecodeMetadata, gather_kv, sdpa, store_kv
-from blockspec.models.layers.linear import FusedLinear, fused_attention_residual, fused_swiglu_residual
+from blockspec.models.layers.linear import FusedLinear, Linear, fused_attention_residual, fused_swiglu_residual
 from blockspec.models.layers.norm import RMSNorm
 from blockspec.models.layers.rotary import RotaryEmbedding
 from blockspec.models.model_config import ModelConfig, read_config_json
@@ -176,7 +176,7 @@ class DFlashAttention(nn.Module):
         h, d = cfg.hidden_size, cfg.head_dim
         self.qkv_proj = FusedLinear(h, [self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d],
                                     cfg.attention_bias)
-        self.o_proj = nn.Linear(self.num_heads * d, h, bias=cfg.attention_bias)
+        self.o_proj = Linear(self.num_heads * d, h, bias=cfg.attention_bias)
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.rotary = rotary
@@ -189,7 +189,7 @@ class DFlashAttention(nn.Module):
         GEMM, and the same numbers, as the separate q_proj/k_proj/v_proj layers gave."""
         p = self.qkv_proj
         start, end = p.shard_offset(shard), p.shard_offset(shard + 1)
-        return F.linear(x, p.weight[start:end], None if p.bias is None else p.bias[start:end])
+        return linear(x, p.weight[start:end], None if p.bias is None else p.bias[start:end])
 
     def proj_q(self, x: torch.Tensor) -> torch.Tensor:
         return self._shard(x, 0)
@@ -270,7 +270,7 @@ class DFlashMLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.gate_up_proj = FusedLinear(cfg.hidden_size, [cfg.intermediate_size, cfg.intermediate_size], bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -305,7 +305,7 @@ class DFlashDrafter(nn.Module):
         m = cfg.model
         rotary = RotaryEmbedding(m.head_dim, max_positions, m.rope_theta, m.rope_scaling)
         self.layers = nn.ModuleList(DFlashLayer(m, rotary, *cfg.layer_mask_kind(i)) for i in range(m.num_hidden_layers))
-        self.fc = nn.Linear(len(cfg.target_layer_ids) * m.hidden_size, m.hidden_size, bias=False)
+        self.fc = Linear(len(cfg.target_layer_ids) * m.hidden_size, m.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(m.hidden_size, m.rms_norm_eps)
         self.norm = RMSNorm(m.hidden_size, m.rms_norm_eps)
 

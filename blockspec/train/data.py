@@ -196,10 +196,11 @@ def _self_prompts(engine: Engine, indices: list[int], cfg: GenerationConfig, lim
         return {}
     choices: list[Opener] = openers()
     before = _user_turn(engine)
+    starts = {o.text: engine.encode(before + o.text) for o in choices}
     picked = {}
     for i in indices:
         opener = pick_opener(choices, random.Random(cfg.seed * 104_729 + i))
-        start = engine.encode(before + opener.text)
+        start = starts[opener.text]
         if len(start) + cfg.self_prompt_len > limit:
             continue
         picked[i] = opener
@@ -273,7 +274,7 @@ def generate_data(engine: Engine, prompts: list[TrainPrompt], cfg: GenerationCon
     num_shards = -(-cfg.num_samples // cfg.shard_size)
     todo = missing_shards(data_dir, cfg)
     if shards is not None:
-        todo = [s for s in todo if s in set(shards)]
+        todo = sorted(set(todo) & set(shards))
     have = sum(min(cfg.shard_size, cfg.num_samples - s * cfg.shard_size) for s in range(num_shards) if s not in todo)
     with tqdm(total=cfg.num_samples, initial=have, desc="generating", unit="sample", dynamic_ncols=True,
               disable=not progress) as bar:

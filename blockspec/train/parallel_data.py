@@ -11,6 +11,7 @@ starting side by side do not each claim the whole card.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import multiprocessing as mp
 import os
@@ -93,7 +94,7 @@ def generate_parallel(spec: GeneratorSpec, prompts: list[TrainPrompt], cfg: Gene
     have = total - sum(min(cfg.shard_size, total - s * cfg.shard_size) for s in todo)
     ctx = mp.get_context("spawn")
     threads = spec.threads or max(1, (os.cpu_count() or 1) // len(parts))
-    spec = GeneratorSpec(**{**spec.__dict__, "threads": threads})
+    spec = dataclasses.replace(spec, threads=threads)
     log.info("generating %d shards in %d processes", len(todo), len(parts))
     with ctx.Pool(len(parts)) as pool, \
             tqdm(total=total, initial=have, desc="generating", unit="sample", dynamic_ncols=True) as bar:

@@ -10,6 +10,7 @@ Users add their own JSONL (one {"prompt": ...} or {"messages": [...]} per line).
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 from dataclasses import dataclass
@@ -46,7 +47,9 @@ def _user(text: str) -> list[dict[str, str]]:
     return [{"role": "user", "content": text}]
 
 
+@functools.cache
 def _builtin_data() -> dict[str, Any]:
+    """prompts.json, read once (callers only read it; generation asks for the openers every wave)."""
     return json.loads(resources.files("blockspec.train").joinpath("prompts.json").read_text())
 
 

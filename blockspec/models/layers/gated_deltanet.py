@@ -25,6 +25,7 @@ from torch import nn
 from blockspec.errors import ConfigError
 from blockspec.models.layers import delta_rule, delta_rule_fla
 from blockspec.models.layers.attention import current_metadata
+from blockspec.models.layers.linear import Linear
 from blockspec.models.layers.recurrent_state import LayerState, StateMetadata
 from blockspec.models.model_config import ModelConfig
 
@@ -90,18 +91,18 @@ class GatedDeltaNet(nn.Module):
         self.state_dtype_name = lin.state_dtype
         self.packed = packed_projections
         if packed_projections:
-            self.in_proj_qkvz = nn.Linear(h, 2 * self.key_dim + 2 * self.value_dim, bias=False)
-            self.in_proj_ba = nn.Linear(h, 2 * self.num_v_heads, bias=False)
+            self.in_proj_qkvz = Linear(h, 2 * self.key_dim + 2 * self.value_dim, bias=False)
+            self.in_proj_ba = Linear(h, 2 * self.num_v_heads, bias=False)
         else:
-            self.in_proj_qkv = nn.Linear(h, self.conv_dim, bias=False)
-            self.in_proj_z = nn.Linear(h, self.value_dim, bias=False)
-            self.in_proj_b = nn.Linear(h, self.num_v_heads, bias=False)
-            self.in_proj_a = nn.Linear(h, self.num_v_heads, bias=False)
+            self.in_proj_qkv = Linear(h, self.conv_dim, bias=False)
+            self.in_proj_z = Linear(h, self.value_dim, bias=False)
+            self.in_proj_b = Linear(h, self.num_v_heads, bias=False)
+            self.in_proj_a = Linear(h, self.num_v_heads, bias=False)
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.conv_kernel, groups=self.conv_dim, bias=False)
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
         self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
         self.norm = GatedRMSNorm(self.head_v_dim, cfg.rms_norm_eps)
-        self.out_proj = nn.Linear(self.value_dim, h, bias=False)
+        self.out_proj = Linear(self.value_dim, h, bias=False)
         self.state: LayerState | None = None  # bound by the model's allocate_state
 
     # ---- projections -------------------------------------------------------------------------

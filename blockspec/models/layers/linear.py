@@ -11,7 +11,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from blockspec.kernels.skinny_linear import skinny_linear
+from blockspec.kernels.skinny_linear import linear, skinny_linear
 
 # checkpoint projection name -> (fused module name, shard index)
 FUSED_SHARDS = {
@@ -20,7 +20,14 @@ FUSED_SHARDS = {
 }
 
 
-class FusedLinear(nn.Linear):
+class Linear(nn.Linear):
+    """nn.Linear through kernels.skinny_linear.linear, so every projection gets its CPU few-row path."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
+class FusedLinear(Linear):
     def __init__(self, in_features: int, shard_sizes: list[int], bias: bool) -> None:
         super().__init__(in_features, sum(shard_sizes), bias=bias)
         self.shard_sizes = list(shard_sizes)

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from blockspec.errors import ConfigError
+from blockspec.models.layers.linear import Linear
 
 BACKENDS = ("auto", "reference", "grouped")
 _EXPERT_NAME = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>gate|up|down)_proj\.weight$")
@@ -131,9 +132,9 @@ class SharedExpert(nn.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_proj = Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -147,10 +148,10 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         self.top_k = top_k
         self.renormalize = renormalize
-        self.gate = nn.Linear(hidden_size, num_experts, bias=False)
+        self.gate = Linear(hidden_size, num_experts, bias=False)
         self.experts = Experts(num_experts, hidden_size, intermediate_size)
         self.shared_expert = SharedExpert(hidden_size, shared_intermediate_size) if shared_intermediate_size else None
-        self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False) if shared_intermediate_size else None
+        self.shared_expert_gate = Linear(hidden_size, 1, bias=False) if shared_intermediate_size else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.gate(x), self.top_k, self.renormalize)
