@@ -1,8 +1,9 @@
-"""Recurrent-state slots for hybrid models: one per running sequence, taken and released with its KV blocks.
+"""Recurrent-state slots for hybrid models: one pair per running sequence, taken and released with its KV blocks.
 
 A Gated DeltaNet layer keeps a fixed-size state per sequence instead of a growing KV cache. The
-model holds `max_num_seqs` slots of it (allocated here, before the KV cache is planned, so the
-planner sees them); `SlotBlockAllocator` hands a sequence a slot the first time it gets blocks
+model holds a pair of slots for each of `max_num_seqs` sequences (allocated here, before the KV cache
+is planned, so the planner sees them; why a pair: models/layers/recurrent_state.py);
+`SlotBlockAllocator` hands a sequence a pair the first time it gets blocks
 (admission) and takes it back whenever its blocks are freed (finish, abort, preemption), so the
 scheduler needs no change: it already brackets every sequence's life with `ensure` and `free`.
 The scheduler admits at most `max_num_seqs` sequences, so a slot is always free at admission.
@@ -16,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from blockspec.engine.kv_cache import BlockAllocator
 from blockspec.engine.sequence import Sequence
-from blockspec.models.layers.recurrent_state import rollback_mode
+from blockspec.models.layers.recurrent_state import SLOTS_PER_SEQUENCE, rollback_mode
 
 if TYPE_CHECKING:
     from blockspec.engine.engine import Engine
@@ -42,13 +43,13 @@ class SlotBlockAllocator(BlockAllocator):
         if not super().ensure(seq, num_positions):
             return False
         if seq.state_slot is None:
-            seq.state_slot = self._free_slots.popleft()
+            seq.state_slot = SLOTS_PER_SEQUENCE * self._free_slots.popleft()
         return True
 
     def free(self, seq: Sequence) -> None:
         super().free(seq)
         if seq.state_slot is not None:
-            self._free_slots.append(seq.state_slot)
+            self._free_slots.append(seq.state_slot // SLOTS_PER_SEQUENCE)
             seq.state_slot = None
 
 
@@ -97,8 +98,9 @@ def state_report(engine: Engine) -> str | None:
         return None
     k = engine.num_speculative_tokens
     ckpt = checkpoints_per_slot(k)
-    per_seq = target.state_bytes_per_seq(ckpt)
-    how = (f"with {ckpt} per-position checkpoints (k + 1) each" if ckpt
+    per_seq = target.state_bytes_per_seq(0)
+    how = (f"{ckpt} per-position checkpoints (k + 1) per sequence" if ckpt
            else "verify blocks roll back by replaying accepted tokens" if k else "no speculation")
-    return (f"recurrent state: {engine.config.max_num_seqs} slots x {per_seq / 2**20:.1f} MiB "
-            f"({len(target.state_layers)} Gated DeltaNet layers, {how}) = {engine.state_bytes / 2**20:.1f} MiB")
+    return (f"recurrent state: {engine.config.max_num_seqs} sequences x 2 slots (current + next) + a scratch "
+            f"pair, {per_seq / 2**20:.1f} MiB each ({len(target.state_layers)} Gated DeltaNet layers, {how}) "
+            f"= {engine.state_bytes / 2**20:.1f} MiB")

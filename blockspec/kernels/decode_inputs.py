@@ -1,14 +1,16 @@
 """A decode step's index tensors, derived on the device from a few integers per sequence.
 
 The host writes, per row: the anchor position and token, the context rows the previous step
-committed (first position, count, first row of the feature buffer), the number of drafts and the
+committed (first position, count, first row of the feature buffer), the recurrent-state slot it reads
+(hybrid models; the committed state goes to its pair partner, slot ^ 1), the number of drafts and the
 block table. One kernel derives everything the drafter and verify graphs read: positions, KV slots,
 sequence lengths, the drafter's context indices and the [anchor, MASK...] block.
 
 Chained mode is pipelined decoding: the next step is launched before the host has read this one's
 tokens, so the kernel first advances each live row by the acceptance the verify graph left on the
-device (`greedy`: [accepted, argmax_0..argmax_k] per row). The host then only supplies block
-tables (dead rows point at the scratch block) and draft counts.
+device (`greedy`: [accepted, argmax_0..argmax_k] per row) and moves each row to the state slot the
+previous step committed into. The host then only supplies block tables (dead rows point at the
+scratch block) and draft counts.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch
 from blockspec.kernels._triton import HAVE_TRITON, use_triton
 
 # Sections the host writes (in buffer order), and the ones derived from them.
-ROW_INPUTS = ("anchor", "token", "ctx_pos0", "ctx_count", "ctx_row0", "num_drafts", "tables")
+ROW_INPUTS = ("anchor", "token", "ctx_pos0", "ctx_count", "ctx_row0", "state_slot", "num_drafts", "tables")
 DERIVED = ("tokens", "positions", "slots", "seq_lens", "kv_start", "draft_seq_lens", "draft_kv_start",
            "draft_tokens", "ctx_rows", "ctx_positions", "ctx_slots")
 
@@ -27,7 +29,7 @@ if HAVE_TRITON:
     import triton.language as tl
 
     @triton.jit
-    def _decode_inputs_kernel(ANCHOR, TOKEN, CPOS0, CCOUNT, CROW0, ND, TABLES, GREEDY,
+    def _decode_inputs_kernel(ANCHOR, TOKEN, CPOS0, CCOUNT, CROW0, SLOT, ND, TABLES, GREEDY,
                               TOKENS, POSITIONS, SLOTS, SEQ_LENS, KV_START, DSEQ_LENS, DKV_START, DTOKENS,
                               CROWS, CPOSITIONS, CSLOTS, m, scratch, bs, mask_token, window, q,
                               CHAINED: tl.constexpr, QP: tl.constexpr):
@@ -49,6 +51,7 @@ if HAVE_TRITON:
             tl.store(CPOS0 + b, cpos0)
             tl.store(CCOUNT + b, ccount)
             tl.store(CROW0 + b, crow0)
+            tl.store(SLOT + b, tl.load(SLOT + b) ^ 1)
         else:
             anchor = tl.load(ANCHOR + b)
             token = tl.load(TOKEN + b)
@@ -96,6 +99,7 @@ def decode_inputs_ref(p: dict[str, torch.Tensor], greedy: torch.Tensor | None, s
         p["ctx_row0"].copy_(torch.where(live, torch.arange(bp, device=dev) * q, zero))
         p["anchor"].copy_(torch.where(live, old + a + 1, zero))
         p["token"].copy_(torch.where(live, bonus, zero))
+        p["state_slot"].bitwise_xor_(1)
     ar = torch.arange(q, device=dev)
     anchor, nd = p["anchor"], p["num_drafts"]
     scratch_slots = (scratch * block_size + ar % block_size).expand(bp, q)

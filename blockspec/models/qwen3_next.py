@@ -17,13 +17,22 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from blockspec.models.layers.attention import PagedAttention
+from blockspec.kernels.rotary import NORM_ZERO_CENTERED, rope_heads
+from blockspec.kernels.skinny_linear import skinny_linear, skinny_supported
+from blockspec.models.layers.attention import PagedAttention, current_metadata
 from blockspec.models.layers.gated_deltanet import GatedDeltaNet
-from blockspec.models.layers.linear import Linear
+from blockspec.models.layers.linear import FusedLinear, Linear, fused_swiglu_residual
 from blockspec.models.layers.moe import load_expert_weight
-from blockspec.models.layers.recurrent_state import LayerState, bytes_per_sequence, state_dtype_of
+from blockspec.models.layers.recurrent_state import (
+    SLOTS_PER_SEQUENCE,
+    DecodeStateMetadata,
+    LayerState,
+    bytes_per_sequence,
+    physical_slots,
+    state_dtype_of,
+)
 from blockspec.models.layers.rotary import RotaryEmbedding
-from blockspec.models.llama import LlamaForCausalLM
+from blockspec.models.llama import LlamaForCausalLM, LlamaMLP
 from blockspec.models.model_config import ModelConfig
 from blockspec.models.qwen3_moe import mlp_for_layer
 from blockspec.models.weight_utils import copy_named
@@ -42,32 +51,60 @@ class ZeroCenteredRMSNorm(nn.Module):
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (xf * (1.0 + self.weight.float())).to(x.dtype)
 
+    def kernel_weight(self) -> torch.Tensor:
+        """1 + weight, for GEMMs that fold the norm in; recomputed only when the weight changes (loading)."""
+        cached = self.__dict__.get("_scale")
+        if cached is None or cached[0] != self.weight._version:
+            cached = (self.weight._version, (1.0 + self.weight.float()).to(self.weight.dtype))
+            self.__dict__["_scale"] = cached
+        return cached[1]
+
 
 class GatedAttention(nn.Module):
-    """Paged softmax attention whose output is gated per channel by sigmoid(gate), gate from q_proj."""
+    """Paged softmax attention whose output is gated per channel by sigmoid(gate), gate from q_proj.
+
+    q_proj emits [q, gate] per head; q|k|v are one fused GEMM (checkpoint names load into its slices).
+    """
 
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
         h, d, bias = cfg.hidden_size, cfg.head_dim, cfg.attention_bias
-        self.q_proj = Linear(h, self.num_heads * d * 2, bias=bias)
-        self.k_proj = Linear(h, self.num_kv_heads * d, bias=bias)
-        self.v_proj = Linear(h, self.num_kv_heads * d, bias=bias)
+        self.qkv_proj = FusedLinear(h, [self.num_heads * d * 2, self.num_kv_heads * d, self.num_kv_heads * d], bias)
         self.o_proj = Linear(self.num_heads * d, h, bias=bias)
         self.q_norm = ZeroCenteredRMSNorm(d, cfg.rms_norm_eps)
         self.k_norm = ZeroCenteredRMSNorm(d, cfg.rms_norm_eps)
         self.rotary = rotary
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, d, d**-0.5)
 
+    def _split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        t, nq, nk, d = qkv.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        q, gate = qkv[:, : 2 * nq * d].view(t, nq, 2 * d).chunk(2, dim=-1)
+        k = qkv[:, 2 * nq * d:(2 * nq + nk) * d].view(t, nk, d)
+        v = qkv[:, (2 * nq + nk) * d:].view(t, nk, d)
+        return q, gate, k, v
+
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
-        q, gate = self.q_proj(x).view(t, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q, gate, k, v = self._split(self.qkv_proj(x))
         q, k = self.rotary(positions, self.q_norm(q), self.k_norm(k))
         out = self.attn(q.contiguous(), k, v) * torch.sigmoid(gate.reshape(t, -1))
         return self.o_proj(out)
+
+    def forward_residual(self, positions: torch.Tensor, h: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+        """Decode rows on the GPU: h += o_proj(attention(norm(h))) with the norm folded into the q|k|v GEMM,
+        q/k norms, partial rotary and the K/V cache write in one kernel, the add in o_proj's GEMM."""
+        t, nq, nk, d = h.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = skinny_linear(h, self.qkv_proj.weight, self.qkv_proj.bias, norm_weight=norm.kernel_weight(),
+                            eps=norm.eps)
+        cache = self.attn.cache_for_store()
+        rope_heads(qkv, positions, self.rotary.cos, self.rotary.sin, nq, nk, d, 2 * d, 2 * nq * d,
+                   (2 * nq + nk) * d, NORM_ZERO_CENTERED, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
+                   *(cache if cache is not None else ()))
+        q, gate, k, v = self._split(qkv)
+        out = self.attn(q.contiguous(), k, v, stored=cache is not None) * torch.sigmoid(gate.reshape(t, -1))
+        return skinny_linear(out, self.o_proj.weight, self.o_proj.bias, residual=h)
 
 
 class HybridDecoderLayer(nn.Module):
@@ -81,10 +118,31 @@ class HybridDecoderLayer(nn.Module):
         self.post_attention_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, positions: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """The residual stream in, the layer's output out. Uniform decode/verify rows on the GPU take the
+        fused path (norms folded into GEMMs, residual adds in place); everything else the plain ops."""
+        mixer = self.linear_attn if self.linear_attn is not None else self.self_attn
+        if self._fused(h, mixer):
+            if self.linear_attn is not None:
+                h = self.linear_attn.forward_residual(h, self.input_layernorm)
+            else:
+                h = self.self_attn.forward_residual(positions, h, self.input_layernorm)
+            if isinstance(self.mlp, LlamaMLP):
+                return fused_swiglu_residual(h, self.post_attention_layernorm, self.mlp.gate_up_proj,
+                                             self.mlp.down_proj)
+            return h + self.mlp(self.post_attention_layernorm(h))
         x = self.input_layernorm(h)
         x = self.linear_attn(x) if self.linear_attn is not None else self.self_attn(positions, x)
         h = h + x
         return h + self.mlp(self.post_attention_layernorm(h))
+
+    def _fused(self, h: torch.Tensor, mixer: nn.Module) -> bool:
+        meta = current_metadata()
+        if getattr(meta, "decode", None) is None:
+            return False
+        if self.linear_attn is not None and getattr(meta, "state_decode", None) is None:
+            return False
+        weight = mixer.in_proj_qkvz.weight if self.linear_attn is not None else mixer.qkv_proj.weight
+        return skinny_supported(h, weight)
 
 
 class HybridModel(nn.Module):
@@ -121,17 +179,29 @@ class Qwen3NextForCausalLM(LlamaForCausalLM):
         """Recurrent + conv state of one sequence, with `checkpoints` extra states per layer."""
         return bytes_per_sequence(self.state_layers, self.model.embed_tokens.weight.dtype, checkpoints)
 
-    def allocate_state(self, num_slots: int, checkpoints: int = 0) -> int:
-        """Make `num_slots` state slots per DeltaNet layer (plus checkpoints); returns their bytes."""
+    def allocate_state(self, max_num_seqs: int, checkpoints: int = 0) -> int:
+        """State slots for `max_num_seqs` sequences (a pair each plus the scratch pair, see
+        recurrent_state.py) and `checkpoints` per-row states per DeltaNet layer; returns their bytes."""
         weight = self.model.embed_tokens.weight
         total = 0
         for layer in self.state_layers:
-            layer.state = LayerState(num_slots, layer.conv_dim, layer.conv_kernel - 1, layer.num_v_heads,
-                                     layer.head_k_dim, layer.head_v_dim, weight.dtype,
+            layer.state = LayerState(physical_slots(max_num_seqs), layer.conv_dim, layer.conv_kernel - 1,
+                                     layer.num_v_heads, layer.head_k_dim, layer.head_v_dim, weight.dtype,
                                      state_dtype_of(layer.state_dtype_name, weight.dtype), weight.device,
-                                     checkpoints)
+                                     checkpoints, checkpoint_rows=max_num_seqs)
             total += layer.state.nbytes
         return total
+
+    def commit_decode(self, sd: DecodeStateMetadata, counts: torch.Tensor) -> None:
+        """Uniform decode path: each row's committed state (after counts[row] tokens) into its write slot."""
+        for layer, saved in sd.pending:
+            layer.commit_decode(sd, saved, counts)
+
+    @property
+    def state_scratch_slot(self) -> int:
+        """The scratch pair's first slot: padded decode rows read it."""
+        layers = self.state_layers
+        return layers[0].state.ssm.shape[0] - SLOTS_PER_SEQUENCE
 
     def commit_state(self, seqs: list, committed: list[int]) -> None:
         """After acceptance: move each verify block's slot to the state after its committed tokens."""

@@ -26,6 +26,7 @@ SECTIONS = {
     "ctx_pos0": 1,  # first context position the previous step committed (drafter input)
     "ctx_count": 1,  # how many
     "ctx_row0": 1,  # their first row in the feature buffer
+    "state_slot": 1,  # hybrids: the recurrent-state slot the row reads (it commits into slot ^ 1)
     "num_drafts": 1,
     "tables": "m",  # block table row (scratch block for padding and finished rows)
     "tokens": "q",  # anchor, d_1..d_k per row (the draft graph writes the drafts in place)

@@ -12,6 +12,11 @@ device from this step's acceptance. The GPU then never waits for the host's per-
 or joined), the chained step is dropped: it only wrote K/V past the committed frontier, which the
 next step overwrites, and the drafter context it projected is correct either way.
 
+Hybrid targets (Gated DeltaNet layers) keep each sequence's recurrent state in a slot pair: a step
+reads `seq.state_slot` and commits into its partner inside the target graph (the greedy acceptance is
+there; sampled steps commit again once the host has decided), and the host flips `seq.state_slot`
+when it consumes the step. A dropped chained step has then only written spare slots.
+
 Context features stay on the device between steps: the target graph writes every verified position's
 features into a persistent buffer, and the next step's drafter graph gathers the committed rows from
 it. A sequence that is not in the next decode step gets its rows copied out (`pending_features`)
@@ -29,6 +34,7 @@ from blockspec.engine.scheduler import ScheduledSeq
 from blockspec.engine.sequence import Sequence
 from blockspec.kernels.decode_inputs import ROW_INPUTS, decode_inputs
 from blockspec.models.layers.attention import AttentionMetadata, DecodeMetadata, forward_context
+from blockspec.models.layers.recurrent_state import DecodeStateMetadata
 from blockspec.runner.acceptance import accept, greedy_only
 from blockspec.runner.decode_graphs import DecodeGraphs, DecodeViews
 from blockspec.spec.dflash import DraftMetadata
@@ -47,6 +53,7 @@ class _Launch:
     result: torch.Tensor  # [bp, 1 + q]: accepted count, then the argmax tokens (host copy on GPU)
     event: torch.cuda.Event | None
     logits: torch.Tensor | None = None
+    state: DecodeStateMetadata | None = None  # hybrids: what a re-commit with sampled counts needs
 
     def wait(self) -> torch.Tensor:
         if self.event is not None:
@@ -63,6 +70,8 @@ class DecodeStep:
         max_blocks = -(-(max_model_len + self.q) // runner.block_size)
         self.graphs = DecodeGraphs(runner.device, max_batch, self.q, max_blocks, use_graphs)
         self.uses_drafter = runner.drafter is not None and self.k > 0
+        self.recurrent = bool(getattr(runner.target, "has_recurrent_state", False))
+        self.scratch_state = runner.target.state_scratch_slot if self.recurrent else 0
         width = len(runner.capture_layer_ids) * runner.target.config.hidden_size if self.uses_drafter else 0
         self.features = torch.zeros(max_batch * self.q, width, device=runner.device, dtype=runner.dtype)
         self.holders: list[Sequence] = []  # sequences whose committed features sit in self.features
@@ -106,9 +115,11 @@ class DecodeStep:
         greedy = self.graphs.output("target", v.batch)[0] if self.graphs.use_graphs else self._greedy
         self._derive(v, greedy)
 
-    def _target_fn(self, v: DecodeViews) -> tuple[torch.Tensor, torch.Tensor]:
+    def _target_fn(self, v: DecodeViews) -> tuple[torch.Tensor, torch.Tensor, DecodeStateMetadata | None]:
         r, bp, q = self.r, v.batch, v.q_len
         meta = AttentionMetadata(slot_mapping=v.slots, decode=DecodeMetadata(v.tables, v.seq_lens, v.kv_start, q))
+        if self.recurrent:
+            meta.state_decode = DecodeStateMetadata(v.state_slot, v.state_slot ^ 1, q)
         with forward_context(meta):
             hidden, features = r.target(v.tokens, v.positions, r.capture_layer_ids)
         if features is not None and self.uses_drafter:
@@ -119,7 +130,9 @@ class DecodeStep:
         drafts = v.tokens.view(bp, q)[:, 1:]
         valid = torch.arange(q - 1, device=argmax.device)[None, :] < v.num_drafts[:, None]
         accepted = ((drafts == argmax[:, :-1]) & valid).to(torch.int32).cumprod(1).sum(1)
-        return torch.cat([accepted[:, None].to(argmax.dtype), argmax], dim=1), logits
+        if meta.state_decode is not None and meta.state_decode.speculative:  # commit the greedy acceptance
+            r.target.commit_decode(meta.state_decode, accepted.to(torch.int64) + 1)
+        return torch.cat([accepted[:, None].to(argmax.dtype), argmax], dim=1), logits, meta.state_decode
 
     def _draft_fn(self, v: DecodeViews) -> torch.Tensor:
         r, bp, q = self.r, v.batch, v.q_len
@@ -170,6 +183,8 @@ class DecodeStep:
                 tables[b, : len(table)] = table
         h["num_drafts"].numpy()[:] = [n if seq is not None else 0 for n, seq in zip(num_drafts, rows)]
         if items is not None:
+            h["state_slot"].numpy()[:] = [seq.state_slot if seq is not None and seq.state_slot is not None
+                                          else self.scratch_state for seq in rows]
             anchor, token, pos0, count, row0 = ([0] * bp for _ in range(5))
             for b, item in enumerate(items):
                 seq = item.seq
@@ -198,7 +213,7 @@ class DecodeStep:
                 v.tokens.index_copy_(0, r._tensor(index), drafts)
         elif self.uses_drafter:
             self.graphs.run("draft", bp, self._draft_fn)
-        greedy, logits = self.graphs.run("target", bp, self._target_fn)
+        greedy, logits, state = self.graphs.run("target", bp, self._target_fn)
         self._greedy = greedy
         if r.device.type == "cuda":
             result = self._results[self._turn][:bp]
@@ -207,7 +222,7 @@ class DecodeStep:
             event.record()
         else:
             result, event = greedy[:bp], None
-        return _Launch(bp, rows, num_drafts, result, event, logits)
+        return _Launch(bp, rows, num_drafts, result, event, logits, state)
 
     def release_features(self, keep: set[int] | None = None) -> None:
         """Copy the committed feature rows of held sequences out of the shared buffer (before it is reused)."""
@@ -283,6 +298,17 @@ class DecodeStep:
         self._stage(prev.bp, prev.rows, prev.num_drafts)
         return self._launch(prev.bp, list(prev.rows), prev.num_drafts, chained=True)
 
+    def _commit_recurrent(self, launch: _Launch, items: list[ScheduledSeq], committed: list[int],
+                          greedy: bool) -> None:
+        """The step committed each row's greedy acceptance into its spare slot; a sampled step commits
+        its own counts there again (the read slot is untouched). The sequences then move to that slot."""
+        if not greedy and launch.state is not None and launch.state.speculative:
+            counts = [1] * launch.bp  # a fresh step: its rows are the items, in order
+            counts[: len(items)] = committed
+            self.r.target.commit_decode(launch.state, self.r._tensor(counts))
+        for item in items:
+            item.seq.state_slot ^= 1
+
     def execute(self, items: list[ScheduledSeq]) -> list[StepResult]:
         from blockspec.runner.model_runner import StepResult
 
@@ -309,7 +335,10 @@ class DecodeStep:
             rows = accept(seqs, [i.num_drafts for i in items], logits, tokens_in, r.device)
         results = [StepResult(item.seq, tokens, item.num_drafts, a, lps) for item, (a, tokens, lps) in zip(items, rows)]
         committed = [1 + res.num_accepted for res in results]
-        r._commit_state(items, committed)
+        if self.recurrent:
+            self._commit_recurrent(launch, items, committed, greedy)
+        else:
+            r._commit_state(items, committed)
         holders = []
         for seq, n in zip(seqs, committed):
             seq.num_computed += n

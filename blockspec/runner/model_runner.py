@@ -62,8 +62,6 @@ class ModelRunner:
 
     def prepare_decode(self, max_batch: int, max_model_len: int, use_graphs: bool, log=print) -> float:
         """Set up the uniform-decode fast path (and capture its CUDA graphs); returns capture seconds."""
-        if getattr(self.target, "has_recurrent_state", False):  # hybrids: general path (state slots) for now
-            return 0.0
         self.decode = DecodeStep(self, max_batch, max_model_len, use_graphs)
         return self.decode.capture(log)
 

@@ -114,11 +114,12 @@ def test_start_up_report_names_the_state(hybrids, monkeypatch, caplog):
     monkeypatch.setenv("BLOCKSPEC_GDN_ROLLBACK", "checkpoint")
     with caplog.at_level("INFO", logger="blockspec"):
         engine = Engine(EngineConfig(model=str(hybrids["qwen3_5"]), device="cpu", max_num_seqs=4))
-    assert any("recurrent state: 4 slots" in r.getMessage() for r in caplog.records)
+    assert any("recurrent state: 4 sequences x 2 slots" in r.getMessage() for r in caplog.records)
     target = engine.runner.target
     base = target.state_bytes_per_seq(0)
     # 3 DeltaNet layers: conv window (3 x 128 fp32) + state (4 x 16 x 16 fp32) each
     assert base == 3 * (3 * 128 * 4 + 4 * 16 * 16 * 4)
     assert target.state_bytes_per_seq(16) == base + 3 * 16 * 4 * 16 * 16 * 4
     engine.enable_synthetic_drafts({}, 1.0, 15)  # checkpoint mode: slots re-made with k + 1 states
-    assert engine.state_bytes == 4 * target.state_bytes_per_seq(16)
+    # a slot pair per sequence plus the scratch pair, and 16 checkpoints for each of the 4 rows
+    assert engine.state_bytes == (2 * 4 + 2) * base + 4 * 3 * 16 * 4 * 16 * 16 * 4

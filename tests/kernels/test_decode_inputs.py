@@ -33,6 +33,7 @@ def make_inputs(bp: int, q: int, m: int, live: int, seed: int) -> dict[str, torc
         p["ctx_count"][b] = count
         p["ctx_row0"][b] = int(torch.randint(0, bp * q - count + 1, (1,), generator=g))
         p["num_drafts"][b] = int(torch.randint(0, q, (1,), generator=g))
+        p["state_slot"][b] = 2 * b + int(torch.randint(0, 2, (1,), generator=g))
     return p
 
 
@@ -93,7 +94,9 @@ def test_chained_reference_advances_each_live_row(q):
             assert (int(p["ctx_pos0"][b]), int(p["ctx_count"][b]), int(p["ctx_row0"][b])) == \
                 (int(before["anchor"][b]), a + 1, b * q)
         else:
-            assert all(int(p[n][b]) == 0 for n in ROW_INPUTS[:-2])
+            assert all(int(p[n][b]) == 0 for n in ROW_INPUTS[:5])
+        # every row moves to the slot the previous step committed into (padding stays in its pair)
+        assert int(p["state_slot"][b]) == int(before["state_slot"][b]) ^ 1
     want = expected_rows(p, q, -1)
     for name in DERIVED:
         assert p[name].tolist() == want[name], name

@@ -40,7 +40,7 @@ def _ours(path):
     model = model_class(cfg)(cfg).eval()
     load_weights(model, path, "cpu", torch.float32)
     if getattr(model, "has_recurrent_state", False):
-        model.allocate_state(num_slots=4)
+        model.allocate_state(max_num_seqs=4)
     runner = ModelRunner(model, None, torch.device("cpu"), torch.float32, block_size=16)
     runner.allocate_kv_cache(24)
     return model, runner
@@ -113,7 +113,7 @@ def test_verify_blocks_roll_back_to_the_accepted_prefix(checkpoints, monkeypatch
     last accepted position, so every committed position's logits equal the one-shot pass's."""
     monkeypatch.setenv("BLOCKSPEC_GDN_ROLLBACK", mode)
     model, runner = _ours(checkpoints["qwen3_5"])
-    model.allocate_state(num_slots=4, checkpoints=16 if mode == "checkpoint" else 0)
+    model.allocate_state(max_num_seqs=4, checkpoints=16 if mode == "checkpoint" else 0)
     gen = torch.Generator().manual_seed(11)
     ids = torch.randint(0, 256, (90,), generator=gen).tolist()
     with torch.inference_mode():

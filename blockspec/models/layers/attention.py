@@ -21,7 +21,7 @@ from torch import nn
 from blockspec.kernels.paged_attention import paged_attention
 
 if TYPE_CHECKING:
-    from blockspec.models.layers.recurrent_state import StateMetadata
+    from blockspec.models.layers.recurrent_state import DecodeStateMetadata, StateMetadata
 
 
 @dataclass
@@ -63,6 +63,8 @@ class AttentionMetadata:
     fresh_prefill: bool = False
     # Hybrid models: each sequence's span and recurrent-state slot (models/layers/recurrent_state.py).
     state: StateMetadata | None = None
+    # Hybrid models on the uniform decode path (with `decode`): each row's state slots.
+    state_decode: DecodeStateMetadata | None = None
 
 
 @dataclass

@@ -4,12 +4,18 @@ Per token: project to q, k, v (through a short causal depthwise convolution + Si
 gate z, a write strength beta = sigmoid(b) and a decay g = -exp(A_log) * softplus(a + dt_bias);
 run the gated delta rule (delta_rule.py) per head; RMS-normalise the result, gate it with SiLU(z)
 and project out. Qwen3-Next packs q/k/v/z and b/a in per-key-head groups (`in_proj_qkvz`,
-`in_proj_ba`); Qwen3.5 has one projection each. Parameter names follow the checkpoints.
+`in_proj_ba`); Qwen3.5 has one projection each, which we hold as the two fused GEMMs [qkv | z] and
+[b | a] under the same names (checkpoint names load into their slices: layers/linear.FUSED_SHARDS).
 
 The flat batch holds each sequence's tokens as one contiguous span (a prefill chunk, a decode
 token, or a verify block); `StateMetadata` (recurrent_state.py) says where each span is and which
 state slot it reads. Non-speculative spans write their final state during the pass; speculative
 spans leave the slot alone and `commit` advances it by the accepted count afterwards.
+
+Uniform decode/verify batches (the runner's CUDA-graph path, `DecodeStateMetadata`) take fixed-shape
+kernels instead (kernels/gated_deltanet.py): each row reads its state from one slot and the committed
+state lands in its pair partner, during the pass for single tokens, at `commit_decode` for verify
+blocks (whose inputs the pass keeps on the device, so the commit runs without the host).
 """
 
 from __future__ import annotations
@@ -23,10 +29,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from blockspec.errors import ConfigError
+from blockspec.kernels.gated_deltanet import causal_conv_update, gated_rms_norm, gdn_recurrent
+from blockspec.kernels.skinny_linear import skinny_linear
 from blockspec.models.layers import delta_rule, delta_rule_fla
 from blockspec.models.layers.attention import current_metadata
-from blockspec.models.layers.linear import Linear
-from blockspec.models.layers.recurrent_state import LayerState, StateMetadata
+from blockspec.models.layers.linear import FusedLinear, Linear
+from blockspec.models.layers.recurrent_state import DecodeStateMetadata, LayerState, StateMetadata
 from blockspec.models.model_config import ModelConfig
 
 BACKENDS = ("auto", "reference", "fla")
@@ -94,10 +102,8 @@ class GatedDeltaNet(nn.Module):
             self.in_proj_qkvz = Linear(h, 2 * self.key_dim + 2 * self.value_dim, bias=False)
             self.in_proj_ba = Linear(h, 2 * self.num_v_heads, bias=False)
         else:
-            self.in_proj_qkv = Linear(h, self.conv_dim, bias=False)
-            self.in_proj_z = Linear(h, self.value_dim, bias=False)
-            self.in_proj_b = Linear(h, self.num_v_heads, bias=False)
-            self.in_proj_a = Linear(h, self.num_v_heads, bias=False)
+            self.in_proj_qkvz = FusedLinear(h, [self.conv_dim, self.value_dim], bias=False)
+            self.in_proj_ba = FusedLinear(h, [self.num_v_heads, self.num_v_heads], bias=False)
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.conv_kernel, groups=self.conv_dim, bias=False)
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
         self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
@@ -109,17 +115,25 @@ class GatedDeltaNet(nn.Module):
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """x [T, H] -> conv input [T, conv_dim], z [T, Hv, Dv], b and a [T, Hv]."""
-        t, hk, dk, dv = x.shape[0], self.num_k_heads, self.head_k_dim, self.head_v_dim
-        if not self.packed:
-            return (self.in_proj_qkv(x), self.in_proj_z(x).view(t, -1, dv), self.in_proj_b(x), self.in_proj_a(x))
+        return self._split(self.in_proj_qkvz(x), self.in_proj_ba(x))
+
+    def _split(self, qkvz: torch.Tensor, ba: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The two projections' outputs -> conv input [T, conv_dim], z [T, Hv, Dv], b and a [T, Hv]."""
+        t, hk, dk, dv = qkvz.shape[0], self.num_k_heads, self.head_k_dim, self.head_v_dim
+        if not self.packed:  # [qkv | z], [b | a]: views
+            mixed, z = qkvz.split([self.conv_dim, self.value_dim], dim=-1)
+            b, a = ba.split([self.num_v_heads, self.num_v_heads], dim=-1)
+            return mixed, z.reshape(t, -1, dv), b, a
         r = self.num_v_heads // hk  # value heads per key head: each group is [q, k, v, z] / [b, a]
-        q, k, v, z = self.in_proj_qkvz(x).view(t, hk, -1).split([dk, dk, r * dv, r * dv], dim=-1)
-        b, a = self.in_proj_ba(x).view(t, hk, 2 * r).split([r, r], dim=-1)
+        q, k, v, z = qkvz.view(t, hk, -1).split([dk, dk, r * dv, r * dv], dim=-1)
+        b, a = ba.view(t, hk, 2 * r).split([r, r], dim=-1)
         mixed = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], dim=-1)
         return mixed, z.reshape(t, -1, dv), b.reshape(t, -1), a.reshape(t, -1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ctx = current_metadata()
+        if getattr(ctx, "state_decode", None) is not None and self.state is not None:
+            return self._forward_decode(x, ctx.state_decode)
         meta, st = getattr(ctx, "state", None), self.state
         if meta is None and hasattr(ctx, "batch"):  # whole sequences without a cache (drafter training)
             meta, st = self._stateless(ctx.batch, x)
@@ -143,6 +157,53 @@ class GatedDeltaNet(nn.Module):
         st.pending = _Pending(meta, conv_buffer, spec, backend, inputs) if spec else None
         out = self.norm(core.to(x.dtype), z)
         return self.out_proj(out.reshape(t, -1))
+
+    # ---- uniform decode / verify rows (CUDA graphs) ---------------------------------------------
+
+    def _forward_decode(self, x: torch.Tensor, sd: DecodeStateMetadata) -> torch.Tensor:
+        """N rows of q_len tokens: fixed shapes, slots as device tensors, no host work."""
+        return self.out_proj(self._decode_core(self.in_proj_qkvz(x), self.in_proj_ba(x), sd))
+
+    def forward_residual(self, h: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+        """Decode rows on the GPU: h += out_proj(mixer(norm(h))) with the norm folded into the two input
+        GEMMs and the residual add into the output GEMM (the decoder layer's fast path)."""
+        sd = current_metadata().state_decode
+        w, eps = norm.kernel_weight(), norm.eps
+        qkvz = skinny_linear(h, self.in_proj_qkvz.weight, norm_weight=w, eps=eps)
+        ba = skinny_linear(h, self.in_proj_ba.weight, norm_weight=w, eps=eps)
+        return skinny_linear(self._decode_core(qkvz, ba, sd), self.out_proj.weight, residual=h)
+
+    def _decode_core(self, qkvz: torch.Tensor, ba: torch.Tensor, sd: DecodeStateMetadata) -> torch.Tensor:
+        """Projected rows -> the gated, normed mixer output [T, value_dim] (before out_proj)."""
+        st, n, q, t = self.state, sd.num_rows, sd.q_len, qkvz.shape[0]
+        mixed, z, b, a = self._split(qkvz, ba)
+        mixed, b, a = mixed.reshape(n, q, -1), b.reshape(n, q, -1), a.reshape(n, q, -1)
+        write = None if sd.speculative else sd.write_slots
+        y = causal_conv_update(mixed, st.conv, sd.read_slots, self.conv1d.weight[:, 0, :], write_slots=write)
+        qh, kh, vh = y.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        qh = qh.reshape(n, q, self.num_k_heads, self.head_k_dim)
+        kh = kh.reshape(n, q, self.num_k_heads, self.head_k_dim)
+        vh = vh.reshape(n, q, self.num_v_heads, self.head_v_dim)
+        checkpoints = st.checkpoints[:n] if sd.speculative and st.checkpoints is not None else None
+        core = gdn_recurrent(qh, kh, vh, a, b, self.A_log, self.dt_bias, st.ssm, sd.read_slots,
+                             write_slots=write, checkpoints=checkpoints)
+        if sd.speculative:
+            sd.pending.append((self, (mixed, kh, vh, a, b)))
+        out = gated_rms_norm(core.reshape(t, self.num_v_heads, self.head_v_dim), z, self.norm.weight, self.norm.eps)
+        return out.reshape(t, -1)
+
+    def commit_decode(self, sd: DecodeStateMetadata, saved: tuple[torch.Tensor, ...], counts: torch.Tensor) -> None:
+        """Write each row's state after its first counts[row] verified tokens into its write slot."""
+        st = self.state
+        mixed, k, v, a, b = saved
+        causal_conv_update(mixed, st.conv, sd.read_slots, self.conv1d.weight[:, 0, :], counts=counts,
+                           write_slots=sd.write_slots, compute_output=False)
+        if st.checkpoints is not None:
+            rows = torch.arange(sd.num_rows, device=counts.device)
+            st.ssm[sd.write_slots] = st.checkpoints[rows, counts - 1]
+            return
+        gdn_recurrent(None, k, v, a, b, self.A_log, self.dt_bias, st.ssm, sd.read_slots, counts=counts,
+                      write_slots=sd.write_slots, compute_output=False)
 
     def _stateless(self, batch: int, x: torch.Tensor) -> tuple[StateMetadata, LayerState]:
         """`batch` equal-length rows, each from a zero state, in a throwaway state of `batch` slots."""
@@ -192,8 +253,8 @@ class GatedDeltaNet(nn.Module):
             if meta.speculative[b]:
                 keep = st.checkpoints is not None
                 out[sl], _, states = delta_rule.recurrent(qp[sl], kp[sl], vf[sl], g[sl], bf[sl], h0, keep_states=keep)
-                if keep:
-                    st.checkpoints[slot, :n] = states.to(st.checkpoints.dtype)
+                if keep:  # checkpoints are per row of the step (recurrent_state.py)
+                    st.checkpoints[b, :n] = states.to(st.checkpoints.dtype)
             else:
                 fn = delta_rule.recurrent if n <= RECURRENT_MAX_TOKENS else delta_rule.chunked
                 out[sl], final = fn(qp[sl], kp[sl], vf[sl], g[sl], bf[sl], h0)[:2]
@@ -243,7 +304,7 @@ class GatedDeltaNet(nn.Module):
         ends = torch.tensor(_state_rows(bases, committed, spec, width), device=dev)
         st.conv[slots] = pending.conv_buffer[ends].view(len(spec), width, -1).to(st.conv.dtype)
         if st.checkpoints is not None:
-            st.ssm[slots] = st.checkpoints[slots, torch.tensor(counts, device=dev) - 1]
+            st.ssm[slots] = st.checkpoints[torch.tensor(spec, device=dev), torch.tensor(counts, device=dev) - 1]
             return
         if pending.backend == "reference":
             self._replay_reference(meta, spec, counts, pending.inputs)
@@ -298,5 +359,5 @@ def _span_tokens(meta: StateMetadata, spans: list[int]) -> list[int]:
     return [meta.starts[b] + i for b in spans for i in range(meta.lengths[b])]
 
 
-def _checkpoint_rows(meta: StateMetadata, spans: list[int], per_slot: int) -> list[int]:
-    return [meta.slots[b] * per_slot + i for b in spans for i in range(meta.lengths[b])]
+def _checkpoint_rows(meta: StateMetadata, spans: list[int], per_row: int) -> list[int]:
+    return [b * per_row + i for b in spans for i in range(meta.lengths[b])]

@@ -17,6 +17,10 @@ from blockspec.kernels.skinny_linear import linear, skinny_linear
 FUSED_SHARDS = {
     "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
     "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    # Qwen3.5 Gated DeltaNet inputs: [qkv | z] and [b | a], each pair one GEMM (the packed Qwen3-Next
+    # checkpoints store these two fused tensors under the fused names already)
+    "in_proj_qkv": ("in_proj_qkvz", 0), "in_proj_z": ("in_proj_qkvz", 1),
+    "in_proj_b": ("in_proj_ba", 0), "in_proj_a": ("in_proj_ba", 1),
 }
 
 
@@ -42,13 +46,13 @@ class FusedLinear(Linear):
 def fused_attention_residual(h: torch.Tensor, norm: nn.Module, qkv_proj: nn.Linear, o_proj: nn.Linear,
                              attend: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """h += o_proj(attend(qkv_proj(norm(h)))); `attend` maps the fused q|k|v rows to attention output."""
-    qkv = skinny_linear(h, qkv_proj.weight, qkv_proj.bias, norm_weight=norm.weight, eps=norm.eps)
+    qkv = skinny_linear(h, qkv_proj.weight, qkv_proj.bias, norm_weight=norm.kernel_weight(), eps=norm.eps)
     return skinny_linear(attend(qkv), o_proj.weight, o_proj.bias, residual=h)
 
 
 def fused_swiglu_residual(h: torch.Tensor, norm: nn.Module, gate_up_proj: nn.Linear,
                           down_proj: nn.Linear) -> torch.Tensor:
     """h += down_proj(silu(gate) * up) with [gate; up] = gate_up_proj(norm(h))."""
-    act = skinny_linear(h, gate_up_proj.weight, gate_up_proj.bias, norm_weight=norm.weight, eps=norm.eps,
+    act = skinny_linear(h, gate_up_proj.weight, gate_up_proj.bias, norm_weight=norm.kernel_weight(), eps=norm.eps,
                         gated=True)
     return skinny_linear(act, down_proj.weight, down_proj.bias, residual=h)

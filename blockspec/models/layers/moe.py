@@ -6,26 +6,43 @@ says so) the k weights renormalised to sum to one. The experts live as two stack
 transformers 5 uses in memory; checkpoints that store one tensor per expert are copied into slices
 (`load_expert_weight`).
 
-Two ways to run the routed experts, picked per call by `experts_forward`:
+Three ways to run the routed experts, picked per call by `experts_forward`:
 - `experts_reference`: loop over the experts that received tokens. The oracle, and the CPU path.
 - `experts_grouped`: sort the (token, expert) pairs by expert and run both projections as one
   `torch._grouped_mm` each (CUTLASS grouped GEMM on Hopper). Only the experts that received tokens
-  are read, which is what makes batch-1 decode cost the *active* parameters.
+  are read, which is what makes batch-1 decode cost the *active* parameters. Prefill.
+- `experts_fused` (kernels/moe_grouped.py): Triton kernels for decode and verify steps (up to
+  FUSED_MAX_TOKENS tokens) with no host sync, so the routing runs inside CUDA graphs; `SparseMoeBlock`
+  then also routes with one kernel and folds a same-sized shared expert into the grouped launches.
 """
 
 from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from blockspec.errors import ConfigError
+from blockspec.kernels.moe_grouped import (
+    SharedWeights,
+    fused_supported,
+    moe_experts,
+    moe_route,
+    moe_route_align,
+    shared_foldable,
+)
+from blockspec.kernels.skinny_linear import skinny_linear
 from blockspec.models.layers.linear import Linear
 
-BACKENDS = ("auto", "reference", "grouped")
+BACKENDS = ("auto", "reference", "grouped", "fused")
+# "auto" takes the fused kernels up to this many tokens (decode and verify steps: (k + 1) x batch), above it
+# torch's grouped GEMM (prefill). The fused kernels tile 16 rows per expert, right while an expert sees few
+# tokens; bench/moe_kernels.py measures both paths per token count.
+FUSED_MAX_TOKENS = int(os.environ.get("BLOCKSPEC_MOE_FUSED_MAX_TOKENS", "256"))
 _EXPERT_NAME = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>gate|up|down)_proj\.weight$")
 
 
@@ -86,10 +103,27 @@ def grouped_supported(x: torch.Tensor) -> bool:
     return x.device.type == "cpu"
 
 
+def experts_fused(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
+                  ids: torch.Tensor) -> torch.Tensor:
+    """Same result as `experts_reference` through the graph-safe Triton kernels (kernels/moe_grouped.py)."""
+    return moe_experts(x, gate_up, down, weights, ids)
+
+
+def fused_applies(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, backend: str) -> bool:
+    """The fused kernels run for backend "fused", and for "auto" up to FUSED_MAX_TOKENS tokens (where Triton
+    runs: CUDA, or CPU under TRITON_INTERPRET=1, without grad)."""
+    if backend not in ("auto", "fused") or not fused_supported(x, gate_up, down):
+        return False
+    return backend == "fused" or x.shape[0] <= FUSED_MAX_TOKENS
+
+
 def experts_forward(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
                     ids: torch.Tensor, backend: str = "auto") -> torch.Tensor:
-    """Routed experts through the chosen backend (auto: grouped on CUDA when supported, else reference)."""
-    if backend == "auto":
+    """Routed experts through the chosen backend (auto: fused for few tokens, else grouped on CUDA when
+    supported, else reference)."""
+    if fused_applies(x, gate_up, down, backend):
+        return experts_fused(x, gate_up, down, weights, ids)
+    if backend in ("auto", "fused"):
         backend = "grouped" if x.device.type == "cuda" and grouped_supported(x) else "reference"
     if backend == "grouped":
         return experts_grouped(x, gate_up, down, weights, ids)
@@ -140,8 +174,17 @@ class SharedExpert(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+RouteFn = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
 class SparseMoeBlock(nn.Module):
-    """Router + routed experts (+ sigmoid-gated shared expert when `shared_intermediate_size` > 0)."""
+    """Router + routed experts (+ sigmoid-gated shared expert when `shared_intermediate_size` > 0).
+
+    Benchmark hooks: `route_override`, a callable router_logits [T, E] -> (weights [T, k], ids [T, k]) used
+    instead of `route` (it must be graph-safe where the block runs inside a CUDA graph); `record_routing`:
+    when True, `last_ids` holds the last step's expert ids (the device tensor, int32 on the fused path;
+    no host sync).
+    """
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int,
                  renormalize: bool, shared_intermediate_size: int = 0) -> None:
@@ -152,11 +195,53 @@ class SparseMoeBlock(nn.Module):
         self.experts = Experts(num_experts, hidden_size, intermediate_size)
         self.shared_expert = SharedExpert(hidden_size, shared_intermediate_size) if shared_intermediate_size else None
         self.shared_expert_gate = Linear(hidden_size, 1, bias=False) if shared_intermediate_size else None
+        self.route_override: RouteFn | None = None
+        self.record_routing = False
+        self.last_ids: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = route(self.gate(x), self.top_k, self.renormalize)
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        if fused_applies(x, self.experts.gate_up_proj, self.experts.down_proj, self.experts.backend):
+            return self._forward_fused(x).view(shape)
+        logits = self.gate(x)
+        if self.route_override is not None:
+            weights, ids = self.route_override(logits)
+        else:
+            weights, ids = route(logits, self.top_k, self.renormalize)
+        if self.record_routing:
+            self.last_ids = ids
         out = self.experts(x, weights, ids)
         if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out.view(shape)
+
+    def _folded_shared(self) -> SharedWeights | None:
+        """The shared expert's weights when it can ride in the routed launches as expert E."""
+        if self.shared_expert is None:
+            return None
+        se = self.shared_expert
+        shared = SharedWeights(se.gate_proj.weight, se.up_proj.weight, se.down_proj.weight)
+        return shared if shared_foldable(shared, self.experts.gate_up_proj, self.experts.down_proj) else None
+
+    def _forward_fused(self, x: torch.Tensor) -> torch.Tensor:
+        """Router GEMM, routing (top-k and the shared gate) + grouping by expert, gate_up, down, combine:
+        five launches for a small step (the routing and grouping share one), six for a large one."""
+        x = x if x.is_contiguous() else x.contiguous()
+        logits = skinny_linear(x, self.gate.weight)
+        shared = self._folded_shared()
+        shared_gate = self.shared_expert_gate.weight if shared is not None else None
+        layout = None
+        if self.route_override is None:
+            weights, ids, shared_w, layout = moe_route_align(logits, self.top_k, self.renormalize, x, shared_gate)
+        else:
+            weights, ids = self.route_override(logits)
+            shared_w = moe_route(logits, self.top_k, self.renormalize, x, shared_gate, topk=False)[2]
+        if self.record_routing:
+            self.last_ids = ids
+        out = moe_experts(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids, shared, shared_w,
+                          layout=layout)
+        if self.shared_expert is not None and shared is None:  # a differently sized shared expert: its own path
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
 

@@ -18,3 +18,7 @@ class RMSNorm(nn.Module):
         """norm(x), or with a residual: (norm(x + residual), x + residual)."""
         y, new_residual = rms_norm(x, self.weight, self.eps, residual)
         return y if residual is None else (y, new_residual)
+
+    def kernel_weight(self) -> torch.Tensor:
+        """The per-channel scale a GEMM with the norm folded in multiplies by (layers/linear.py)."""
+        return self.weight

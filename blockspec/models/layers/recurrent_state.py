@@ -14,6 +14,14 @@ the last accepted position afterwards, chosen with BLOCKSPEC_GDN_ROLLBACK:
 - "checkpoint": store the state after every position of the block (k + 1 states per sequence and
   layer) and copy the accepted one at commit.
 The convolution state needs neither: it is a window of the block's inputs, kept until commit.
+
+Each sequence owns a *pair* of physical slots (2i, 2i + 1) and `Sequence.state_slot` names the one
+holding its current state. The CUDA-graph decode path (runner/decode_step.py) reads that slot and
+writes the committed state into the other one, then the host flips `state_slot`: a pipelined step
+that is launched and then dropped (its sequence finished or the batch changed) has only written the
+spare slot, so nothing needs undoing. The general path reads and writes `state_slot` in place. One
+more pair past the sequences' is the scratch pair that padded rows of a decode batch point at.
+Checkpoints (checkpoint mode) are kept per row of a step, not per slot.
 """
 
 from __future__ import annotations
@@ -111,14 +119,29 @@ class StateMetadata:
         return self._cache[key]
 
 
+SLOTS_PER_SEQUENCE = 2  # the current state and the one a decode step commits into
+
+
+def physical_slots(max_num_seqs: int) -> int:
+    """State slots of a pool for `max_num_seqs` sequences: a pair each, plus the scratch pair."""
+    return SLOTS_PER_SEQUENCE * (max_num_seqs + 1)
+
+
+def scratch_slot(max_num_seqs: int) -> int:
+    """The first slot of the scratch pair (padded decode rows read it and write its partner)."""
+    return SLOTS_PER_SEQUENCE * max_num_seqs
+
+
 class LayerState:
-    """One Gated DeltaNet layer's state for `num_slots` sequences (plus checkpoints if kept)."""
+    """One Gated DeltaNet layer's state slots (pairs per sequence, see above) and per-row checkpoints."""
 
     def __init__(self, num_slots: int, conv_dim: int, conv_width: int, heads: int, key_dim: int, value_dim: int,
-                 dtype: torch.dtype, state_dtype: torch.dtype, device: torch.device, checkpoints: int) -> None:
+                 dtype: torch.dtype, state_dtype: torch.dtype, device: torch.device, checkpoints: int,
+                 checkpoint_rows: int | None = None) -> None:
         self.conv = torch.zeros(num_slots, conv_width, conv_dim, dtype=dtype, device=device)
         self.ssm = torch.zeros(num_slots, heads, key_dim, value_dim, dtype=state_dtype, device=device)
-        self.checkpoints = (torch.zeros(num_slots, checkpoints, heads, key_dim, value_dim, dtype=state_dtype,
+        rows = num_slots if checkpoint_rows is None else checkpoint_rows
+        self.checkpoints = (torch.zeros(rows, checkpoints, heads, key_dim, value_dim, dtype=state_dtype,
                                         device=device) if checkpoints else None)
         self.pending: Any = None  # what the last pass kept of its speculative spans, until commit
 
@@ -138,7 +161,8 @@ def state_dtype_of(name: str | None, dtype: torch.dtype) -> torch.dtype:
 
 
 def bytes_per_sequence(layers: list, dtype: torch.dtype, checkpoints: int) -> int:
-    """State bytes one sequence needs across `layers` (GatedDeltaNet modules), checkpoints included."""
+    """One sequence's state across `layers` (GatedDeltaNet modules): what a decode step reads, plus
+    `checkpoints` extra delta-rule states per layer (checkpoint mode)."""
     total = 0
     elem = torch.tensor([], dtype=dtype).element_size()
     for layer in layers:
@@ -146,3 +170,35 @@ def bytes_per_sequence(layers: list, dtype: torch.dtype, checkpoints: int) -> in
         matrix = layer.num_v_heads * layer.head_k_dim * layer.head_v_dim * sdt
         total += (layer.conv_kernel - 1) * layer.conv_dim * elem + matrix * (1 + checkpoints)
     return total
+
+
+def pool_bytes(layers: list, dtype: torch.dtype, checkpoints: int, max_num_seqs: int) -> int:
+    """The whole pool `allocate_state` makes: a slot pair per sequence and the scratch pair, plus
+    `checkpoints` states per layer for each of max_num_seqs rows."""
+    plain = bytes_per_sequence(layers, dtype, 0)
+    extra = bytes_per_sequence(layers, dtype, checkpoints) - plain
+    return physical_slots(max_num_seqs) * plain + max_num_seqs * extra
+
+
+@dataclass
+class DecodeStateMetadata:
+    """A uniform decode/verify batch on the CUDA-graph path: N rows of q_len tokens each.
+
+    read_slots: [N] the slot each row's state is read from; write_slots: [N] its pair partner, which
+    receives the committed state (during the pass when q_len == 1, at `commit_decode` otherwise).
+    Fixed shapes for a given (N, q_len), so the pass and its commit can be captured in CUDA graphs.
+    `pending` collects, per Gated DeltaNet layer, the verify block's inputs that the commit replays.
+    """
+
+    read_slots: torch.Tensor
+    write_slots: torch.Tensor
+    q_len: int
+    pending: list[tuple[Any, tuple[torch.Tensor, ...]]] = field(default_factory=list)
+
+    @property
+    def num_rows(self) -> int:
+        return self.read_slots.shape[0]
+
+    @property
+    def speculative(self) -> bool:
+        return self.q_len > 1

@@ -1,0 +1,315 @@
+"""Quantized linear layers: one packed in-memory layout per scheme, and the dequantize reference.
+
+Every checkpoint format (compressed-tensors, ModelOpt, GPTQ, AWQ, AutoRound) is converted at load time
+(blockspec/loader/quant/) into one of four layouts, so the kernels know exactly four. A weight of
+logical shape [N, K] (out, in):
+
+- "int4":  qweight uint8 [N, K/2], two unsigned nibbles per byte, element k even in the LOW nibble;
+           scales [N, K/G] model dtype; zeros uint8 [N, K/G] (unsigned; symmetric formats store 8; a
+           GPTQ v1 checkpoint whose zero point was 0 stores 16, its off-by-one kept as the format defines
+           it); w[n, k] = (q[n, k] - zeros[n, k // G]) * scales[n, k // G].
+- "int8":  qweight int8 [N, K]; scales [N, K/G] model dtype; zeros int8 [N, K/G] or None; w = (q - z) * s.
+- "fp8":   qweight float8_e4m3fn [N, K]; scales float32 [N, 1] (per channel, group_size 0; per-tensor
+           scales are expanded to it) or [ceil(N/128), ceil(K/128)] (128x128 blocks, group_size 128);
+           w = qweight.float() * scale, broadcast per row or per block.
+- "nvfp4": qweight uint8 [N, K/2] of E2M1 codes (bits s e1 e0 m; element k even in the LOW nibble);
+           scales float8_e4m3fn [N, K/16]; global_scale float32 scalar; w = e2m1 * scales.float() * global.
+
+Stacked MoE experts (`QuantExpertWeights`) hold the same tensors with a leading [E] dim (global_scale
+[E]). `perm` (int64 [K], or None): GPTQ act-order checkpoints are permuted at load so that group k // G
+holds column k; the layer then computes x[..., perm] @ W.T. `QuantLinear` has no `.weight`: code that
+reads a projection's weight directly must check `isinstance(proj, QuantLinear)` and call the module.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from blockspec.kernels._triton import use_triton
+from blockspec.kernels.skinny_linear import linear
+
+SCHEMES = ("int4", "int8", "fp8", "nvfp4")
+NVFP4_GROUP = 16
+FP8_BLOCK = 128
+# E2M1 magnitudes by the 3 low bits of a code; bit 3 is the sign.
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+_E2M1_TABLES: dict[torch.device, torch.Tensor] = {}
+
+
+# ---- packing helpers (shared with the loader's format converters) ---------------------------------
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., K/2] -> uint8 [..., K]: element 2i from the low nibble of byte i, 2i + 1 from the high."""
+    return torch.stack((packed & 0xF, packed >> 4), dim=-1).flatten(-2)
+
+
+def pack_nibbles(values: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., K] (each < 16) -> uint8 [..., K/2], the inverse of unpack_nibbles."""
+    v = values.to(torch.uint8)
+    return (v[..., 0::2] | (v[..., 1::2] << 4)).contiguous()
+
+
+def e2m1_table(device: torch.device) -> torch.Tensor:
+    """The 16 E2M1 code values as float32 (codes 8..15 are the negatives of 0..7)."""
+    table = _E2M1_TABLES.get(device)
+    if table is None:
+        pos = torch.tensor(E2M1_VALUES, dtype=torch.float32)
+        table = torch.cat([pos, -pos]).to(device)
+        _E2M1_TABLES[device] = table
+    return table
+
+
+def _per_group(t: torch.Tensor, group: int, k: int) -> torch.Tensor:
+    """[..., K/G] -> [..., K]: each group's value repeated over its G columns."""
+    return t.repeat_interleave(group, dim=-1)[..., :k]
+
+
+def dequantize(scheme: str, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+               global_scale: torch.Tensor | None, group_size: int, dtype: torch.dtype) -> torch.Tensor:
+    """The definition of every layout: [..., N, K] weights in `dtype` (computed in float32, rounded once)."""
+    if scheme == "int4":
+        q = unpack_nibbles(qweight).float()
+        k = q.shape[-1]
+        w = (q - _per_group(zeros.float(), group_size, k)) * _per_group(scales.float(), group_size, k)
+    elif scheme == "int8":
+        q = qweight.float()
+        k = q.shape[-1]
+        if zeros is not None:
+            q = q - _per_group(zeros.float(), group_size, k)
+        w = q * _per_group(scales.float(), group_size, k)
+    elif scheme == "fp8":
+        w = qweight.float()
+        n, k = w.shape[-2:]
+        s = scales.float()
+        if group_size:  # 128x128 blocks
+            s = s.repeat_interleave(FP8_BLOCK, dim=-2)[..., :n, :].repeat_interleave(FP8_BLOCK, dim=-1)[..., :k]
+        w = w * s
+    elif scheme == "nvfp4":
+        codes = unpack_nibbles(qweight).long()
+        e2m1 = e2m1_table(qweight.device)[codes]
+        k = e2m1.shape[-1]
+        w = e2m1 * _per_group(scales.float(), NVFP4_GROUP, k)
+        g = global_scale.float()
+        w = w * (g.reshape(*g.shape, 1, 1) if g.dim() else g)
+    else:
+        raise ValueError(f"unknown quantization scheme {scheme!r}")
+    return w.to(dtype)
+
+
+def layout_shapes(scheme: str, n: int, k: int, group_size: int, symmetric: bool
+                  ) -> dict[str, tuple[tuple[int, ...], torch.dtype | None] | None]:
+    """Shapes and dtypes (None: the model dtype) of each tensor of a layout; None for absent tensors."""
+    if scheme == "int4":
+        return {"qweight": ((n, k // 2), torch.uint8), "scales": ((n, k // group_size), None),
+                "zeros": ((n, k // group_size), torch.uint8), "global_scale": None}
+    if scheme == "int8":
+        return {"qweight": ((n, k), torch.int8), "scales": ((n, k // group_size), None),
+                "zeros": None if symmetric else ((n, k // group_size), torch.int8), "global_scale": None}
+    if scheme == "fp8":
+        scale = (n, 1) if not group_size else (math.ceil(n / FP8_BLOCK), math.ceil(k / FP8_BLOCK))
+        return {"qweight": ((n, k), torch.float8_e4m3fn), "scales": (scale, torch.float32), "zeros": None,
+                "global_scale": None}
+    if scheme == "nvfp4":
+        return {"qweight": ((n, k // 2), torch.uint8), "scales": ((n, k // NVFP4_GROUP), torch.float8_e4m3fn),
+                "zeros": None, "global_scale": ((), torch.float32)}
+    raise ValueError(f"unknown quantization scheme {scheme!r}")
+
+
+def check_shape(scheme: str, n: int, k: int, group_size: int) -> str | None:
+    """Why [N, K] cannot take this layout (None when it can)."""
+    if scheme in ("int4", "nvfp4") and k % 2:
+        return f"in_features {k} is odd (two 4-bit values per byte)"
+    if scheme in ("int4", "int8") and (group_size <= 0 or k % group_size):
+        return f"in_features {k} is not a multiple of the group size {group_size}"
+    if scheme == "nvfp4" and k % NVFP4_GROUP:
+        return f"in_features {k} is not a multiple of {NVFP4_GROUP}"
+    if scheme == "fp8" and group_size not in (0, FP8_BLOCK):
+        return f"fp8 scales are per channel or per {FP8_BLOCK}x{FP8_BLOCK} block, not group size {group_size}"
+    return None
+
+
+class _QuantTensors(nn.Module):
+    """The buffers of one layout (optionally with leading dims), filled shard by shard by the loader."""
+
+    def __init__(self, scheme: str, out_features: int, in_features: int, group_size: int, symmetric: bool,
+                 shard_sizes: list[int] | None, leading: tuple[int, ...], dtype: torch.dtype,
+                 device: torch.device | str | None) -> None:
+        super().__init__()
+        if scheme not in SCHEMES:
+            raise ValueError(f"unknown quantization scheme {scheme!r}")
+        problem = check_shape(scheme, out_features, in_features, group_size)
+        if problem:
+            raise ValueError(problem)
+        self.scheme = scheme
+        self.out_features, self.in_features = out_features, in_features
+        self.group_size = group_size
+        self.symmetric = symmetric
+        self.shard_sizes = list(shard_sizes) if shard_sizes else [out_features]
+        self.dtype = dtype  # the model dtype (scales of int layouts, dequantized output by default)
+        for name, spec in layout_shapes(scheme, out_features, in_features, group_size, symmetric).items():
+            if spec is None:
+                self.register_buffer(name, None)
+                continue
+            shape, tdtype = spec
+            self.register_buffer(name, torch.empty((*leading, *shape), dtype=tdtype or dtype, device=device))
+        self.register_buffer("perm", None)  # act-order input permutation (int64 [K]), set by the loader
+        self.init_dummy()
+
+    def shard_offset(self, index: int) -> int:
+        return sum(self.shard_sizes[:index])
+
+    @torch.no_grad()
+    def init_dummy(self) -> None:
+        """Finite random contents of the right magnitude (what --load-format dummy serves; loading overwrites)."""
+        gen_dev = self.qweight.device
+        if self.scheme in ("int4", "nvfp4"):
+            self.qweight.copy_(torch.randint(0, 256, self.qweight.shape, device=gen_dev, dtype=torch.int32))
+        elif self.scheme == "int8":
+            self.qweight.copy_(torch.randint(-128, 128, self.qweight.shape, device=gen_dev, dtype=torch.int32))
+        else:
+            self.qweight.copy_(torch.randn(self.qweight.shape, device=gen_dev).clamp(-3, 3))
+        scale = {"int4": 0.02 / 4, "int8": 0.02 / 64, "fp8": 0.02, "nvfp4": 0.02 / 3}[self.scheme]
+        self.scales.copy_(torch.full(self.scales.shape, scale, device=gen_dev))
+        if self.zeros is not None:
+            self.zeros.fill_(8 if self.scheme == "int4" else 0)
+        if self.global_scale is not None:
+            self.global_scale.fill_(1.0)
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The full-precision weights [..., N, K] (columns in permuted order when `perm` is set)."""
+        return dequantize(self.scheme, self.qweight, self.scales, self.zeros, self.global_scale, self.group_size,
+                          dtype or self.dtype)
+
+    def extra_repr(self) -> str:
+        return (f"{self.scheme}, in_features={self.in_features}, out_features={self.out_features}, "
+                f"group_size={self.group_size}")
+
+
+@functools.cache
+def _triton_quant_linear():
+    """The GPU kernel entry point `quant_linear(x, layer, *, residual=None)`, or None when not available."""
+    try:
+        from blockspec.kernels import quant_linear as kernels
+    except ImportError:
+        return None
+    return getattr(kernels, "quant_linear", None)
+
+
+def native_low_precision_supported(x: torch.Tensor, layer: QuantLinear) -> bool:
+    """Blackwell (sm100+) tensor cores run FP4 and FP8 GEMMs natively."""
+    return (x.is_cuda and layer.scheme in ("nvfp4", "fp8")
+            and torch.cuda.get_device_capability(x.device) >= (10, 0))
+
+
+class QuantLinear(_QuantTensors):
+    """A linear projection (or several fused ones: q|k|v, gate|up) stored in one quantized layout.
+
+    Attributes read by the kernels: scheme, qweight, scales, zeros, global_scale, group_size,
+    out_features, in_features, bias, perm (see the module docstring for each layout).
+    """
+
+    def __init__(self, scheme: str, in_features: int, out_features: int, group_size: int, *, bias: bool = False,
+                 symmetric: bool = True, shard_sizes: list[int] | None = None, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None) -> None:
+        dtype = dtype or torch.get_default_dtype()
+        super().__init__(scheme, out_features, in_features, group_size, symmetric, shard_sizes, (), dtype, device)
+        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device), requires_grad=False) \
+            if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.perm is not None:
+            x = x.index_select(-1, self.perm)
+        # ---- GPU dispatch point: the Triton kernel dequantizes in registers (blockspec/kernels/quant_linear.py).
+        if use_triton(x):
+            kernel = _triton_quant_linear()
+            if kernel is not None:
+                return kernel(x, self)
+        # ---- Blackwell dispatch point (not implemented): native FP4 / FP8 tensor-core GEMM with block
+        # scales would go here; until then Blackwell takes the Triton kernel above or the reference.
+        if native_low_precision_supported(x, self):
+            pass
+        return self.reference(x)
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        """Dequantize, then the same linear the unquantized layers run (x already permuted): the CPU path
+        and the kernels' oracle."""
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        return linear(x, self.dequantize(x.dtype), bias)
+
+
+class QuantExpertWeights(_QuantTensors):
+    """One stacked expert projection ([E, N, K] logically): gate|up (shards [I, I]) or down."""
+
+    def __init__(self, scheme: str, num_experts: int, in_features: int, out_features: int, group_size: int, *,
+                 symmetric: bool = True, shard_sizes: list[int] | None = None, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None) -> None:
+        dtype = dtype or torch.get_default_dtype()
+        self.num_experts = num_experts
+        super().__init__(scheme, out_features, in_features, group_size, symmetric, shard_sizes, (num_experts,),
+                         dtype, device)
+        self.bias = None
+
+    def expert(self, e: int, dtype: torch.dtype) -> torch.Tensor:
+        """Expert e's [N, K] weights (columns in permuted order when `perm` is set)."""
+        g = None if self.global_scale is None else self.global_scale[e]
+        return dequantize(self.scheme, self.qweight[e], self.scales[e], None if self.zeros is None else self.zeros[e],
+                          g, self.group_size, dtype)
+
+    def apply(self, x: torch.Tensor, e: int) -> torch.Tensor:
+        if self.perm is not None:
+            x = x.index_select(-1, self.perm[e])
+        return F.linear(x, self.expert(e, x.dtype))
+
+
+class QuantExperts(nn.Module):
+    """Quantized stand-in for models.layers.moe.Experts: the same forward(x, weights, ids), experts stacked
+    as `gate_up_proj` [E, 2I, H] and `down_proj` [E, H, I] in one layout each.
+
+    `forward` is the reference (loop over the experts that received tokens, dequantizing only those);
+    the grouped GPU path for quantized experts is not wired in yet.
+    """
+
+    def __init__(self, scheme: str, num_experts: int, hidden_size: int, intermediate_size: int, group_size: int,
+                 down_group_size: int, *, symmetric: bool = True, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.intermediate_size = intermediate_size
+        self.scheme = scheme
+        i = intermediate_size
+        self.gate_up_proj = QuantExpertWeights(scheme, num_experts, hidden_size, 2 * i, group_size,
+                                               symmetric=symmetric, shard_sizes=[i, i], dtype=dtype, device=device)
+        self.down_proj = QuantExpertWeights(scheme, num_experts, i, hidden_size, down_group_size,
+                                            symmetric=symmetric, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        for e in torch.unique(ids).tolist():
+            token, slot = torch.where(ids == e)
+            gate, up = self.gate_up_proj.apply(x[token], e).chunk(2, dim=-1)
+            y = self.down_proj.apply(F.silu(gate) * up, e) * weights[token, slot, None]
+            out.index_add_(0, token, y.to(out.dtype))
+        return out
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate_up [E, 2I, H], down [E, H, I]) in full precision, for checks and the unfused fallback.
+
+        Valid as is only without act-order permutations (perm is None), which MoE exports do not use."""
+        return self.gate_up_proj.dequantize(dtype), self.down_proj.dequantize(dtype)
+
+
+def quantized_tensor_bytes(module: nn.Module) -> int:
+    """Bytes held by the quantized layouts inside `module` (packed weights, scales, zeros, globals)."""
+    total = 0
+    for sub in module.modules():
+        if isinstance(sub, _QuantTensors):
+            for name in ("qweight", "scales", "zeros", "global_scale", "perm"):
+                t = getattr(sub, name, None)
+                if t is not None:
+                    total += t.numel() * t.element_size()
+    return total
