@@ -11,6 +11,10 @@ In one run, bf16, batch 1, medians of --runs runs after a warm-up:
     the z-lab loop with the same drafter weights, transformers static + compile; tau as measured.
 Prints a table last and writes gpu_decode.json under $OUT (or --out).
 
+Each engine's KV cache is a fixed --kv-cache-memory sized for its max_num_seqs full-length sequences (not
+a share of the card), and no engine outlives its measurements, so the defaults fit an 80 GB H100 as well
+as an H200 (GPU_UTIL=0.45 brings back the old utilisation-share sizing).
+
 Usage: python bench/gpu_decode.py --gguf SmolLM2-135M-Instruct.Q4_1.gguf [--draft DIR] [--tokens 128] [--runs 3]
 """
 
@@ -37,8 +41,15 @@ from blockspec.engine.sampling_params import SamplingParams
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # first_gpu.py sits beside this script
 from first_gpu import QWEN3_8B, copy_bandwidth, drafter_config, replay_ms, write_dir  # noqa: E402
 
+from blockspec.models.model_config import read_config_json  # noqa: E402
+
+MAX_NUM_SEQS = 4
+
 
 def free() -> None:
+    """Drop what the last measurement left: compiled graphs (transformers' static-cache compile keeps the
+    model and its CUDA-graph pools alive), unreachable engines, the allocator's cached blocks."""
+    torch.compiler.reset()
     gc.collect()
     torch.cuda.empty_cache()
 
@@ -115,12 +126,24 @@ def zlab_drafter(draft_dir: Path, random_weights: bool):
     return DFlashDraftModel.from_pretrained(draft_dir, dtype=torch.bfloat16).cuda().eval()
 
 
+def kv_memory(model_dir: Path, draft: Path | None, max_len: int) -> int:
+    """Bytes of K/V (bf16, target + drafter) for MAX_NUM_SEQS sequences of max_len, with verify room and 10%."""
+    import hybrid_parts
+
+    target = read_config_json(model_dir)
+    drafter = read_config_json(draft) if draft else None
+    return hybrid_parts.kv_cache_bytes(target, drafter, torch.bfloat16, MAX_NUM_SEQS, max_len)
+
+
 def engine(model_dir: Path, draft: Path | None, k: int, dummy: bool, max_len: int) -> Engine:
     spec = SpeculativeConfig(model=str(draft), num_speculative_tokens=k, load_format="dummy" if dummy else "auto") \
         if draft else SpeculativeConfig()
+    util = os.environ.get("GPU_UTIL")
+    memory = {"gpu_memory_utilization": float(util)} if util else {"kv_cache_memory": kv_memory(model_dir, draft,
+                                                                                                 max_len)}
     return Engine(EngineConfig(model=str(model_dir), device="cuda", dtype="bfloat16", max_model_len=max_len,
-                               max_num_seqs=4, load_format="dummy" if dummy else "auto", speculative=spec,
-                               gpu_memory_utilization=float(os.environ.get("GPU_UTIL", "0.45"))))
+                               max_num_seqs=MAX_NUM_SEQS, load_format="dummy" if dummy else "auto", speculative=spec,
+                               **memory))
 
 
 def eight_b(work: Path, smol: Path, bw: float, tokens: int, runs: int) -> dict:
@@ -143,7 +166,7 @@ def eight_b(work: Path, smol: Path, bw: float, tokens: int, runs: int) -> dict:
             prompt512 = prompt
             reference = {"syn": ar_tokens}  # the synthetic drafts below: the target's own greedy tokens
         eng.release()
-        del eng
+        del eng, ar_run  # the closure holds the engine: its weights and graph pools would outlive it
         free()
         spec = engine(q8, q8_draft, 15, True, 8192 + tokens + 64)
         run = ours(spec, prompt, tokens)
@@ -156,7 +179,7 @@ def eight_b(work: Path, smol: Path, bw: float, tokens: int, runs: int) -> dict:
         res[f"verify_graph_ms_ctx{ctx}"] = round(replay_ms(spec, "target"), 3)
         res[f"draft_graph_ms_ctx{ctx}"] = round(replay_ms(spec, "draft"), 3)
         spec.release()
-        del spec
+        del spec, run
         free()
     # Synthetic acceptance: drafts are the target's own greedy tokens, each right with probability 0.8.
     syn = engine(q8, None, 0, True, 4096)
@@ -176,7 +199,7 @@ def eight_b(work: Path, smol: Path, bw: float, tokens: int, runs: int) -> dict:
     res["synthetic_tau"] = round(run_syn.stats.tau, 2)
     res["synthetic_greedy_equals_ar"] = run_syn.tokens == reference["syn"]
     syn.release()
-    syn = None  # noqa: F841 (free it before the references load)
+    syn = None  # noqa: F841 (free it before the references load; run_syn reaches it only through this name)
     free()
     prompt = prompt512
     # References: transformers static cache + compile, and the z-lab loop at block size 1 (autoregressive).
@@ -207,17 +230,18 @@ def smollm2(smol: Path, draft: Path | None, bw: float, tokens: int, runs: int) -
     ar_run = ours(eng, prompt, tokens)
     res["blockspec_ar_tok_s"] = round(median_of(ar_run, runs)[0], 1)
     res["blockspec_ar_graph_ms"] = round(replay_ms(eng, "target"), 3)
+    ar_tokens = ar_run.tokens
     eng.release()
-    del eng
+    del eng, ar_run  # the closure holds the engine
     free()
     if draft is not None:
         spec = engine(smol, draft, 15, False, 4096)
         run = ours(spec, prompt, tokens)
         res["blockspec_dflash_tok_s"] = round(median_of(run, runs)[0], 1)
         res["blockspec_dflash_tau"] = round(run.stats.tau, 2)
-        res["dflash_greedy_equals_ar"] = run.tokens == ar_run.tokens
+        res["dflash_greedy_equals_ar"] = run.tokens == ar_tokens
         spec.release()
-        del spec
+        del spec, run
         free()
     hf = hf_model(smol, random_weights=False)
     if draft is not None:

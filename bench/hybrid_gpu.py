@@ -1,61 +1,61 @@
-"""Hybrid and MoE targets on the GPU (issue 6, point 6): random weights in the real shapes.
+"""Hybrid and MoE targets on the GPU through the Engine that `serve` builds (issue 6).
 
-Models: Qwen3.6-27B (dense Gated DeltaNet hybrid) and Qwen3.6-35B-A3B (MoE hybrid), built from the
-text_config values of their published config.json (CONFIGS below; Qwen3.6 ships the qwen3_5 /
-qwen3_5_moe architectures with the Qwen3.5 shapes). Nothing here is an assumed value except the
-context length of the measurement (--context, default 1024 tokens of random ids).
+Models (random bf16 weights in the shapes of the published config.json; CONFIGS below, ASSUMED says which
+values were not checked against the published file): Qwen3.5-4B and Qwen3.6-27B (dense Gated DeltaNet
+hybrids), Qwen3.6-35B-A3B (MoE hybrid), Qwen3-Coder-30B-A3B (qwen3_moe). Each is an Engine with
+load_format="dummy" and a random-weight DFlash drafter of the z-lab shape (5 layers of the target's width
+and heads, block size 16, context layers spread from 1 to L-3), batch 1, a 1024-token prompt, 128 new
+tokens, medians of 3 runs after a warm-up:
+  - AR (k = 0): decode tok/s and step ms, against the roofline = measured copy bandwidth / weight bytes
+    one token reads (dense + LM head + the top-k experts of each MoE layer; not the embedding table);
+  - k = 15 step (drafter pass + verify; the random drafter is rejected, so every step is a full block):
+    step ms and its multiple of the AR step;
+  - verify step alone: k = 15 with synthetic drafts (always wrong, so one token per step; these steps
+    are not pipelined, so the host's per-step time is in them);
+  - MoE: distinct experts per layer touched by a 16-token verify pass (read through the blocks'
+    record_routing hook; on the synthetic blocks, whose random tokens spread like a uniform router, and
+    on the random drafter's blocks, which repeat tokens), the verify roofline from those bytes (dense +
+    touched experts + LM head), and all of it again with a correlated router (--route-share s: each
+    token keeps s of the previous token's experts, through route_override; a uniform random router
+    spreads a block over more experts than a trained one);
+  - the 27B: aggregate decode tok/s at concurrency 1, 4, 16 (all requests at once, same prompt length).
+Checks: fla-core's delta rule vs the reference, grouped MoE vs the reference loop, and greedy output of
+the engine with CUDA graphs == with enforce_eager=True (a small hybrid and a small MoE, k = 0 and 15).
 
-In one run, bf16, batch 1:
-  checks  - fla-core's delta-rule kernels against the plain-PyTorch reference (real head shapes);
-          - grouped-GEMM MoE against the per-expert reference loop (256 experts, top-8, real sizes);
-          - a 4-layer hybrid with real head shapes through prefill, decode and verify+commit (both
-            rollback modes): fla backend vs reference backend logits.
-  per model (CUDA graph of the target forward; the state commit runs eagerly after it):
-          - AR step: 1 token, forward + logits + argmax -> tok/s, against the roofline
-            (measured copy bandwidth / bytes of the weights one token reads: for MoE the top-k experts);
-          - verify step, k in {7, 11, 15}: k + 1 tokens + commit, for both ways of rolling the
-            recurrent state back (replay: re-run the accepted tokens at commit; checkpoint: keep the
-            state after every position, copy at commit), committing all k + 1 (the dearest case);
-            reported as a multiple of the AR step;
-          - the AR step without graphs (eager), for scale.
-  MoE routing is random (a uniform router), so a (k+1)-token verify step reads more distinct experts
-  than real router statistics would make it read: the MoE verify ratios are an upper bound.
-
-Prints a table and writes hybrid_gpu.json to --out DIR (default $OUT, else bench/results).
+Each model runs in its own subprocess (an OOM or crash is recorded, the next model still runs); the
+KV cache is a fixed --kv-cache-memory sized from what the run needs, so the defaults fit an 80 GB H100
+(the 35B-A3B's weights are ~65 GiB) and an H200. Writes hybrid_gpu.json to --out (default $OUT, else
+bench/results) after every model and prints a table last.
 
 Usage (repository root, on the GPU machine):
-    python bench/hybrid_gpu.py [--models 27b,35b] [--context 1024] [--out DIR]
+    python bench/hybrid_gpu.py [--models 4b,27b,35b,coder30b] [--tokens 128] [--runs 3] [--out DIR]
 fla-core is not in the GPU image: carry its wheel (pure Python; Triton and einops are there):
     python -m pip download --no-deps -d .whl fla-core==0.6.0        # here, once
     pip install -q --no-index --no-deps --target /tmp/site .whl/fla_core-0.6.0-*.whl && \\
         PYTHONPATH=/tmp/site:. python bench/hybrid_gpu.py             # there
-The 35B-A3B needs ~65 GiB of weights: an H200 (or an H100 with little else on it).
+Anywhere, in seconds (tiny configs, the whole flow; tests/bench/test_hybrid_gpu_script.py runs it):
+    python bench/hybrid_gpu.py --device cpu --tiny --tokens 8 --runs 1 --context 32 --out /tmp/h
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
-import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from blockspec.engine.engine import build_module  # noqa: E402
-from blockspec.models.layers import delta_rule, delta_rule_fla  # noqa: E402
-from blockspec.models.layers.attention import AttentionMetadata, forward_context  # noqa: E402
-from blockspec.models.layers.moe import experts_grouped, experts_reference, route  # noqa: E402
-from blockspec.models.layers.recurrent_state import StateMetadata  # noqa: E402
-from blockspec.models.model_config import ModelConfig  # noqa: E402
-from blockspec.models.registry import model_class  # noqa: E402
-from blockspec.runner.model_runner import ModelRunner  # noqa: E402
+BENCH = Path(__file__).resolve().parent
+sys.path[:0] = [str(BENCH.parent), str(BENCH)]  # blockspec, and first_gpu / hybrid_parts beside this file
 
 HYBRID_TEXT = {
     "vocab_size": 248320, "head_dim": 256, "rms_norm_eps": 1e-6, "max_position_embeddings": 262144,
@@ -66,6 +66,11 @@ HYBRID_TEXT = {
                         "rope_theta": 10000000, "rope_type": "default"},
 }
 CONFIGS = {
+    "4b": {"name": "Qwen3.5-4B", "architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
+           "tie_word_embeddings": True,
+           "text_config": {**HYBRID_TEXT, "model_type": "qwen3_5_text", "tie_word_embeddings": True,
+                           "hidden_size": 2560, "num_hidden_layers": 32, "intermediate_size": 9216,
+                           "num_attention_heads": 16, "num_key_value_heads": 4, "linear_num_value_heads": 32}},
     "27b": {"name": "Qwen3.6-27B", "architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
             "text_config": {**HYBRID_TEXT, "model_type": "qwen3_5_text", "hidden_size": 5120, "num_hidden_layers": 64,
                             "intermediate_size": 17408, "num_attention_heads": 24, "num_key_value_heads": 4,
@@ -76,206 +81,112 @@ CONFIGS = {
                             "num_hidden_layers": 40, "num_attention_heads": 16, "num_key_value_heads": 2,
                             "linear_num_value_heads": 32, "num_experts": 256, "num_experts_per_tok": 8,
                             "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512}},
+    "coder30b": {"name": "Qwen3-Coder-30B-A3B", "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+                 "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 48,
+                 "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128,
+                 "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": True,
+                 "decoder_sparse_step": 1, "mlp_only_layers": [], "rope_theta": 10000000,
+                 "max_position_embeddings": 262144, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+                 "attention_bias": False, "hidden_act": "silu", "torch_dtype": "bfloat16"},
 }
-KS = (7, 11, 15)
-DTYPE = torch.bfloat16
-DEV = torch.device("cuda")
+ASSUMED = {
+    "4b": ["hidden 2560, 32 layers, 16/4 heads x 256, vocab 248320 match the published card; intermediate_size "
+           "9216, linear heads 16 key / 32 value x 128 and tie_word_embeddings true are the issue's values, not "
+           "checked against the file here", "rope, norm eps, max_position_embeddings: as the 27B (HYBRID_TEXT)"],
+    "27b": [], "35b": [],
+    "coder30b": ["intermediate_size 6144 is in the published file but unused (every layer is sparse)"],
+}
+MASK_TOKEN = {"4b": 248070, "27b": 248070, "35b": 248070, "coder30b": 151669}  # a reserved id of each vocabulary
+# Pass marks from the issue: AR fraction of its roofline, k15 step / AR step, verify fraction (touched bytes).
+TARGETS = {"27b": {"ar_fraction": 0.85, "k15_over_ar": 1.35}, "4b": {"ar_fraction": 0.75},
+           "35b": {"ar_fraction": 0.60, "verify_fraction": 0.60},
+           "coder30b": {"ar_fraction": 0.60, "verify_fraction": 0.60}}
+ORDER = ("4b", "coder30b", "35b", "27b")
+ROUTING_TOKENS = 48  # new tokens of the request whose verify passes are counted (blocks shrink near the end)
+# Reduced shapes: tiny for the CPU flow, small (real head shapes) for the graphs-vs-eager check on a GPU.
+TINY = dict(hidden_size=64, num_hidden_layers=4, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+            linear_value_head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+            shared_expert_intermediate_size=32, vocab_size=512)
+SMALL = dict(hidden_size=1024, num_hidden_layers=4, intermediate_size=2048, num_attention_heads=8,
+             num_key_value_heads=2, num_experts=32, num_experts_per_tok=8, moe_intermediate_size=256,
+             shared_expert_intermediate_size=256, vocab_size=4096)
 
 
-# ---- timing -----------------------------------------------------------------------------------
+def scaled(cfg: dict[str, Any], dims: dict[str, Any]) -> dict[str, Any]:
+    """cfg with the fields it has replaced by dims (the text_config's for VLM wrappers)."""
+    out = json.loads(json.dumps(cfg))
+    body = out.get("text_config", out)
+    body.update({k: v for k, v in dims.items() if k in body})
+    return out
 
-def timed(fn, iters: int = 20, warmup: int = 3) -> float:
-    """Median seconds of fn() (CUDA events around each call)."""
-    for _ in range(warmup):
+
+def model_config(key: str, tiny: bool) -> dict[str, Any]:
+    return scaled(CONFIGS[key], TINY) if tiny else CONFIGS[key]
+
+
+def mask_token(key: str, tiny: bool) -> int:
+    return TINY["vocab_size"] - 2 if tiny else MASK_TOKEN[key]
+
+
+# ---- environment and kernel checks ------------------------------------------------------------
+
+
+def copy_bandwidth(device: str) -> float:
+    """Bytes read + written per second by a device-to-device copy."""
+    import torch
+
+    if device == "cuda":
+        from first_gpu import copy_bandwidth as cuda_copy
+
+        return cuda_copy()
+    a = torch.empty(1 << 26, dtype=torch.uint8)
+    b = torch.empty_like(a)
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        b.copy_(a)
+        times.append(time.perf_counter() - t0)
+    return 2 * a.numel() / statistics.median(times)
+
+
+def timed(fn: Callable[[], Any], device: str, iters: int = 10) -> float:
+    """Median seconds of fn() after two warm-up calls."""
+    import torch
+
+    def sync() -> None:
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    for _ in range(2):
         fn()
     times = []
     for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+        sync()
+        t0 = time.perf_counter()
         fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1000)
+        sync()
+        times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
 
-def copy_bandwidth() -> float:
-    """Device-to-device copy, bytes read + written per second."""
-    a = torch.empty(1 << 30, dtype=torch.uint8, device=DEV)
-    b = torch.empty_like(a)
-    return 2 * a.numel() / timed(lambda: b.copy_(a), iters=10)
-
-
-def capture(fn):
-    """A CUDA graph of fn (warmed up on a side stream); returns (replay, the graph's outputs)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    return graph.replay, out
-
-
-def graph_or_eager(fn, notes: list[str]):
-    """fn's CUDA graph replay, or fn itself when capture fails (the failure goes into notes)."""
-    try:
-        return capture(fn)[0], "graph"
-    except Exception as exc:
-        notes.append(f"graph capture failed, timed eagerly: {type(exc).__name__}: {exc}"[:300])
-        torch.cuda.synchronize()
-        fn()
-        return fn, "eager"
-
-
-# ---- model ------------------------------------------------------------------------------------
-
-def init_random_(model: torch.nn.Module, seed: int = 0) -> None:
-    """Random weights that keep activations in range: N(0, 0.02) matrices, near-identity norms."""
-    gen = torch.Generator(device=DEV).manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("A_log"):
-                p.copy_(torch.empty(p.shape, device=DEV).uniform_(1, 16, generator=gen).log())
-            elif name.endswith("dt_bias"):
-                p.fill_(1.0)
-            elif "linear_attn.norm" in name:
-                p.fill_(1.0)  # scale = weight
-            elif "norm" in name:
-                p.zero_()  # zero-centred: scale = 1 + weight
-            else:
-                p.normal_(0.0, 0.02, generator=gen)
-
-
-def build(key: str, context: int):
-    cfg = ModelConfig.from_dict(CONFIGS[key])
-    cls = model_class(cfg)
-    model = build_module(lambda: cls(cfg, max_positions=context + 64), DEV, DTYPE)
-    init_random_(model)
-    runner = ModelRunner(model, None, DEV, DTYPE, block_size=16)
-    runner.allocate_kv_cache(-(-(context + 32) // 16))
-    return cfg, model, runner
-
-
-def weight_bytes(model, cfg: ModelConfig) -> tuple[int, int]:
-    """(resident weight bytes, bytes one batch-1 decode token reads: one embedding row, top-k experts)."""
-    total = active = 0
-    for name, p in model.named_parameters():
-        n = p.numel() * p.element_size()
-        total += n
-        if name.endswith("embed_tokens.weight") and not cfg.tie_word_embeddings:
-            n = p.shape[1] * p.element_size()
-        elif ".experts." in name:
-            n = n * cfg.moe.top_k // cfg.moe.num_experts
-        active += n
-    return total, active
-
-
-def step_metadata(start: int, q: int, speculative: bool) -> AttentionMetadata:
-    """One sequence whose block table is the identity (slot = position), q new tokens at `start`."""
-    ar = torch.arange(start + q, device=DEV)
-    qpos = ar[start:]
-    meta = AttentionMetadata(slot_mapping=qpos.clone(), query_index=torch.arange(q, device=DEV)[None],
-                             query_unpad=torch.arange(q, device=DEV), kv_slots=ar[None],
-                             mask=(ar[None, :] <= qpos[:, None])[None, None])
-    meta.state = StateMetadata(starts=[0], lengths=[q], slots=[0], has_state=[start > 0], speculative=[speculative],
-                               device=DEV)
-    return meta
-
-
-class _Slot0:
-    state_slot = 0
-
-
-def measure_model(key: str, context: int, bandwidth: float) -> dict:
-    t0 = time.perf_counter()
-    cfg, model, runner = build(key, context)
-    total, active = weight_bytes(model, cfg)
-    layers = model.state_layers
-    res = {"model": CONFIGS[key]["name"], "config": CONFIGS[key]["text_config"], "context": context,
-           "weight_bytes": total, "active_bytes_per_token": active, "build_s": round(time.perf_counter() - t0, 1)}
-    state_seq = model.state_bytes_per_seq(0)
-    kv_token = sum(2 * a.num_kv_heads * a.head_dim * 2 for a in model.attention_layers)
-    res["state_bytes_per_seq"] = state_seq
-    res["kv_bytes_read_per_step"] = kv_token * context
-    res["roofline_tok_s"] = bandwidth / active
-    res["roofline_with_state_kv_tok_s"] = bandwidth / (active + 2 * state_seq + kv_token * context)
-
-    gen = torch.Generator(device=DEV).manual_seed(1)
-    tokens = torch.randint(0, cfg.vocab_size, (context + 16,), device=DEV, generator=gen)
-
-    def run(meta, toks, pos):
-        with forward_context(meta):
-            hidden, _ = model(toks, pos)
-        return model.compute_logits(hidden).argmax(-1)
-
-    with torch.inference_mode():
-        model.allocate_state(1)
-        t = time.perf_counter()
-        run(step_metadata(0, context, False), tokens[:context], torch.arange(context, device=DEV))
-        torch.cuda.synchronize()
-        res["prefill_s"] = round(time.perf_counter() - t, 3)  # includes Triton compilation on first use
-
-        ar_meta, ar_pos = step_metadata(context, 1, False), torch.arange(context, context + 1, device=DEV)
-
-        def ar_fn():
-            return run(ar_meta, tokens[context:context + 1], ar_pos)
-
-        notes = res["notes"] = []
-        res["ar_eager_s"] = timed(ar_fn)
-        replay, how = graph_or_eager(ar_fn, notes)
-        res["ar_timing"] = how
-        res["ar_graph_s"] = timed(replay)
-        res["ar_tok_s"] = 1 / res["ar_graph_s"]
-        res["ar_fraction_of_roofline"] = res["ar_tok_s"] / res["roofline_tok_s"]
-        res["verify"] = {}
-        for mode in ("replay", "checkpoint"):
-            saved = {layer: layer.state for layer in layers}
-            model.allocate_state(1, checkpoints=16 if mode == "checkpoint" else 0)
-            for layer in layers:  # continue from the prefilled state
-                layer.state.conv.copy_(saved[layer].conv)
-                layer.state.ssm.copy_(saved[layer].ssm)
-            for k in KS:
-                q = k + 1
-                meta = step_metadata(context, q, True)
-                toks, pos = tokens[context:context + q], torch.arange(context, context + q, device=DEV)
-                try:
-                    replay, how = graph_or_eager(lambda meta=meta, toks=toks, pos=pos: run(meta, toks, pos), notes)
-                    pending = {layer: layer.state.pending for layer in layers}
-
-                    def commit(pending=pending, q=q):
-                        for layer in layers:
-                            layer.state.pending = pending[layer]
-                        model.commit_state([_Slot0()], [q])
-
-                    fwd = timed(replay)
-                    step = timed(lambda replay=replay, commit=commit: (replay(), commit()))
-                    res["verify"][f"{mode}_k{k}"] = {
-                        "timing": how, "forward_s": fwd, "commit_s": timed(commit), "step_s": step,
-                        "ratio_to_ar": step / res["ar_graph_s"], "forward_ratio_to_ar": fwd / res["ar_graph_s"]}
-                except Exception as exc:  # keep the other measurements
-                    res["verify"][f"{mode}_k{k}"] = {"error": f"{type(exc).__name__}: {exc}"[:400]}
-            model.allocate_state(1)
-    return res
-
-
-# ---- checks -----------------------------------------------------------------------------------
-
-def check_delta_rule() -> dict:
+def check_delta_rule() -> dict[str, Any]:
     """fla vs reference at real head shapes (Hk 16, Hv 48, d 128), fp32 inputs, ragged spans."""
-    out = {}
+    import torch
+
+    from blockspec.models.layers import delta_rule, delta_rule_fla
+
+    dev = torch.device("cuda")
+    out: dict[str, Any] = {}
     lengths = [1, 16, 300]
-    gen = torch.Generator(device=DEV).manual_seed(0)
+    gen = torch.Generator(device=dev).manual_seed(0)
     t = sum(lengths)
-    q, k = (torch.randn(t, 16, 128, device=DEV, generator=gen) for _ in range(2))
-    v = torch.randn(t, 48, 128, device=DEV, generator=gen)
-    g = -torch.rand(t, 48, device=DEV, generator=gen) * 0.5
-    beta = torch.rand(t, 48, device=DEV, generator=gen)
-    s0 = torch.randn(3, 48, 128, 128, device=DEV, generator=gen) * 0.05
-    cu = torch.tensor([0, 1, 17, t], device=DEV)
+    q, k = (torch.randn(t, 16, 128, device=dev, generator=gen) for _ in range(2))
+    v = torch.randn(t, 48, 128, device=dev, generator=gen)
+    g = -torch.rand(t, 48, device=dev, generator=gen) * 0.5
+    beta = torch.rand(t, 48, device=dev, generator=gen)
+    s0 = torch.randn(3, 48, 128, 128, device=dev, generator=gen) * 0.05
+    cu = torch.tensor([0, 1, 17, t], device=dev)
     for longest in (16, 300):  # recurrent kernel on the short spans only / chunk kernel for all
         idx = [0, 1] if longest == 16 else [0, 1, 2]
         o, final = delta_rule_fla.run(q, k, v, g, beta, s0[idx], cu[:len(idx) + 1], longest)
@@ -288,7 +199,7 @@ def check_delta_rule() -> dict:
             err_s = max(err_s, (final[i] - s_n).abs().max().item() / s_n.abs().max().item())
         out["recurrent_kernel" if longest == 16 else "chunk_kernel"] = {"max_rel_err_out": err_o,
                                                                          "max_rel_err_state": err_s}
-    layout = [torch.tensor(x, device=DEV) for x in delta_rule_fla.prefix_layout([16])]
+    layout = [torch.tensor(x, device=dev) for x in delta_rule_fla.prefix_layout([16])]
     states = delta_rule_fla.prefix_states(k[1:17], v[1:17], g[1:17], beta[1:17], s0[1:2], *layout)
     qp, kp = delta_rule.prepare_qk(q[1:17], k[1:17], 48)
     _, _, want = delta_rule.recurrent(qp, kp, v[1:17], g[1:17], beta[1:17], s0[1], keep_states=True)
@@ -296,63 +207,36 @@ def check_delta_rule() -> dict:
     return out
 
 
-def check_moe() -> dict:
-    """Grouped GEMM vs the reference loop, 256 experts, top-8, H 2048, I 512, bf16; and their times."""
-    gen = torch.Generator(device=DEV).manual_seed(0)
-    gate_up = torch.randn(256, 1024, 2048, device=DEV, dtype=DTYPE, generator=gen) * 0.02
-    down = torch.randn(256, 2048, 512, device=DEV, dtype=DTYPE, generator=gen) * 0.02
-    router = torch.randn(256, 2048, device=DEV, dtype=DTYPE, generator=gen) * 0.02
+def check_moe(device: str, tiny: bool) -> dict[str, Any]:
+    """Grouped GEMM vs the reference loop (35B-A3B sizes: 256 experts, top-8, H 2048, I 512) and its time."""
+    import torch
+
+    from blockspec.models.layers.moe import experts_grouped, experts_reference, grouped_supported, route
+
+    e, h, i, top = (8, 64, 32, 2) if tiny else (256, 2048, 512, 8)
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, device=device, dtype=dtype, generator=gen)
+
+    gate_up, down, router = randn(e, 2 * i, h) * 0.02, randn(e, h, i) * 0.02, randn(e, h) * 0.02
+    if not grouped_supported(gate_up):
+        return {"skipped": "torch._grouped_mm does not support this device/dtype"}
     out = {}
     for t in (1, 16, 512):
-        x = torch.randn(t, 2048, device=DEV, dtype=DTYPE, generator=gen)
-        w, ids = route(x @ router.t(), 8, True)
+        x = randn(t, h)
+        w, ids = route(x @ router.t(), top, True)
         ref = experts_reference(x, gate_up, down, w, ids)
         got = experts_grouped(x, gate_up, down, w, ids)
         out[f"tokens_{t}"] = {
             "max_rel_err": ((got.float() - ref.float()).abs().max() / ref.float().abs().max()).item(),
             "distinct_experts": ids.unique().numel(),
-            "grouped_s": timed(lambda x=x, w=w, ids=ids: experts_grouped(x, gate_up, down, w, ids)),
-            "reference_s": timed(lambda x=x, w=w, ids=ids: experts_reference(x, gate_up, down, w, ids), iters=5),
-        }
+            "grouped_ms": 1000 * timed(lambda x=x, w=w, ids=ids: experts_grouped(x, gate_up, down, w, ids), device)}
     return out
 
 
-def check_hybrid_layers() -> dict:
-    """4 layers with real head shapes (27B's): fla vs reference backend through the paged runner path."""
-    cfg = dict(CONFIGS["27b"])
-    cfg["text_config"] = {**cfg["text_config"], "num_hidden_layers": 4, "hidden_size": 1024,
-                          "intermediate_size": 2048, "vocab_size": 4096}
-    mcfg = ModelConfig.from_dict(cfg)
-    model = build_module(lambda: model_class(mcfg)(mcfg, max_positions=512), DEV, DTYPE)
-    init_random_(model, seed=3)
-    runner = ModelRunner(model, None, DEV, DTYPE, block_size=16)
-    runner.allocate_kv_cache(32)
-    gen = torch.Generator(device=DEV).manual_seed(2)
-    tokens = torch.randint(0, 4096, (300,), device=DEV, generator=gen)
-    result = {}
-    for mode in ("replay", "checkpoint"):
-        logits = {}
-        for backend in ("reference", "fla"):
-            os.environ["BLOCKSPEC_GDN_BACKEND"] = backend
-            model.allocate_state(1, checkpoints=16 if mode == "checkpoint" else 0)
-            outs, pos = [], 0
-            with torch.inference_mode():
-                for q, spec, commit in [(200, False, 200), (1, False, 1), (16, True, 5), (8, True, 8), (16, True, 1)]:
-                    meta = step_metadata(pos, q, spec)
-                    with forward_context(meta):
-                        hidden, _ = model(tokens[pos:pos + q], torch.arange(pos, pos + q, device=DEV))
-                    outs.append(model.compute_logits(hidden[:commit]).float())
-                    model.commit_state([_Slot0()], [q if not spec else commit])
-                    pos += commit
-            logits[backend] = torch.cat(outs)
-        ref, got = logits["reference"], logits["fla"]
-        result[mode] = {"max_abs_err": (got - ref).abs().max().item(), "logit_scale": ref.abs().max().item(),
-                        "argmax_agreement": (got.argmax(-1) == ref.argmax(-1)).float().mean().item()}
-    os.environ.pop("BLOCKSPEC_GDN_BACKEND", None)
-    return result
-
-
-def attempt(fn) -> dict:
+def attempt(fn: Callable[[], Any]) -> Any:
     try:
         return fn()
     except Exception as exc:
@@ -360,70 +244,415 @@ def attempt(fn) -> dict:
         return {"error": f"{type(exc).__name__}: {exc}"[:600]}
 
 
-# ---- report -----------------------------------------------------------------------------------
+def task_env(args: argparse.Namespace) -> dict[str, Any]:
+    """Device, versions, copy bandwidth, memory, and the kernel oracle checks."""
+    import torch
 
-def table(results: dict) -> str:
-    lines = [f"device {results['device']}, copy bandwidth {results['copy_bandwidth_GBps']:.0f} GB/s, "
-             f"fla-core {results['fla_version']}, bf16, batch 1"]
+    from blockspec.models.layers import delta_rule_fla
+
+    res: dict[str, Any] = {"torch": torch.__version__, "fla_available": delta_rule_fla.available()}
+    try:
+        import triton
+
+        res["triton"] = triton.__version__
+    except ImportError:
+        res["triton"] = None
+    if res["fla_available"]:
+        import fla
+
+        res["fla"] = getattr(fla, "__version__", "?")
+    if args.device == "cuda":
+        free, total = torch.cuda.mem_get_info()
+        res.update(device=torch.cuda.get_device_name(), gpu_total_bytes=total, gpu_free_bytes=free)
+    else:
+        res["device"] = "cpu"
+    res["copy_bandwidth_GBps"] = copy_bandwidth(args.device) / 1e9
+    res["checks"] = {"moe_grouped_vs_reference": attempt(lambda: check_moe(args.device, args.tiny))}
+    if args.device == "cuda" and res["fla_available"]:
+        res["checks"]["delta_rule_fla_vs_reference"] = attempt(check_delta_rule)
+    else:
+        res["checks"]["delta_rule_fla_vs_reference"] = {"skipped": "needs CUDA and fla-core (see --help)"}
+    return res
+
+
+# ---- graphs vs eager --------------------------------------------------------------------------
+
+
+def task_equality(args: argparse.Namespace) -> dict[str, Any]:
+    """Greedy tokens with CUDA graphs == with enforce_eager=True, for a small hybrid and a small MoE."""
+    import hybrid_parts as hp
+
+    dims = TINY if args.device == "cpu" else SMALL
+    work = args.work
+    out: dict[str, Any] = {"tokens": 12 if args.tiny else 24, "prompt": 40, "dims": dims}
+    if args.device == "cpu":
+        out["note"] = "CPU: no CUDA graphs, both engines run eagerly (the flow is checked, not the graphs)"
+    for key in ("27b", "35b", "coder30b"):  # dense hybrid, MoE hybrid, MoE
+        cfg = scaled(CONFIGS[key], dims)
+        draft, _ = hp.drafter_config(cfg, dims["vocab_size"] - 2, layers=2)
+        model_dir = hp.write_model_dir(work / key, cfg)
+        draft_dir = hp.write_model_dir(work / f"{key}-draft", draft, tokenizer=False)
+        prompt = hp.random_prompts(1, out["prompt"], dims["vocab_size"], seed=3)[0]
+        tokens: dict[str, list[int]] = {}
+        for eager in (False, True):
+            engine = hp.build_engine(model_dir, draft_dir, 15, args.device, args.dtype, 128, 1, 64 * hp.MIB, None,
+                                     enforce_eager=eager)
+            for k in (15, 0):
+                engine.set_num_speculative_tokens(k)
+                tokens[f"k{k}_{'eager' if eager else 'graphs'}"] = \
+                    engine.generate([prompt], hp.greedy(out["tokens"]))[0].token_ids
+            engine.release()
+            del engine
+        out[key] = {f"k{k}_equal": tokens[f"k{k}_graphs"] == tokens[f"k{k}_eager"] for k in (0, 15)}
+    return out
+
+
+# ---- one model --------------------------------------------------------------------------------
+
+
+def task_model(args: argparse.Namespace, key: str, res: dict[str, Any], save: Callable[[dict[str, Any]], None]) -> None:
+    """Everything measured on one model, from one engine (k switched with set_num_speculative_tokens), into res."""
+    import hybrid_parts as hp
+    import torch
+
+    cfg = model_config(key, args.tiny)
+    draft, draft_assumed = hp.drafter_config(cfg, mask_token(key, args.tiny), layers=2 if args.tiny else 5)
+    dtype = hp.torch_dtype(args.dtype)
+    res.update(key=key, model=CONFIGS[key]["name"] + (" (tiny)" if args.tiny else ""), config=cfg,
+               assumed=ASSUMED[key] + draft_assumed, drafter_config=draft)
+    concurrency = [c for c in args.concurrency if c > 1] if key in args.concurrency_models else []
+    max_num_seqs = max([1, *concurrency])
+    max_len = args.context + max(args.tokens, ROUTING_TOKENS) + 64
+    weights = hp.param_bytes_estimate(cfg, draft, dtype)
+    res["weights_estimate_bytes"] = weights
+    if args.device == "cuda":
+        free = torch.cuda.mem_get_info()[0]
+        res["gpu_free_bytes_at_start"] = free
+        if weights + args.headroom_gib * (1 << 30) > free and not args.force:
+            res["skipped"] = (f"needs ~{weights / 2**30:.1f} GiB of weights + {args.headroom_gib} GiB headroom, "
+                              f"{free / 2**30:.1f} GiB free (--force tries anyway)")
+            return
+    kv = args.kv_cache_memory or hp.kv_cache_bytes(cfg, draft, dtype, max_num_seqs, max_len)
+    res["settings"] = {"max_model_len": max_len, "max_num_seqs": max_num_seqs, "kv_cache_memory": kv,
+                       "gpu_memory_utilization": args.gpu_memory_utilization, "enforce_eager": args.enforce_eager}
+    work = args.work
+    model_dir = hp.write_model_dir(work / key, cfg)
+    draft_dir = hp.write_model_dir(work / f"{key}-draft", draft, tokenizer=False)
+    t0 = time.perf_counter()
+    engine = hp.build_engine(model_dir, draft_dir, 15, args.device, args.dtype, max_len, max_num_seqs,
+                             None if args.gpu_memory_utilization else kv, args.gpu_memory_utilization,
+                             args.enforce_eager)
+    res["build_s"] = round(time.perf_counter() - t0, 1)
+    res["decode_fast_path"] = getattr(engine.runner, "decode", None) is not None  # informational
+    split = hp.weight_split(engine.runner.target)
+    res["bytes"] = split
+    drafter = getattr(engine.runner, "drafter", None)
+    res["drafter_weight_bytes"] = sum(p.numel() * p.element_size() for p in drafter.parameters()) if drafter else None
+    res["kv_bytes_per_token"] = engine.model_config.kv_bytes_per_token  # bf16; read per step: x context
+    state = getattr(engine.runner.target, "state_bytes_per_seq", None)
+    res["state_bytes_per_seq"] = state(0) if state else 0
+    bandwidth = args.bandwidth_GBps * 1e9
+    res["ar_bytes_per_token"] = hp.step_bytes(split)
+    res["roofline_tok_s"] = bandwidth / res["ar_bytes_per_token"]
+    # For scale: the same with the K/V a token reads at this context and its recurrent state read + written.
+    with_state = res["ar_bytes_per_token"] + res["kv_bytes_per_token"] * args.context + 2 * res["state_bytes_per_seq"]
+    res["roofline_with_kv_state_tok_s"] = bandwidth / with_state
+    prompt = hp.random_prompts(1, args.context, engine.model_config.vocab_size)[0]
+    short = min(args.tokens, 32)
+    routing_tokens = 24 if args.tiny else ROUTING_TOKENS
+
+    def request() -> dict[str, Any]:
+        return hp.one_request(engine, prompt, args.tokens)
+
+    def warmup() -> dict[str, Any]:
+        return hp.one_request(engine, prompt, short)
+
+    def touched(mode: str) -> dict[str, Any]:
+        """Distinct experts per layer in 16-token verify passes, and their bytes."""
+        out = hp.distinct_experts(engine, prompt, routing_tokens, 16)
+        if "per_layer" in out:
+            out["expert_bytes"] = hp.step_bytes(split, out["per_layer"]) - hp.step_bytes(split, [])
+        return out
+
+    blocks = hp.moe_blocks(engine)
+    missing = hp.missing_hooks(blocks)
+    modes = ["uniform"] + (["correlated"] if blocks and not missing else [])
+    if blocks:
+        res["routing"] = {"route_share": args.route_share, "hooks_missing": missing}
+        if missing:
+            res["routing"]["note"] = (f"SparseMoeBlock lacks {', '.join(missing)}: distinct experts and the "
+                                      "correlated mode are not measured (verify roofline uses all-distinct top-k)")
+    # 1. k = 15 with the random drafter (and the experts its verify passes touch), per routing mode.
+    res["k15"] = {}
+    for mode in modes:
+        if mode == "correlated":
+            hp.set_routing(engine, args.route_share)
+            hp.recapture(engine)
+            res["routing"]["keep_per_token"] = blocks[0].route_override.keep
+        res["k15"][mode] = hp.median_runs(request, args.runs, warmup)
+        if blocks and not missing:  # the random drafter's blocks repeat tokens: fewer experts than verify's
+            res["routing"].setdefault(mode, {})["k15_blocks"] = touched(mode)
+        save(res)
+    if "correlated" in modes:
+        hp.set_routing(engine, None)
+    # 2. AR (k = 0), and aggregate decode at concurrency.
+    engine.set_num_speculative_tokens(0)
+    res["ar"] = hp.median_runs(request, args.runs, warmup)
+    res["ar_fraction"] = res["ar"]["tok_s"] / res["roofline_tok_s"]
+    for k15 in res["k15"].values():
+        k15["over_ar"] = k15["step_ms"] / res["ar"]["step_ms"]
+    res["k15_over_ar"] = res["k15"]["uniform"]["over_ar"]
+    save(res)
+    if concurrency:
+        res["concurrency"] = {"1": res["ar"]}
+        for c in concurrency:
+            prompts = hp.random_prompts(c, args.context, engine.model_config.vocab_size, seed=c)
+            res["concurrency"][str(c)] = hp.median_runs(
+                lambda c=c, prompts=prompts: hp.aggregate_decode(engine, prompts, args.tokens, f"c{c}"), args.runs,
+                lambda c=c, prompts=prompts: hp.aggregate_decode(engine, prompts, short, f"w{c}"))
+            save(res)
+    # 3. The verify step alone: synthetic drafts, always wrong (one committed token per step).
+    engine.enable_synthetic_drafts({}, 0.0, 15)
+    res["verify"] = {}
+    for mode in modes:
+        if mode == "correlated":
+            hp.set_routing(engine, args.route_share)
+            hp.recapture(engine)
+        if blocks and not missing:  # random tokens in every block: the uniform router's spread
+            res["routing"][mode]["verify_blocks"] = touched(mode)
+        v = res["verify"][mode] = hp.median_runs(request, args.runs, warmup)
+        distinct = res.get("routing", {}).get(mode, {}).get("verify_blocks", {}).get("per_layer")
+        v["weight_bytes"] = hp.step_bytes(split, distinct or [min(16 * e["top_k"], e["num_experts"])
+                                                              for e in split["experts"]])
+        v["roofline_ms"] = 1000 * v["weight_bytes"] / bandwidth
+        v["fraction"] = v["roofline_ms"] / v["step_ms"]
+        v["over_ar"] = v["step_ms"] / res["ar"]["step_ms"]
+        save(res)
+    engine.release()
+
+
+# ---- orchestration ----------------------------------------------------------------------------
+
+
+def run_task(args: argparse.Namespace, argv: list[str], name: str, timeout: float) -> dict[str, Any]:
+    """A task in its own process (or in this one with --in-process); failures become an "error" entry."""
+    if args.in_process:
+        return call_task(args, name, lambda res: None)
+    with tempfile.TemporaryDirectory(prefix="hybrid-part-") as tmp:
+        part = Path(tmp) / f"{name}.json"
+        cmd = [sys.executable, str(Path(__file__).resolve()), *argv, "--task", name, "--part", str(part)]
+        return spawn(cmd, part, timeout)
+
+
+def spawn(cmd: list[str], part: Path, timeout: float) -> dict[str, Any]:
+    """Run cmd; its result is what it left in `part`, with an error added when it failed or timed out."""
+    t0 = time.perf_counter()
+    error = None
+    try:
+        proc = subprocess.run(cmd, timeout=timeout)
+        if proc.returncode:
+            error = f"exit status {proc.returncode}"
+    except subprocess.TimeoutExpired:
+        error = f"timed out after {timeout:.0f} s"
+    res = json.loads(part.read_text()) if part.is_file() else {}
+    if error and "error" not in res:
+        res["error"] = error + ("" if res else " (nothing recorded)")
+    res["wall_s"] = round(time.perf_counter() - t0, 1)
+    return res
+
+
+def call_task(args: argparse.Namespace, name: str, save: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+    """Run one task; an exception is recorded beside whatever the task had measured by then."""
+    import hybrid_parts  # noqa: F401  (torch, transformers, blockspec: imported before the freeze below)
+    import torch
+
+    res: dict[str, Any] = {}
+    t0 = time.perf_counter()
+    if args.tiny and args.device == "cpu":
+        torch.set_num_threads(1)  # tiny matrices: thread hand-offs would cost more than the work
+    gc.freeze()  # Engine.release() collects garbage: skip the import-time objects (0.5 s a collection)
+    args.work = Path(tempfile.mkdtemp(prefix=f"hybrid-{name}-"))  # model directories (config + tokenizer)
+    try:
+        if name == "env":
+            res.update(task_env(args))
+        elif name == "equality":
+            res.update(task_equality(args))
+        else:
+            task_model(args, name, res, save)
+    except Exception as exc:
+        traceback.print_exc()
+        res["error"] = f"{type(exc).__name__}: {exc}"[:600]
+    finally:
+        gc.unfreeze()
+        shutil.rmtree(args.work, ignore_errors=True)
+    res["task_s"] = round(time.perf_counter() - t0, 1)
+    save(res)
+    return res
+
+
+def commit() -> str:
+    if os.environ.get("COMMIT"):
+        return os.environ["COMMIT"]
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=BENCH)
+        return out.stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
+def verdicts(models: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each measured ratio beside its target from the issue."""
+    rows = []
+    for m in models:
+        for metric, target in TARGETS.get(m.get("key", ""), {}).items():
+            if metric == "verify_fraction":
+                values = {mode: v.get("fraction") for mode, v in m.get("verify", {}).items()}
+            else:
+                values = {"": m.get(metric)}
+            for mode, value in values.items():
+                ok = None if value is None else value <= target if metric == "k15_over_ar" else value >= target
+                rows.append({"model": m.get("model"), "metric": metric + (f" ({mode})" if mode else ""),
+                             "value": value, "target": target, "pass": ok})
+    return rows
+
+
+def fmt(value: Any, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def table(results: dict[str, Any]) -> str:
+    env = results.get("env", {})
+    lines = [f"{env.get('device', '?')}  commit {results['commit']}  copy {fmt(env.get('copy_bandwidth_GBps'), '.0f')} "
+             f"GB/s  {results['settings']['dtype']}  batch 1  context {results['settings']['context']}  "
+             f"{results['settings']['tokens']} tokens  median of {results['settings']['runs']}",
+             "| model | AR tok/s | roofline | AR % | AR ms | k15 ms | k15/AR | verify ms (u/c) | verify % roofline "
+             "(u/c) | experts/layer (u/c) | c4 / c16 tok/s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for m in results["models"]:
-        if "error" in m:
-            lines.append(f"{m.get('model', '?')}: ERROR {m['error']}")
+        if "ar" not in m:
+            why = m.get("skipped") or m.get("error") or "not measured"
+            lines.append(f"| {m.get('model', m.get('key'))} | {why} |")
             continue
-        lines.append(f"\n{m['model']}: weights {m['weight_bytes'] / 1e9:.1f} GB, read per token "
-                     f"{m['active_bytes_per_token'] / 1e9:.2f} GB, state {m['state_bytes_per_seq'] / 2**20:.0f} "
-                     f"MiB/seq, context {m['context']}")
-        lines.append(f"  AR: {m['ar_tok_s']:.1f} tok/s ({m['ar_timing']}; {1 / m['ar_eager_s']:.1f} eager) vs roofline "
-                     f"{m['roofline_tok_s']:.1f} -> {100 * m['ar_fraction_of_roofline']:.0f}%")
-        lines.append("  verify step / AR step (commit of all k+1 included):")
-        lines.append("    k   replay (commit ms)   checkpoint (commit ms)")
-        for k in KS:
-            cells = []
-            for mode in ("replay", "checkpoint"):
-                v = m["verify"].get(f"{mode}_k{k}", {})
-                cells.append("error" if "error" in v else f"{v['ratio_to_ar']:.2f}x ({1000 * v['commit_s']:.2f})")
-            lines.append(f"   {k:2d}   {cells[0]:<19}  {cells[1]}")
+        ver, rout, conc = m.get("verify", {}), m.get("routing", {}), m.get("concurrency", {})
+        both = [ver.get(mode, {}) for mode in ("uniform", "correlated")]
+        experts = [rout.get(mode, {}).get("verify_blocks", {}).get("mean") for mode in ("uniform", "correlated")]
+        lines.append(
+            f"| {m['model']} | {m['ar']['tok_s']:.1f} | {m['roofline_tok_s']:.1f} | {100 * m['ar_fraction']:.0f}% "
+            f"| {m['ar']['step_ms']:.2f} | {m['k15']['uniform']['step_ms']:.2f} | {m['k15_over_ar']:.2f} "
+            f"| {' / '.join(fmt(v.get('step_ms'), '.2f') for v in both)} "
+            f"| {' / '.join(fmt(v.get('fraction') and 100 * v['fraction'], '.0f') for v in both)} "
+            f"| {' / '.join(fmt(e, '.1f') for e in experts)} "
+            f"| {' / '.join(fmt(conc.get(c, {}).get('tok_s'), '.1f') for c in ('4', '16'))} |")
+    if any("route_share" in m.get("routing", {}) for m in results["models"]):
+        lines.append(f"u: uniform random router; c: correlated router, share s = {results['settings']['route_share']}")
+    for m in results["models"]:
+        if "ar" in m and "error" in m:
+            lines.append(f"{m['model']}: stopped early: {m['error']}")
+    eq = results.get("graphs_vs_eager", {})
+    flags = [f"{fam} k{k}: {'equal' if v.get(f'k{k}_equal') else 'DIFFERENT'}"
+             for fam, v in eq.items() if isinstance(v, dict) and "k0_equal" in v for k in (0, 15)]
+    lines.append("graphs vs eager greedy: " + (", ".join(flags) or str(eq.get("error", "not run"))))
+    for v in results["targets"]:
+        mark = {True: "ok", False: "MISS", None: "-"}[v["pass"]]
+        lines.append(f"target {v['model']} {v['metric']}: {fmt(v['value'], '.3f')} vs {v['target']} {mark}")
     return "\n".join(lines)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--models", default="27b,35b")
-    ap.add_argument("--context", type=int, default=1024)
-    ap.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
-    args = ap.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("needs a CUDA GPU")
-    if not delta_rule_fla.available():
-        sys.exit(f"fla-core is not importable: install fla-core=={delta_rule_fla.FLA_VERSION} (see --help)")
-    import fla
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default=None, help=f"comma-separated of {','.join(ORDER)} (default: all that fit)")
+    ap.add_argument("--context", type=int, default=1024, help="prompt tokens")
+    ap.add_argument("--tokens", type=int, default=128, help="new tokens per request")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--route-share", type=float, default=0.5,
+                    help="correlated routing: share of the previous token's experts each token keeps")
+    ap.add_argument("--concurrency", default="4,16", help="aggregate decode at these concurrencies (27B)")
+    ap.add_argument("--concurrency-models", default="27b")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--dtype", default=None, help="default bfloat16 on cuda, float32 on cpu")
+    ap.add_argument("--tiny", action="store_true", help="tiny configs (the whole flow in seconds; for CPU tests)")
+    ap.add_argument("--kv-cache-memory", type=int, default=None, help="bytes (default: sized from the run)")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=None,
+                    help="size the KV cache as a share of the card instead of --kv-cache-memory")
+    ap.add_argument("--headroom-gib", type=float, default=3.0,
+                    help="models not named in --models run when weights + this fit in free memory")
+    ap.add_argument("--force", action="store_true", help="run models even when they look too big")
+    ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--skip-equality", action="store_true")
+    ap.add_argument("--task-timeout", type=float, default=420, help="seconds one model may take")
+    ap.add_argument("--deadline", type=float, default=570, help="seconds for the whole run (the device allows 600)")
+    ap.add_argument("--in-process", action="store_true", help="run every task in this process (tests)")
+    ap.add_argument("--out", default=os.environ.get("OUT", str(BENCH / "results")))
+    ap.add_argument("--task", default=None, help=argparse.SUPPRESS)  # internal: run one task (child process)
+    ap.add_argument("--part", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--bandwidth-GBps", type=float, default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    args.concurrency = [int(c) for c in args.concurrency.split(",") if c]
+    args.concurrency_models = args.concurrency_models.split(",")
+    args.force = args.force or args.models is not None  # named models are tried even when they look too big
+    args.models = args.models.split(",") if args.models else list(ORDER)
+    unknown = [m for m in args.models if m not in CONFIGS]
+    if unknown:
+        ap.error(f"unknown model(s) {unknown}: choose from {', '.join(ORDER)}")
+    return args
 
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        commit = ""
-    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-               "fla_version": getattr(fla, "__version__", "?"), "commit": commit or "unknown",
-               "copy_bandwidth_GBps": copy_bandwidth() / 1e9}
-    bandwidth = results["copy_bandwidth_GBps"] * 1e9
-    results["checks"] = {"delta_rule_fla_vs_reference": attempt(check_delta_rule),
-                         "moe_grouped_vs_reference": attempt(check_moe),
-                         "hybrid_layers_fla_vs_reference": attempt(check_hybrid_layers)}
-    print(json.dumps(results["checks"], indent=1), flush=True)
-    if "error" in results["checks"]["moe_grouped_vs_reference"]:
-        os.environ["BLOCKSPEC_MOE_BACKEND"] = "reference"  # slow, and no CUDA graphs: the table will say so
-        results["notes"] = ["grouped GEMM failed on this GPU: MoE timed with the reference loop"]
-    results["models"] = []
-    for key in args.models.split(","):
-        print(f"measuring {CONFIGS[key]['name']} ...", flush=True)
-        results["models"].append(attempt(lambda key=key: measure_model(key, args.context, bandwidth)))
-        torch.cuda.empty_cache()  # the model is gone with measure_model's frame
-        if "error" in results["models"][-1]:
-            results["models"][-1]["model"] = CONFIGS[key]["name"]
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    if args.task is not None:  # child process: one task, its result in --part
+        part = Path(args.part)
+        call_task(args, args.task, lambda res: part.write_text(json.dumps(res, default=str)))
+        return {}
+    start = time.perf_counter()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "hybrid_gpu.json").write_text(json.dumps(results, indent=1, default=str))
-    print(table(results))
+    settings = {k: getattr(args, k) for k in ("context", "tokens", "runs", "route_share", "concurrency",
+                                              "concurrency_models", "device", "dtype", "tiny", "enforce_eager",
+                                              "kv_cache_memory", "gpu_memory_utilization")}
+    settings["batch"] = 1
+    results: dict[str, Any] = {"commit": commit(), "dtype": args.dtype, "settings": settings, "models": [],
+                               "targets": []}
+
+    def left() -> float:
+        return args.deadline - (time.perf_counter() - start)
+
+    def write() -> None:
+        results["targets"] = verdicts(results["models"])
+        (out / "hybrid_gpu.json").write_text(json.dumps(results, indent=1, default=str))
+
+    results["env"] = env = run_task(args, argv, "env", min(120.0, left()))
+    for key in ("device", "torch", "triton", "fla", "copy_bandwidth_GBps"):
+        results[key] = env.get(key)
+    print(json.dumps(env.get("checks", env), indent=1), flush=True)
+    if not env.get("copy_bandwidth_GBps"):
+        results["error"] = "the environment task failed: nothing measured"
+        write()
+        print(table(results))
+        return results
+    argv = [*argv, "--bandwidth-GBps", str(env["copy_bandwidth_GBps"])]
+    args.bandwidth_GBps = env["copy_bandwidth_GBps"]
+    if args.device == "cuda" and not env.get("fla_available"):
+        results["warning"] = "fla-core not importable: hybrids run the reference delta rule (slow); see --help"
+    if not args.skip_equality:
+        results["graphs_vs_eager"] = run_task(args, argv, "equality", min(150.0, left()))
+        write()
+    for key in args.models:
+        if left() < 60:
+            results["models"].append({"key": key, "model": CONFIGS[key]["name"],
+                                      "skipped": f"time budget (--deadline {args.deadline:.0f} s) spent"})
+            continue
+        print(f"measuring {CONFIGS[key]['name']} ...", flush=True)
+        results["models"].append(run_task(args, argv, key, min(args.task_timeout, left() - 10)))
+        results["models"][-1].setdefault("model", CONFIGS[key]["name"])
+        results["models"][-1].setdefault("key", key)
+        write()
+    results["wall_s"] = round(time.perf_counter() - start, 1)
+    write()
     print(f"wrote {out / 'hybrid_gpu.json'}")
+    print(table(results))
+    return results
 
 
 if __name__ == "__main__":

@@ -61,6 +61,8 @@ class EngineConfig:
     enforce_eager: bool = False
     load_format: str = "auto"  # auto | dummy (random weights in the checkpoint's shapes)
     generation_config: str = "auto"  # auto: the model's generation_config.json | vllm: ignore it
+    # --quantization: checked against what the checkpoint declares (the checkpoint's own format is used)
+    quantization: str | None = None
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":
@@ -102,3 +104,7 @@ class EngineConfig:
             raise ConfigError("num_speculative_tokens must be non-negative")
         if self.load_format not in ("auto", "dummy"):
             raise ConfigError(f"--load-format {self.load_format!r}: blockspec reads auto (safetensors/GGUF) or dummy")
+        if self.quantization is not None:
+            from blockspec.loader.quant.config import check_flag
+
+            check_flag(self.quantization)

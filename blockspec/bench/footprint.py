@@ -172,7 +172,7 @@ def target_footprint(config: dict[str, Any], dtype_name: str, model_dir: Path | 
     n_full = sum(t != "linear_attention" for t in types)
     n_linear = len(types) - n_full
     notes: list[str] = []
-    bits = quant_bits(cfg.get("quantization_config"))
+    bits = quant_bits(cfg.get("quantization_config"), h, elem_bytes)
     if bits is not None:
         weight_bytes = int(linear_params * bits / 8) + (total - linear_params) * elem_bytes
         notes.append(f"quantized checkpoint: decoder linear layers counted at {bits:g} bits per weight")
@@ -184,13 +184,18 @@ def target_footprint(config: dict[str, Any], dtype_name: str, model_dir: Path | 
     idle_expert_bytes = int(expert_bytes * (1 - top_k / n_experts)) if experts_total else 0
     embed_bytes = embed * elem_bytes
     source = "config"
-    header = safetensors_bytes(model_dir) if model_dir is not None else None
+    header = held = None
+    if model_dir is not None:
+        held = _quantized_bytes(model_dir, elem_bytes, notes)
+        header = held if held is not None else safetensors_bytes(model_dir)
     if header is not None:
         stored, stored_experts, stored_embed = header
         weight_bytes, source = stored, "safetensors headers"
         idle_expert_bytes = int(stored_experts * (1 - top_k / n_experts)) if stored_experts else idle_expert_bytes
         embed_bytes = stored_embed or embed_bytes
-        notes.append("weight bytes read from the safetensors headers (as stored)")
+        notes.append("weight bytes from the safetensors headers: quantized layers as held in memory (packed "
+                     f"weights + scales), the rest in {dtype_name}" if held is not None else
+                     "weight bytes read from the safetensors headers (as stored)")
     # One decode step reads every active weight once, but only one row of the input embedding
     # (unless the embedding doubles as the LM head).
     read = weight_bytes - idle_expert_bytes - (0 if tied else embed_bytes)
@@ -224,10 +229,28 @@ def drafter_footprint(config: dict[str, Any], dtype_name: str) -> Footprint:
         bytes_source="config", notes=[])
 
 
-def quant_bits(qcfg: dict[str, Any] | None) -> float | None:
-    """Effective bits per weight (scales included) of a quantization_config, or None when unquantized."""
+def _quantized_bytes(model_dir: Path, elem_bytes: int, notes: list[str]) -> tuple[int, int, int] | None:
+    """In-memory bytes of a quantized checkpoint (loader.quant.bytes); None when unquantized or unreadable."""
+    from blockspec.errors import BlockspecError
+    from blockspec.loader.quant.bytes import checkpoint_memory_bytes
+
+    try:
+        return checkpoint_memory_bytes(model_dir, elem_bytes)
+    except BlockspecError as exc:
+        notes.append(f"quantized bytes counted as stored: {exc}")
+        return None
+
+
+def quant_bits(qcfg: dict[str, Any] | None, hidden: int = 4096, elem_bytes: int = 2) -> float | None:
+    """Effective bits per weight (scales included, as held in memory) of a quantization_config, or None
+    when unquantized; formats blockspec cannot load get a rough figure from their bit width."""
     if not qcfg:
         return None
+    from blockspec.loader.quant.bytes import declared_bits_per_weight
+
+    held = declared_bits_per_weight(qcfg, hidden, elem_bytes)
+    if held is not None:
+        return held
     method = str(qcfg.get("quant_method", "")).lower()
     if method == "fp8":
         return 8.0

@@ -106,11 +106,21 @@ class Engine:
         return want
 
     def _load_target(self) -> torch.nn.Module:
+        from blockspec.loader.quant import deferred_linears, detect_quantization, finalize_quantized, quantize_model
+
         cls = model_class(self.model_config)
         rope_len = self.max_model_len + self.config.block_size  # verify blocks may look past the end
-        model = build_module(lambda: cls(self.model_config, max_positions=rope_len), self.device, self.dtype)
+        quant = detect_quantization(self.model_dir, self.config.quantization)
+        if quant is None:
+            model = build_module(lambda: cls(self.model_config, max_positions=rope_len), self.device, self.dtype)
+        else:
+            with deferred_linears():  # linear weights are placed by quantize_model, never in full precision first
+                model = build_module(lambda: cls(self.model_config, max_positions=rope_len), self.device, self.dtype)
+            quantize_model(model, quant, self.device, self.dtype)
         if self.config.load_format != "dummy":
             load_weights(model, self.model_dir, self.device, self.dtype)
+        elif quant is not None:
+            finalize_quantized(model)
         return model
 
     def _load_drafter(self) -> tuple[DFlashDrafter | None, DrafterConfig | None]:

@@ -63,7 +63,37 @@ def kv_shortfall(device_type: str, max_model_len: int, need: int, budget: int) -
             f"{need / MIB:.0f} MiB, {have}: {flag}")
 
 
+def weight_bytes(module: torch.nn.Module) -> tuple[int, int]:
+    """(bytes of all weights, bytes of the quantized layouts among them: packed codes + scales + zeros)."""
+    from blockspec.models.layers.quant_linear import quantized_tensor_bytes
+
+    seen: set[int] = set()
+    total = 0
+    for p in module.parameters():
+        if id(p) not in seen and not p.is_meta:
+            seen.add(id(p))
+            total += p.numel() * p.element_size()
+    quantized = quantized_tensor_bytes(module)
+    return total + quantized, quantized
+
+
+def weights_report(engine: Engine) -> str:
+    """The start-up line on weight memory (quantized layers counted as held: packed + scales)."""
+    total, quantized = weight_bytes(engine.runner.target)
+    line = f"weights: target {_size(total)}"
+    if quantized:
+        line += f" ({_size(quantized)} of it quantized layers: packed weights + scales)"
+    if engine.runner.drafter is not None:
+        line += f", drafter {_size(weight_bytes(engine.runner.drafter)[0])}"
+    return line
+
+
+def _size(n: int) -> str:
+    return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / MIB:.1f} MiB"
+
+
 def plan_kv_blocks(engine: Engine) -> int:
+    log.info("%s", weights_report(engine))
     per_block = engine.runner.kv_bytes_per_block()
     min_blocks = blocks_per_sequence(engine)
     need = min_blocks * per_block

@@ -322,6 +322,8 @@ def _gdn_recurrent_triton(q: torch.Tensor | None, k: torch.Tensor, v: torch.Tens
     q = _last_contiguous(q) if compute_output else k
     bk = _pow2(dk)
     if fused_norm:  # the norm needs a whole head's output in one program
+        if block_v not in (None, _pow2(dv)):
+            raise ValueError(f"the fused norm runs whole heads: block_v must be {_pow2(dv)}, got {block_v}")
         block_v = _pow2(dv)
         num_warps = num_warps or _warps_for(bk, block_v)
     elif block_v is None:
@@ -356,7 +358,7 @@ def gdn_recurrent(q: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor, a: t
                   counts: torch.Tensor | None = None, write_slots: torch.Tensor | None = None,
                   checkpoints: torch.Tensor | None = None, compute_output: bool = True,
                   z: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
-                  eps: float = 1e-6) -> torch.Tensor | None:
+                  eps: float = 1e-6, block_v: int | None = None) -> torch.Tensor | None:
     """The gated delta rule over N rows of L tokens each, state read from / written to slots of a pool.
 
     q, k [N, L, Hk, Dk] raw (after conv + SiLU, not normalised; q unused without output); v [N, L, H, Dv];
@@ -367,10 +369,15 @@ def gdn_recurrent(q: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor, a: t
     write its own read slot; two rows must not read/write each other's slots); checkpoints
     [N, L, H, Dk, Dv]: the state after each token. Returns o [N, L, H, Dv] float32, or None without
     compute_output; with z [N, L, H, Dv] and norm_weight [Dv], GatedRMSNorm(o, z) in z's dtype instead.
+
+    Kernel tiling: block_v value columns per program (None: `_launch_config`, which depends on N, H, Dk, Dv
+    and L only; Dv with the fused norm). The tiling fixes the order of the sum over Dk, so calls whose states
+    must agree bit for bit (a verify block and its commit) need the same block_v: the same N and L give it,
+    except after a fused-norm verify, whose commit must pass block_v=Dv (a power of two). Ignored on CPU.
     """
     if use_triton(v):
         return _gdn_recurrent_triton(q, k, v, a, b, A_log, dt_bias, ssm, read_slots, counts, write_slots,
-                                     checkpoints, compute_output, z, norm_weight, eps)
+                                     checkpoints, compute_output, z, norm_weight, eps, block_v=block_v)
     return gdn_recurrent_ref(q, k, v, a, b, A_log, dt_bias, ssm, read_slots, counts=counts, write_slots=write_slots,
                              checkpoints=checkpoints, compute_output=compute_output, z=z, norm_weight=norm_weight,
                              eps=eps)

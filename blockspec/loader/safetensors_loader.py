@@ -6,6 +6,7 @@ parameter and drops it before the next one is read.
 """
 
 import json
+import struct
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -55,6 +56,32 @@ def checkpoint_shards(model_dir: Path) -> dict[Path, list[str] | None]:
         f"no {SINGLE_FILE} or {INDEX_FILE} in {model_dir}{hint}: "
         "pass a Hugging Face model directory with safetensors weights"
     )
+
+
+def read_tensor_headers(model_dir: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """``{name: (safetensors dtype, shape)}`` of every tensor, read from the shard headers alone.
+
+    Quantization set-up needs to know which layers a checkpoint stores quantized (and with which scale
+    tensors) before any weight is read; the headers say so for a few KiB per shard. Empty when the
+    directory holds no safetensors (dummy-weight runs from a bare config.json).
+    """
+    try:
+        shards = checkpoint_shards(Path(model_dir))
+    except ModelLoadError:
+        return {}
+    out: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for shard in shards:
+        try:
+            with shard.open("rb") as f:
+                (size,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(size))
+        except (OSError, ValueError, struct.error) as err:
+            raise ModelLoadError(f"cannot read the header of {shard} ({err}): the file is corrupt or truncated, "
+                                 "re-download it") from None
+        for name, info in header.items():
+            if name != "__metadata__":
+                out[name] = (str(info["dtype"]), tuple(int(d) for d in info["shape"]))
+    return out
 
 
 def iter_safetensors(

@@ -28,9 +28,13 @@ PREFIX_RENAMES = (
 )
 # Parts of multimodal / multi-token-prediction checkpoints a text-only target never uses.
 SKIPPED_MARKERS = ("visual.", "vision_tower", "multi_modal_projector", "mtp.")
-# Dtypes that are plain precision choices; anything else (int, fp8) is a quantized payload that
-# the model's load_weight must see as stored.
+# Dtypes that are plain precision choices, cast to the model dtype on load.
 CASTABLE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# Stored dtypes that only quantized layers hold: outside a quantized layer they mean a missing or
+# mismatched quantization_config, and copying them into float parameters would load garbage.
+PAYLOAD_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.uint8, torch.int8, torch.int32)
+# Tensors of quantized checkpoints that the KV cache or activations would use; we keep both in the model dtype.
+IGNORED_QUANT_SUFFIXES = (".k_scale", ".v_scale", ".q_scale", ".prob_scale", ".input_scale", ".kv_scale")
 
 
 def resolve_model_path(model: str | None, cache_dir: Path | None = None) -> Path:
@@ -76,10 +80,24 @@ def load_weights(model: torch.nn.Module, model_dir: Path, device: torch.device |
     """Stream every checkpoint tensor of ``model_dir`` into ``model`` and check nothing is missing."""
     model_dir = Path(model_dir)
     versions = _param_versions(model)
+    from blockspec.loader.quant.apply import QuantLoader
+
+    quant = QuantLoader(model)  # quantized layers (loader.quant.quantize_model) take their tensors first
     loaded: set[str] = set()
     unknown: list[str] = []
     for raw_name, tensor in iter_safetensors(model_dir, device, skip=is_skipped):
         name = checkpoint_name(raw_name)
+        if quant and quant.load(raw_name, name, tensor):
+            loaded.add(name)
+            continue
+        if raw_name.endswith(IGNORED_QUANT_SUFFIXES):
+            continue
+        if tensor.dtype in PAYLOAD_DTYPES:
+            raise ModelLoadError(
+                f"checkpoint tensor {raw_name} is stored as {str(tensor.dtype).removeprefix('torch.')} but the model "
+                "keeps that layer unquantized: config.json declares no quantization for it (a missing or wrong "
+                "quantization_config / hf_quant_config.json); fix the checkpoint's config"
+            )
         if tensor.dtype in CASTABLE_DTYPES and tensor.dtype != dtype:
             tensor = tensor.to(dtype)
         if _load_one(model, name, tensor):
@@ -87,6 +105,8 @@ def load_weights(model: torch.nn.Module, model_dir: Path, device: torch.device |
         else:
             unknown.append(raw_name)
         del tensor  # let the device memory go before the next tensor is read
+    if quant:
+        quant.finish()
     if unknown:
         logger.warning(
             "ignored %d checkpoint tensors the model does not use: %s%s",

@@ -31,7 +31,6 @@ _ONE_GPU = "blockspec runs one model on one GPU"
 _NOT_YET = "not implemented in blockspec yet"
 IGNORED_FLAGS: list[tuple[tuple[str, ...], bool, str]] = [
     (("--trust-remote-code",), False, "blockspec runs its own model code, never a checkpoint's"),
-    (("--quantization", "-q"), True, "blockspec reads the quantization the checkpoint declares"),
     (("--attention-backend",), True, _KERNELS),
     (("--moe-backend",), True, _KERNELS),
     (("--language-model-only",), False, "blockspec always loads the language model only (vision weights are "
@@ -116,6 +115,9 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help='JSON, e.g. {"method": "dflash", "model": "/draft", "num_speculative_tokens": 15, '
                         '"max_model_len": 1024}')
     s.add_argument("--kv-cache-dtype", default="auto", help="auto: the model dtype")
+    s.add_argument("--quantization", "-q", default=None,
+                   help="the checkpoint's quantization method (vLLM's names: compressed-tensors, modelopt, "
+                        "modelopt_fp4, fp8, gptq, awq, auto-round); checked against what the checkpoint declares")
     s.add_argument("--reasoning-parser", default=None, choices=sorted(PARSERS),
                    help="put <think>...</think> into reasoning_content")
     s.add_argument("--generation-config", default="auto",
@@ -168,6 +170,7 @@ def build_engine_config(args: argparse.Namespace) -> EngineConfig:
         args.load_format = "auto"
     config = engine_config_from_args(args)
     config.generation_config = "vllm" if args.generation_config == "vllm" else "auto"
+    config.quantization = args.quantization
     if args.speculative_config is not None:
         if args.draft is not None or args.num_speculative_tokens is not None or args.draft_window is not None:
             raise ConfigError("--speculative-config and --draft/--num-speculative-tokens/--draft-window say the "

@@ -94,3 +94,53 @@ def test_rope_kernel_writes_the_kv_cache(norm):
     untouched = torch.ones(blocks * page, dtype=torch.bool)
     untouched[slots.cpu()] = False
     assert not flat_k[untouched.to(DEVICE)].any()
+
+
+def test_rope_heads_reference_matches_gated_attention():
+    """rope_heads_ref on the gated attention's fused q|k|v rows (q interleaved with its gate per head,
+    zero-centred q/k norms, rotary on a quarter of each head) equals the module ops it replaces (fp32)."""
+    from blockspec.kernels.rotary import NORM_ZERO_CENTERED, rope_heads_ref
+    from blockspec.models.qwen3_next import ZeroCenteredRMSNorm
+
+    t, nq, nk, d = 5, 4, 2, 32
+    g = torch.Generator().manual_seed(3)
+    qkv = torch.randn(t, (2 * nq + 2 * nk) * d, generator=g)
+    pos = torch.randint(0, 60, (t,), generator=g)
+    rot = RotaryEmbedding(d, 64, 1e4, rotary_dim=d // 4)
+    qn, kn = ZeroCenteredRMSNorm(d), ZeroCenteredRMSNorm(d)
+    with torch.no_grad():
+        qn.weight.normal_(0, 0.3, generator=g)
+        kn.weight.normal_(0, 0.3, generator=g)
+    q, gate = qkv[:, : 2 * nq * d].view(t, nq, 2 * d).chunk(2, dim=-1)
+    k = qkv[:, 2 * nq * d:(2 * nq + nk) * d].view(t, nk, d)
+    eq, ek = rot(pos, qn(q), kn(k))
+    fused = qkv.clone()
+    rope_heads_ref(fused, pos, rot.cos, rot.sin, nq, nk, d, 2 * d, 2 * nq * d, (2 * nq + nk) * d,
+                   NORM_ZERO_CENTERED, qn.weight, kn.weight, 1e-6)
+    fq, fgate = fused[:, : 2 * nq * d].view(t, nq, 2 * d).chunk(2, dim=-1)
+    torch.testing.assert_close(fq, eq)
+    torch.testing.assert_close(fused[:, 2 * nq * d:(2 * nq + nk) * d].view(t, nk, d), ek)
+    assert torch.equal(fgate, gate) and torch.equal(fused[:, (2 * nq + nk) * d:], qkv[:, (2 * nq + nk) * d:])
+
+
+@kernels
+@pytest.mark.parametrize("norm,rot_div,store", [(2, 4, True), (1, 1, False), (0, 2, True)])
+def test_rope_heads_kernel(norm, rot_div, store):
+    """The kernel against its reference: strided query heads, partial rotary, each norm, the cache write."""
+    from blockspec.kernels.rotary import rope_heads, rope_heads_ref
+
+    t, nq, nk, d, blocks, page = 6, 4, 2, 64, 5, 4
+    qkv = torch.randn(t, (2 * nq + 2 * nk) * d, device=DEVICE, dtype=torch.bfloat16)
+    pos = torch.randint(0, 60, (t,), device=DEVICE)
+    slots = torch.randperm(blocks * page, device=DEVICE)[:t]
+    rot = RotaryEmbedding(d, 64, 1e4, rotary_dim=d // rot_div).to(DEVICE)
+    qw = torch.randn(d, device=DEVICE, dtype=torch.bfloat16) * 0.3 + (1.0 if norm == 1 else 0.0)
+    kw = torch.randn(d, device=DEVICE, dtype=torch.bfloat16) * 0.3 + (1.0 if norm == 1 else 0.0)
+    caches = [torch.zeros(blocks, page, nk, d, device=DEVICE, dtype=torch.bfloat16) for _ in range(4)]
+    args = (pos, rot.cos, rot.sin, nq, nk, d, 2 * d, 2 * nq * d, (2 * nq + nk) * d, norm, qw, kw, 1e-6)
+    ours, ref = qkv.clone(), qkv.clone()
+    rope_heads(ours, *args, *((caches[0], caches[1], slots) if store else ()))
+    rope_heads_ref(ref, *args, *((caches[2], caches[3], slots) if store else ()))
+    assert rel_err(ours, ref) < 1e-2
+    if store:
+        assert rel_err(caches[0], caches[2]) < 1e-2 and torch.equal(caches[1], caches[3])

@@ -281,6 +281,9 @@ class QuantExperts(nn.Module):
         self.num_experts = num_experts
         self.intermediate_size = intermediate_size
         self.scheme = scheme
+        # SparseMoeBlock reads experts.backend to pick its fused GPU path; "reference" keeps quantized
+        # experts off the unquantized kernels until a quantized grouped path is wired in.
+        self.backend = "reference"
         i = intermediate_size
         self.gate_up_proj = QuantExpertWeights(scheme, num_experts, hidden_size, 2 * i, group_size,
                                                symmetric=symmetric, shard_sizes=[i, i], dtype=dtype, device=device)

@@ -1,0 +1,519 @@
+"""Mixture-of-experts for decode and verify blocks (1 to ~256 tokens) in a handful of graph-safe launches.
+
+    logits = x @ W_router.T                   the caller's GEMM
+    route:   softmax -> top-k (-> renormalise), sigmoid(x . w_shared_gate)   } one single-program kernel up to
+    align:   group the (token, slot) pairs by expert: stable counting sort   } ROUTE_ALIGN_MAX_PAIRS pairs, else two
+    gate_up: act = silu(x @ Wg[e].T) * (x @ Wu[e].T) per pair                one grouped kernel
+    down:    y = act @ Wd[e].T per pair, written at the pair's own row       one grouped kernel
+    combine: out[t] = sum_j w[t, j] * y[t, j], j in slot order, float32      one kernel
+
+Why this shape. At these sizes the MoE block is bound by reading expert weights, so every selected expert's
+weights must stream from HBM once per step however many tokens picked it: the two grouped kernels give one
+program an (expert, N tile) pair and loop over all of that expert's tokens inside the program (16 rows per
+tl.dot; a later 16-row tile re-reads the weight tile from L2, not HBM). No shape depends on the routing:
+every buffer is sized for the worst case of T tokens, the grid has one entry per possible work item, and a
+program whose item does not exist this step returns at once. So routing runs inside a CUDA graph with no
+host sync (no .item(), bincount, nonzero or unique).
+
+Work items: the align kernel lists the experts that received pairs, ascending by id, each split into chunks
+of at most CHUNK pairs so that one very popular expert (the shared one, with all T tokens) does not leave a
+single program running long after the others. At most min(E', P) + P // CHUNK items for P pairs.
+
+Shared expert (Qwen3-Next, Qwen3.5/3.6-MoE): when its intermediate size equals the routed one, it is folded
+in as expert id E that every token picks in slot k, with weight sigmoid(shared_expert_gate(x)); the kernels
+read its own gate/up/down tensors for that id (no copy; checkpoint names unchanged).
+
+Determinism: every pair's output row is computed on its own (row-independent tiles, no split-K) and written
+to its own row; `combine` sums a token's k (+1) rows in slot order in float32 with no atomics. So a token's
+result does not depend on which other tokens share the step, under a fixed launch config. One-token steps
+use the row-reduction path (as skinny_linear does for one row): it rounds differently from the tl.dot path
+of a multi-token step, so a token decoded alone and the same token inside a verify block agree to the
+dtype's precision, not bit for bit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from blockspec.kernels._triton import HAVE_TRITON, use_triton
+
+if HAVE_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _route_block(L, X, WS, W_OUT, IDS_OUT, SW_OUT, t0, T,
+                     E: tl.constexpr, EP: tl.constexpr, TOP_K: tl.constexpr, KP: tl.constexpr,
+                     H: tl.constexpr, RENORM: tl.constexpr, DO_TOPK: tl.constexpr, SHARED: tl.constexpr,
+                     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+        """Route tokens t0 .. t0 + BLOCK_T: softmax in float32 over the logits as stored (as route() does),
+        TOP_K rounds of argmax (ties to the lowest id), weights rounded to the logits' dtype as route()
+        returns them; with SHARED also sigmoid(x . w_gate), rounded where F.linear and torch.sigmoid round."""
+        dtype = W_OUT.dtype.element_ty
+        offs_t = t0 + tl.arange(0, BLOCK_T)
+        t_mask = offs_t < T
+        if DO_TOPK:
+            offs_e = tl.arange(0, EP)
+            lmask = t_mask[:, None] & (offs_e[None, :] < E)
+            logits = tl.load(L + offs_t[:, None].to(tl.int64) * E + offs_e[None, :], mask=lmask,
+                             other=float("-inf")).to(tl.float32)
+            logits = tl.where(t_mask[:, None], logits, 0.0)  # padded rows: finite, never stored
+            mx = tl.max(logits, axis=1)
+            p = tl.exp(logits - mx[:, None])
+            probs = p / tl.sum(p, axis=1)[:, None]
+            offs_k = tl.arange(0, KP)
+            w_sel = tl.zeros([BLOCK_T, KP], dtype=tl.float32)
+            id_sel = tl.zeros([BLOCK_T, KP], dtype=tl.int32)
+            for j in tl.static_range(TOP_K):
+                val, best = tl.max(probs, axis=1, return_indices=True, return_indices_tie_break_left=True)
+                w_sel = tl.where(offs_k[None, :] == j, val[:, None], w_sel)
+                id_sel = tl.where(offs_k[None, :] == j, best[:, None].to(tl.int32), id_sel)
+                probs = tl.where(offs_e[None, :] == best[:, None], -1.0, probs)
+            if RENORM:
+                w_sel = w_sel / tl.sum(w_sel, axis=1)[:, None]
+            out_mask = t_mask[:, None] & (offs_k[None, :] < TOP_K)
+            out_off = offs_t[:, None].to(tl.int64) * TOP_K + offs_k[None, :]
+            tl.store(W_OUT + out_off, w_sel.to(dtype), mask=out_mask)
+            tl.store(IDS_OUT + out_off, id_sel, mask=out_mask)
+        if SHARED:
+            acc = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
+            offs_h = tl.arange(0, BLOCK_H)
+            for h0 in range(0, H, BLOCK_H):
+                hs = h0 + offs_h
+                xv = tl.load(X + offs_t[:, None].to(tl.int64) * H + hs[None, :],
+                             mask=t_mask[:, None] & (hs[None, :] < H), other=0.0)
+                wv = tl.load(WS + hs, mask=hs < H, other=0.0)
+                acc += xv.to(tl.float32) * wv.to(tl.float32)[None, :]
+            g = tl.sum(acc, axis=1).to(SW_OUT.dtype.element_ty).to(tl.float32)
+            tl.store(SW_OUT + offs_t, (1.0 / (1.0 + tl.exp(-g))).to(SW_OUT.dtype.element_ty), mask=t_mask)
+
+    @triton.jit
+    def _route_kernel(L, X, WS, W_OUT, IDS_OUT, SW_OUT, T,
+                      E: tl.constexpr, EP: tl.constexpr, TOP_K: tl.constexpr, KP: tl.constexpr,
+                      H: tl.constexpr, RENORM: tl.constexpr, DO_TOPK: tl.constexpr, SHARED: tl.constexpr,
+                      BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+        _route_block(L, X, WS, W_OUT, IDS_OUT, SW_OUT, tl.program_id(0) * BLOCK_T, T, E, EP, TOP_K, KP, H,
+                     RENORM, DO_TOPK, SHARED, BLOCK_T, BLOCK_H)
+
+    @triton.jit
+    def _pair_expert(IDS, p, valid, TOP_K: tl.constexpr, SLOTS: tl.constexpr, E: tl.constexpr,
+                     FRESH: tl.constexpr):
+        """Expert of pair p = t * SLOTS + j: ids[t, j] for a routed slot, E for the shared slot j == TOP_K.
+        FRESH: the ids were written by this program (before a barrier): read them past the L1 cache."""
+        t = p // SLOTS
+        j = p - t * SLOTS
+        routed = valid & (j < TOP_K)
+        ptrs = IDS + t.to(tl.int64) * TOP_K + j
+        if FRESH:
+            e = tl.load(ptrs, mask=routed, other=0, cache_modifier=".cg").to(tl.int32)
+        else:
+            e = tl.load(ptrs, mask=routed, other=0).to(tl.int32)
+        return tl.where(routed, e, tl.where(valid, E, 0))
+
+    @triton.jit
+    def _align_body(IDS, SORTED, ITEM_EXPERT, ITEM_START, ITEM_COUNT, NUM_ITEMS, P, T, pid, per_program,
+                    TOP_K: tl.constexpr, SLOTS: tl.constexpr, E: tl.constexpr, NB: tl.constexpr,
+                    CHUNK: tl.constexpr, BLOCK_P: tl.constexpr, FRESH: tl.constexpr):
+        """A stable counting sort of the pairs by expert; this program places pairs [lo, hi), per_program
+        pairs from pid's. Each program histograms all pairs itself (P is at most a few thousand: cheaper
+        than another launch), so the places follow with no communication between programs: place = start
+        of the expert's run + that expert's pairs before lo + its earlier pairs within [lo, hi)."""
+        offs = tl.arange(0, BLOCK_P)
+        lo = pid * per_program
+        hi = tl.minimum(lo + per_program, P)
+        counts = tl.zeros([NB], dtype=tl.int32)
+        before = tl.zeros([NB], dtype=tl.int32)
+        c = 0
+        while c < P:  # a while loop: Triton's interpreter cannot range() over a runtime bound
+            p = c + offs
+            valid = p < P
+            h = tl.histogram(_pair_expert(IDS, p, valid, TOP_K, SLOTS, E, FRESH), NB, mask=valid)
+            counts += h
+            before += h * (c < lo).to(tl.int32)
+            c += BLOCK_P
+        run_start = tl.cumsum(counts, 0) - counts
+
+        base = run_start + before
+        c = lo
+        while c < hi:
+            p = c + offs
+            valid = p < hi
+            e = _pair_expert(IDS, p, valid, TOP_K, SLOTS, E, FRESH)
+            same_earlier = (e[:, None] == e[None, :]) & (offs[None, :] < offs[:, None]) & valid[None, :]
+            rank = tl.sum(same_earlier.to(tl.int32), axis=1)
+            tl.store(SORTED + tl.gather(base, e, 0) + rank, p, mask=valid)
+            base += tl.histogram(e, NB, mask=valid)
+            c += BLOCK_P
+
+        if pid == 0:  # the work items: each expert with pairs, in CHUNK-pair pieces, ascending by id
+            bins = tl.arange(0, NB)
+            chunks = (counts + CHUNK - 1) // CHUNK
+            item0 = tl.cumsum(chunks, 0) - chunks
+            tl.store(NUM_ITEMS, tl.sum(chunks, axis=0))
+            ci = 0
+            while ci * CHUNK < T:  # an expert has at most T pairs (one per token)
+                has = chunks > ci
+                tl.store(ITEM_EXPERT + item0 + ci, bins, mask=has)
+                tl.store(ITEM_START + item0 + ci, run_start + ci * CHUNK, mask=has)
+                tl.store(ITEM_COUNT + item0 + ci, tl.minimum(counts - ci * CHUNK, CHUNK), mask=has)
+                ci += 1
+
+    @triton.jit
+    def _align_kernel(IDS, SORTED, ITEM_EXPERT, ITEM_START, ITEM_COUNT, NUM_ITEMS, P, T, per_program,
+                      TOP_K: tl.constexpr, SLOTS: tl.constexpr, E: tl.constexpr, NB: tl.constexpr,
+                      CHUNK: tl.constexpr, BLOCK_P: tl.constexpr):
+        _align_body(IDS, SORTED, ITEM_EXPERT, ITEM_START, ITEM_COUNT, NUM_ITEMS, P, T, tl.program_id(0),
+                    per_program, TOP_K, SLOTS, E, NB, CHUNK, BLOCK_P, False)
+
+    @triton.jit
+    def _route_align_kernel(L, X, WS, W_OUT, IDS_OUT, SW_OUT, SORTED, ITEM_EXPERT, ITEM_START, ITEM_COUNT,
+                            NUM_ITEMS, T, P,
+                            E: tl.constexpr, EP: tl.constexpr, TOP_K: tl.constexpr, KP: tl.constexpr,
+                            H: tl.constexpr, RENORM: tl.constexpr, SHARED: tl.constexpr, BLOCK_T: tl.constexpr,
+                            BLOCK_H: tl.constexpr, SLOTS: tl.constexpr, NB: tl.constexpr, CHUNK: tl.constexpr,
+                            BLOCK_P: tl.constexpr):
+        # One program routes every token, then (after a barrier: it reads the ids back) groups the pairs:
+        # one launch instead of two for small steps.
+        t0 = 0
+        while t0 < T:
+            _route_block(L, X, WS, W_OUT, IDS_OUT, SW_OUT, t0, T, E, EP, TOP_K, KP, H, RENORM, True, SHARED,
+                         BLOCK_T, BLOCK_H)
+            t0 += BLOCK_T
+        tl.debug_barrier()
+        _align_body(IDS_OUT, SORTED, ITEM_EXPERT, ITEM_START, ITEM_COUNT, NUM_ITEMS, P, T, 0, P, TOP_K, SLOTS, E,
+                    NB, CHUNK, BLOCK_P, True)
+
+    @triton.jit
+    def _grouped_gemm_kernel(A, W, WU, SW, SWU, OUT, SORTED, ITEM_EXPERT, ITEM_START, ITEM_COUNT, NUM_ITEMS,
+                             N_OUT: tl.constexpr, K: tl.constexpr, SLOTS: tl.constexpr, E: tl.constexpr,
+                             GATED: tl.constexpr, SHARED: tl.constexpr, USE_DOT: tl.constexpr,
+                             DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                             BLOCK_K: tl.constexpr):
+        # One program: one work item (an expert and up to CHUNK of its pairs, contiguous in SORTED) times
+        # BLOCK_N output columns; it loops over the item's pairs BLOCK_M at a time.
+        # GATED (gate_up): A = x [T, K] read at each pair's token; W = gate_up [E, 2 * N_OUT, K] (gate rows
+        #   n, up rows N_OUT + n); OUT = act [P, N_OUT] in sorted order; SiLU(gate) * up in the epilogue.
+        # not GATED (down): A = act, read in sorted order; W = down [E, N_OUT, K]; OUT = y [P, N_OUT] at each
+        #   pair's own row (pair = t * SLOTS + j), so the combine reads a token's rows in slot order.
+        # SHARED: expert id E is the shared expert, whose weights are SW (gate / down) and SWU (up), [N_OUT, K].
+        item = tl.program_id(0)
+        if item >= tl.load(NUM_ITEMS):
+            return
+        dtype = OUT.dtype.element_ty
+        e = tl.load(ITEM_EXPERT + item)
+        start = tl.load(ITEM_START + item)
+        count = tl.load(ITEM_COUNT + item)
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        n_mask = offs_n < N_OUT
+        rows = offs_n[:, None].to(tl.int64) * K
+        if GATED:
+            g_base = W + e.to(tl.int64) * (2 * N_OUT * K)
+            u_base = g_base + N_OUT * K
+            if SHARED:  # noqa: SIM102 (a compile-time guard around the runtime test)
+                if e == E:
+                    g_base = SW
+                    u_base = SWU
+        else:
+            g_base = W + e.to(tl.int64) * (N_OUT * K)
+            u_base = g_base
+            if SHARED:  # noqa: SIM102
+                if e == E:
+                    g_base = SW
+                    u_base = SW
+
+        m0 = 0
+        while m0 < count:
+            offs_m = m0 + tl.arange(0, BLOCK_M)
+            m_mask = offs_m < count
+            pos = start + offs_m  # place in sorted order
+            pair = tl.load(SORTED + pos, mask=m_mask, other=0)
+            if GATED:
+                a_rows = A + (pair // SLOTS)[:, None].to(tl.int64) * K
+            else:
+                a_rows = A + pos[:, None].to(tl.int64) * K
+            if USE_DOT:
+                acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            else:  # one row: products accumulated elementwise, summed across K once after the loop
+                acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+                acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                ks = k0 + offs_k
+                k_mask = ks < K
+                av = tl.load(a_rows + ks[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+                w_mask = n_mask[:, None] & k_mask[None, :]
+                wg = tl.load(g_base + rows + ks[None, :], mask=w_mask, other=0.0)
+                if USE_DOT:
+                    acc_g = tl.dot(av, tl.trans(wg), acc_g, input_precision=DOT_PRECISION)
+                else:
+                    acc_g += wg.to(tl.float32) * av.to(tl.float32)
+                if GATED:
+                    wu = tl.load(u_base + rows + ks[None, :], mask=w_mask, other=0.0)
+                    if USE_DOT:
+                        acc_u = tl.dot(av, tl.trans(wu), acc_u, input_precision=DOT_PRECISION)
+                    else:
+                        acc_u += wu.to(tl.float32) * av.to(tl.float32)
+            if USE_DOT:
+                yg = acc_g
+                yu = acc_u
+            else:
+                yg = tl.sum(acc_g, axis=1)[None, :]
+                yu = tl.sum(acc_u, axis=1)[None, :]
+            y = yg.to(dtype)  # the F.linear output
+            if GATED:  # as silu_mul_ref rounds: F.silu, then the multiply
+                g = y.to(tl.float32)
+                s = (g / (1.0 + tl.exp(-g))).to(dtype)
+                y = (s.to(tl.float32) * yu.to(dtype).to(tl.float32)).to(dtype)
+                out_rows = pos
+            else:
+                out_rows = pair
+            out_mask = m_mask[:, None] & n_mask[None, :]
+            tl.store(OUT + out_rows[:, None].to(tl.int64) * N_OUT + offs_n[None, :], y, mask=out_mask)
+            m0 += BLOCK_M
+
+    @triton.jit
+    def _combine_kernel(Y, WTS, SWTS, OUT, H: tl.constexpr, TOP_K: tl.constexpr, SLOTS: tl.constexpr,
+                        SHARED: tl.constexpr, BLOCK_H: tl.constexpr):
+        # out[t] = sum over the token's slots, in slot order, of weight * pair row: float32, no atomics.
+        t = tl.program_id(0).to(tl.int64)
+        offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        mask = offs < H
+        acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+        for j in tl.static_range(TOP_K):
+            w = tl.load(WTS + t * TOP_K + j).to(tl.float32)
+            acc += w * tl.load(Y + (t * SLOTS + j) * H + offs, mask=mask, other=0.0).to(tl.float32)
+        if SHARED:
+            w = tl.load(SWTS + t).to(tl.float32)
+            acc += w * tl.load(Y + (t * SLOTS + TOP_K) * H + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(OUT + t * H + offs, acc.to(OUT.dtype.element_ty), mask=mask)
+
+
+CHUNK = 64  # pairs per work item: 4 tiles of 16 rows; only the shared expert reaches it below T = 64
+BLOCK_P = 128  # pairs per align program
+ROUTE_ALIGN_MAX_PAIRS = 512  # up to here one program routes and groups a whole step (one launch, not two)
+_NUM_SMS = 132  # H100 / H200
+_MIN_PROGRAMS = 2 * _NUM_SMS
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmConfig:
+    """Launch parameters of one grouped GEMM (gate_up or down)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+    @property
+    def use_dot(self) -> bool:
+        return self.block_m > 1
+
+
+def _next_pow2(v: int) -> int:
+    return 1 << max(v - 1, 0).bit_length()
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def max_items(tokens: int, slots: int, experts: int) -> int:
+    """Upper bound on work items: every expert with a pair once, plus one more per CHUNK pairs."""
+    pairs = tokens * slots
+    return min(experts, pairs) + pairs // CHUNK
+
+
+def gemm_config(tokens: int, n: int, k: int, items: int, gated: bool) -> GemmConfig:
+    """Launch config for `tokens` tokens, n output columns, reduction length k, up to `items` work items.
+
+    A hand heuristic (no autotune: CUDA graphs are captured right after warm-up), after skinny_linear's:
+    the kernels stream expert weights, so they want >= 2 programs per SM with enough bytes in flight each.
+    - One token (every expert has one row): the row-reduction path, BLOCK_N 16 (else 8, 4 while that
+      leaves too few programs), wide BLOCK_K, 8 warps once a tile reaches 8192 elements.
+    - More tokens: tl.dot over 16-row tiles (the smallest tl.dot tile; decode experts rarely see more),
+      BLOCK_K 128 whatever the token count (so a row rounds the same in any batch), BLOCK_N 64/32/16.
+    `items` is the worst case; a step that touches fewer experts has fewer live programs.
+    """
+    if tokens == 1:
+        block_k = min(512, max(64, _next_pow2(k)))
+        block_n = next((b for b in (16, 8) if items * _cdiv(n, b) >= _MIN_PROGRAMS), 4)
+        return GemmConfig(1, block_n, block_k, 8 if block_n * block_k >= 8192 else 4, 3)
+    block_k = min(128, max(16, _next_pow2(k)))
+    block_n = next((b for b in (64, 32) if items * _cdiv(n, b) >= _MIN_PROGRAMS), 16)
+    return GemmConfig(16, block_n, block_k, 4, 3)
+
+
+@dataclasses.dataclass(frozen=True)
+class SharedWeights:
+    """A shared expert folded into the grouped launches: its own [I, H] gate and up, [H, I] down."""
+
+    gate: torch.Tensor
+    up: torch.Tensor
+    down: torch.Tensor
+
+
+def fused_supported(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
+    """Whether the Triton MoE kernels apply: 2-D contiguous activations, weights of the same dtype."""
+    return (use_triton(x) and x.dim() == 2 and x.shape[0] >= 1 and x.dtype == gate_up.dtype == down.dtype
+            and x.dtype in (torch.float32, torch.float16, torch.bfloat16)
+            and gate_up.is_contiguous() and down.is_contiguous() and gate_up.device == x.device)
+
+
+def shared_foldable(shared: SharedWeights, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
+    """The shared expert rides along as expert E when it has the routed experts' shapes and dtype."""
+    i, h = gate_up.shape[1] // 2, gate_up.shape[2]
+    return (shared.gate.shape == shared.up.shape == (i, h) and shared.down.shape == (h, i)
+            and all(t.dtype == gate_up.dtype and t.is_contiguous() for t in (shared.gate, shared.up, shared.down)))
+
+
+def _route_consts(logits: torch.Tensor, top_k: int, renormalize: bool, x: torch.Tensor | None,
+                  shared: bool) -> dict:
+    t, e = logits.shape
+    h = x.shape[1] if x is not None else 1
+    return dict(E=e, EP=_next_pow2(e), TOP_K=top_k, KP=_next_pow2(top_k), H=h, RENORM=renormalize,
+                SHARED=shared, BLOCK_T=min(16, _next_pow2(t)), BLOCK_H=min(256, _next_pow2(h)))
+
+
+def _route_outputs(logits: torch.Tensor, top_k: int, x: torch.Tensor | None, shared: bool, topk: bool
+                   ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    t, dev = logits.shape[0], logits.device
+    weights = torch.empty(t, top_k, dtype=logits.dtype, device=dev) if topk else None
+    ids = torch.empty(t, top_k, dtype=torch.int32, device=dev) if topk else None
+    shared_w = torch.empty(t, dtype=x.dtype, device=dev) if shared and x is not None else None
+    return weights, ids, shared_w
+
+
+def moe_route(logits: torch.Tensor, top_k: int, renormalize: bool, x: torch.Tensor | None = None,
+              shared_gate: torch.Tensor | None = None, topk: bool = True
+              ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """One launch: (weights [T, k] in the logits' dtype, ids [T, k] int32, shared weights [T] or None).
+
+    The same selection as layers.moe.route (ties aside: lowest id first); with `shared_gate` ([1, H] or [H])
+    also sigmoid(x @ shared_gate.T). topk=False computes only the shared weights (routing overridden).
+    """
+    shared = shared_gate is not None
+    if shared and x is None:
+        raise ValueError("the shared expert's gate needs x")
+    weights, ids, shared_w = _route_outputs(logits, top_k, x, shared, topk)
+    if not topk and not shared:
+        return weights, ids, shared_w
+    consts = _route_consts(logits, top_k, renormalize, x, shared)
+    dummy = logits
+    _route_kernel[(_cdiv(logits.shape[0], consts["BLOCK_T"]),)](
+        logits, x if x is not None else dummy, shared_gate if shared else dummy,
+        weights if weights is not None else dummy, ids if ids is not None else dummy,
+        shared_w if shared_w is not None else dummy, logits.shape[0], DO_TOPK=topk, num_warps=4, **consts)
+    return weights, ids, shared_w
+
+
+@dataclasses.dataclass
+class Layout:
+    """The pairs grouped by expert: `sorted_pairs` [P] (pair = token * slots + slot) and the work items."""
+
+    sorted_pairs: torch.Tensor
+    item_expert: torch.Tensor
+    item_start: torch.Tensor
+    item_count: torch.Tensor
+    num_items: torch.Tensor  # [1], on the device
+    max_items: int
+
+
+def _layout(tokens: int, top_k: int, num_experts: int, shared: bool, device: torch.device
+            ) -> tuple[Layout, dict]:
+    """Empty layout buffers (one allocation) and the align kernels' constants."""
+    slots = top_k + int(shared)
+    experts = num_experts + int(shared)
+    pairs = tokens * slots
+    n_items = max_items(tokens, slots, experts)
+    buf = torch.empty(pairs + 3 * n_items + 1, dtype=torch.int32, device=device)
+    sorted_pairs, item_expert, item_start, item_count, num_items = buf.split([pairs, n_items, n_items, n_items, 1])
+    consts = dict(TOP_K=top_k, SLOTS=slots, E=num_experts, NB=_next_pow2(experts), CHUNK=CHUNK, BLOCK_P=BLOCK_P)
+    return Layout(sorted_pairs, item_expert, item_start, item_count, num_items, n_items), consts
+
+
+def moe_align(ids: torch.Tensor, num_experts: int, shared: bool) -> Layout:
+    """Group the T * (k + shared) pairs by expert (stable: ascending pair index within an expert), one launch."""
+    t, k = ids.shape
+    layout, consts = _layout(t, k, num_experts, shared, ids.device)
+    pairs = layout.sorted_pairs.numel()
+    ids = ids if ids.is_contiguous() else ids.contiguous()
+    _align_kernel[(_cdiv(pairs, BLOCK_P),)](
+        ids, layout.sorted_pairs, layout.item_expert, layout.item_start, layout.item_count, layout.num_items,
+        pairs, t, BLOCK_P, num_warps=4, **consts)
+    return layout
+
+
+def moe_route_align(logits: torch.Tensor, top_k: int, renormalize: bool, x: torch.Tensor | None = None,
+                    shared_gate: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, Layout]:
+    """`moe_route` then `moe_align`, as one single-program launch when the step is small (at most
+    ROUTE_ALIGN_MAX_PAIRS pairs), else as the two launches."""
+    t, e = logits.shape
+    shared = shared_gate is not None
+    if t * (top_k + int(shared)) > ROUTE_ALIGN_MAX_PAIRS:
+        weights, ids, shared_w = moe_route(logits, top_k, renormalize, x, shared_gate)
+        return weights, ids, shared_w, moe_align(ids, e, shared)
+    if shared and x is None:
+        raise ValueError("the shared expert's gate needs x")
+    weights, ids, shared_w = _route_outputs(logits, top_k, x, shared, True)
+    layout, align_consts = _layout(t, top_k, e, shared, logits.device)
+    dummy = logits
+    _route_align_kernel[(1,)](
+        logits, x if x is not None else dummy, shared_gate if shared else dummy, weights, ids,
+        shared_w if shared else dummy, layout.sorted_pairs, layout.item_expert, layout.item_start,
+        layout.item_count, layout.num_items, t, layout.sorted_pairs.numel(),
+        **_route_consts(logits, top_k, renormalize, x, shared),
+        **{k: v for k, v in align_consts.items() if k not in ("TOP_K", "E")}, num_warps=4)
+    return weights, ids, shared_w, layout
+
+
+def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, wu: torch.Tensor | None, sw: torch.Tensor | None,
+                  swu: torch.Tensor | None, out: torch.Tensor, layout: Layout, slots: int, num_experts: int,
+                  gated: bool, cfg: GemmConfig) -> None:
+    n_out, k = out.shape[1], a.shape[1]
+    dot_precision = "ieee" if a.dtype == torch.float32 else "tf32"
+    _grouped_gemm_kernel[(layout.max_items, _cdiv(n_out, cfg.block_n))](
+        a, w, wu if wu is not None else w, sw if sw is not None else w, swu if swu is not None else w, out,
+        layout.sorted_pairs, layout.item_expert, layout.item_start, layout.item_count, layout.num_items,
+        N_OUT=n_out, K=k, SLOTS=slots, E=num_experts, GATED=gated, SHARED=sw is not None, USE_DOT=cfg.use_dot,
+        DOT_PRECISION=dot_precision, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+def moe_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
+                ids: torch.Tensor, shared: SharedWeights | None = None, shared_weight: torch.Tensor | None = None,
+                configs: tuple[GemmConfig, GemmConfig] | None = None, layout: Layout | None = None) -> torch.Tensor:
+    """Routed experts (+ the folded shared expert), as layers.moe.experts_reference (+ shared_weight * shared(x)).
+
+    x [T, H]; gate_up [E, 2I, H]; down [E, H, I]; weights / ids [T, k]; shared (foldable, see
+    `shared_foldable`) with shared_weight [T]. Four launches: align, gate_up, down, combine (three when
+    `layout` comes from `moe_route_align`). `configs` overrides the (gate_up, down) launch configs.
+    """
+    t, h = x.shape
+    e, two_i, _ = gate_up.shape
+    i = two_i // 2
+    k = ids.shape[1]
+    has_shared = shared is not None
+    slots = k + int(has_shared)
+    x = x if x.is_contiguous() else x.contiguous()
+    weights = weights if weights.is_contiguous() else weights.contiguous()
+    if layout is None:
+        layout = moe_align(ids, e, has_shared)
+    if configs is None:
+        configs = (gemm_config(t, i, h, layout.max_items, True), gemm_config(t, h, i, layout.max_items, False))
+    act = torch.empty(t * slots, i, dtype=x.dtype, device=x.device)
+    y = torch.empty(t * slots, h, dtype=x.dtype, device=x.device)
+    _grouped_gemm(x, gate_up, None, shared.gate if has_shared else None, shared.up if has_shared else None,
+                  act, layout, slots, e, True, configs[0])
+    _grouped_gemm(act, down, None, shared.down if has_shared else None, None, y, layout, slots, e, False,
+                  configs[1])
+    out = torch.empty_like(x)
+    block_h = min(512, _next_pow2(h))
+    _combine_kernel[(t, _cdiv(h, block_h))](
+        y, weights, shared_weight if has_shared else weights, out, H=h, TOP_K=k, SLOTS=slots, SHARED=has_shared,
+        BLOCK_H=block_h, num_warps=4)
+    return out

@@ -1,0 +1,712 @@
+"""Weight-only quantized linear layers (W4A16 / W8A16 / FP8 / NVFP4) with the weights dequantized in registers.
+
+    y = x @ dequantize(layer).T + bias        (optionally added in place to a residual)
+
+Decode is bound by streaming the weight, so a quantized weight is read packed and turned into the activation
+dtype tile by tile inside the GEMM: the bytes read are the packed weight plus its scales, 2-4x fewer than bf16.
+Layouts (a weight of logical shape [N, K] = [out, in]; `QuantLinear` in models/layers/quant_linear.py holds them):
+
+- "int4":  qweight uint8 [N, K/2], element k even in the low nibble; scales [N, K/G] (activation dtype);
+           zeros uint8 [N, K/G] (symmetric formats store 8); w = (q - z) * s; G in {32, 64, 128}.
+- "int8":  qweight int8 [N, K]; scales [N, K/G] (G may equal K: per channel); zeros int8 [N, K/G] or None.
+- "fp8":   qweight float8_e4m3fn [N, K]; scales float32 [N, 1] (per channel) or [ceil(N/128), ceil(K/128)].
+- "nvfp4": qweight uint8 [N, K/2] of E2M1 codes (sign | e1 e0 | m, low nibble = even k); scales float8_e4m3fn
+           [N, K/16]; global_scale float32 scalar tensor; w = e2m1 * scale * global_scale.
+
+`dequantize` is the definition (the oracle, and what the loader uses to check a checkpoint); `quant_linear_ref`
+is dequantize + F.linear. `quant_linear` is the entry point:
+- 1-16 rows (decode, speculative verify): one Triton kernel per projection. The weight tile is dequantized to
+  bf16 in registers and multiplied on tensor cores (`tl.dot`, rows padded to 8 or 16), with the K loop split
+  across the warps of a program (a batched dot, summed once at the end) so that even a 4096-wide projection
+  has enough warps in flight. For int4 and NVFP4 on a GPU the unpacking is a few PTX instructions per pair
+  of weights (`_unpack_int4_fast` / `_unpack_e2m1_fast`): with Triton's own integer ops the dequantization
+  costs ~8 instructions per weight (NVFP4: ~24), more than an H100 can issue while streaming 4-bit weights
+  at full bandwidth (~7 per weight at 80% of it). One row of int8 / fp8 (1 byte per weight, half the
+  element rate) takes a reduction path like skinny_linear's instead (`_M1_PATH`).
+- 17 to PREFILL_DEQUANT_MIN_M - 1 rows: the same kernel with 32-64-row tiles (Hopper: wgmma).
+- more rows (prefill): the whole weight is dequantized to the activation dtype once per call, then cuBLAS.
+float32 accumulation throughout. Native Blackwell FP4 / FP8 tensor-core GEMMs have one dispatch point
+(`_native_blackwell`), a stub that falls through to the W4A16 path for now.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from blockspec.kernels._triton import HAVE_TRITON, INTERPRET, use_triton
+
+SCHEMES = ("int4", "int8", "fp8", "nvfp4")
+NVFP4_GROUP = 16
+FP8_BLOCK = 128
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # magnitude of E2M1 code & 7
+
+PREFILL_DEQUANT_MIN_M = 1024  # rows: from here dequantize + cuBLAS beats the in-register tl.dot GEMM (to tune)
+_M1_PATH = {"int4": "dot", "nvfp4": "dot", "int8": "reduce", "fp8": "reduce"}  # one-row kernel per scheme
+_NUM_SMS = 132  # H100 / H200
+_MIN_PROGRAMS = 2 * _NUM_SMS
+_TARGET_WARPS = 8 * _NUM_SMS  # warps that hide the dequantizing dot path's ALU chains and load latency
+_FP4_GLOBAL_BIAS = 2.0 ** 26  # fast NVFP4 tiles hold w * 2^-26 (see _unpack_e2m1_fast); the epilogue restores it
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The definition
+
+
+def unpack_int4(packed: torch.Tensor, k: int) -> torch.Tensor:
+    """uint8 [..., K/2] -> uint8 [..., K] of 4-bit values, element k even taken from the low nibble."""
+    return torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(*packed.shape[:-1], k)
+
+
+def e2m1_to_float(codes: torch.Tensor) -> torch.Tensor:
+    """4-bit E2M1 codes (sign | e1 e0 | m) -> float32."""
+    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=codes.device)
+    mag = table[(codes & 7).long()]
+    return torch.where((codes & 8) != 0, -mag, mag)
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+def dequantize(scheme: str, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+               global_scale: torch.Tensor | None, group_size: int | None, out_features: int, in_features: int,
+               dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """The quantized weight as a dense [out_features, in_features] tensor of `dtype`, computed in float32 and
+    rounded once. group_size is read for int4 / int8 only (None or <= 0 means one group per row); fp8 takes
+    its granularity from the scales' shape, NVFP4's groups are 16."""
+    n, k = out_features, in_features
+    if scheme in ("int4", "int8"):
+        q = (unpack_int4(qweight, k) if scheme == "int4" else qweight).to(torch.int32)
+        _check(tuple(q.shape) == (n, k), f"{scheme} qweight {tuple(qweight.shape)} does not hold [{n}, {k}]")
+        g = group_size if group_size and group_size > 0 else k
+        _check(k % g == 0 and tuple(scales.shape) == (n, k // g), f"{scheme} scales {tuple(scales.shape)} "
+               f"do not match [{n}, {k}] in groups of {g}")
+        z = zeros.to(torch.int32).repeat_interleave(g, dim=1) if zeros is not None else 0
+        w = (q - z).float() * scales.float().repeat_interleave(g, dim=1)
+    elif scheme == "fp8":
+        _check(tuple(qweight.shape) == (n, k), f"fp8 qweight {tuple(qweight.shape)} is not [{n}, {k}]")
+        s = scales.float()
+        if tuple(s.shape) == (n, 1):
+            w = qweight.float() * s
+        else:
+            _check(tuple(s.shape) == (-(-n // FP8_BLOCK), -(-k // FP8_BLOCK)), f"fp8 scales {tuple(s.shape)} "
+                   f"are neither per channel nor 128x128 blocks of [{n}, {k}]")
+            s = s.repeat_interleave(FP8_BLOCK, 0)[:n].repeat_interleave(FP8_BLOCK, 1)[:, :k]
+            w = qweight.float() * s
+    elif scheme == "nvfp4":
+        _check(k % NVFP4_GROUP == 0 and tuple(qweight.shape) == (n, k // 2)
+               and tuple(scales.shape) == (n, k // NVFP4_GROUP), f"nvfp4 qweight {tuple(qweight.shape)} / scales "
+               f"{tuple(scales.shape)} do not match [{n}, {k}]")
+        w = e2m1_to_float(unpack_int4(qweight, k)) * scales.float().repeat_interleave(NVFP4_GROUP, dim=1)
+        if global_scale is not None:
+            w = w * global_scale.float()
+    else:
+        raise ValueError(f"unknown quantization scheme {scheme!r} (one of {SCHEMES})")
+    return w.to(dtype)
+
+
+def dequantize_layer(layer, dtype: torch.dtype) -> torch.Tensor:
+    """dequantize() over a QuantLinear-like module's attributes."""
+    return dequantize(layer.scheme, layer.qweight, layer.scales, layer.zeros, layer.global_scale, layer.group_size,
+                      layer.out_features, layer.in_features, dtype)
+
+
+def quant_linear_ref(x: torch.Tensor, layer, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """The reference: dequantize to x's dtype, F.linear; with a residual, residual += y in place (returned)."""
+    y = F.linear(x, dequantize_layer(layer, x.dtype), layer.bias)
+    if residual is None:
+        return y
+    return residual.copy_(residual + y)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Triton kernels
+
+# PTX for the fast unpackers, elementwise over bytes (Triton packs any 4 of a thread's bytes into $4; output
+# i depends on byte i only): output i is the int32 holding the 16-bit pair (low nibble, high nibble) of byte
+# i, dequantized; the caller splits it with bitcasts and interleaves the halves, which LLVM folds back into
+# the register the mma reads (no repacking). Per-group operands arrive as int32 pairs (x, x), one per
+# byte ($5.., $9..). prmt moves byte i to lane 0 and the byte holding its high nibble to lane 1, zeroing
+# bytes 1 and 3 (selector nibble 8-15 = the sign of a byte known to be < 0x80). bf16 arithmetic is
+# fma.rn.bf16x2 (sm_80+; sub / mul.bf16x2 need sm_90).
+# int4: lop3 (t & 0x000F000F) | magic makes magic + q exactly (128 + q in bf16, 1024 + q in fp16); adding
+# -(magic + z) is exact and the multiply by the scale rounds once, as dequantize() rounds (q - z) * s.
+_INT4_ASM = """{
+.reg .b32 v, t<4>, one, nz;
+mov.b32 one, ONE;
+mov.b32 nz, 0x80008000;
+shr.b32 v, $4, 4;
+prmt.b32 t0, $4, v, 0xF4F0;
+prmt.b32 t1, $4, v, 0xF5F1;
+prmt.b32 t2, $4, v, 0xF6F2;
+prmt.b32 t3, $4, v, 0xF7F3;
+lop3.b32 t0, t0, 0x000F000F, MAGIC, 0xEA;
+lop3.b32 t1, t1, 0x000F000F, MAGIC, 0xEA;
+lop3.b32 t2, t2, 0x000F000F, MAGIC, 0xEA;
+lop3.b32 t3, t3, 0x000F000F, MAGIC, 0xEA;
+fma.rn.TY t0, t0, one, $5;
+fma.rn.TY t1, t1, one, $6;
+fma.rn.TY t2, t2, one, $7;
+fma.rn.TY t3, t3, one, $8;
+fma.rn.TY $0, t0, $9, nz;
+fma.rn.TY $1, t1, $10, nz;
+fma.rn.TY $2, t2, $11, nz;
+fma.rn.TY $3, t3, $12, nz;
+}"""
+# E2M1 -> bf16 without a table: a code n (sign | e1 e0 m) alone in a 16-bit lane, times 0x1040, holds n at
+# bits 6..9 and again at 12..15 (no carries); masking 0x81C0 keeps e1 e0 m at bits 8..6 and the sign at
+# bit 15: the bf16 number e2m1 * 2^-126 (e = 0 lands on the subnormal m * 0.5 * 2^-126, e > 0 on
+# 2^(e-127) * (1 + m/2)). The scale operand carries 2^100 (s' = s * 2^100, exact), so one multiply gives
+# w * 2^-26, a normal bf16 for every code and e4m3 scale; the epilogue multiplies by 2^26 * global_scale.
+_E2M1_ASM = """{
+.reg .b32 lo, hi, t<4>, nz;
+mov.b32 nz, 0x80008000;
+and.b32 lo, $4, 0x0F0F0F0F;
+shr.b32 hi, $4, 4;
+and.b32 hi, hi, 0x0F0F0F0F;
+prmt.b32 t0, lo, hi, 0x8480;
+prmt.b32 t1, lo, hi, 0x8581;
+prmt.b32 t2, lo, hi, 0x8682;
+prmt.b32 t3, lo, hi, 0x8783;
+mul.lo.u32 t0, t0, 0x1040;
+mul.lo.u32 t1, t1, 0x1040;
+mul.lo.u32 t2, t2, 0x1040;
+mul.lo.u32 t3, t3, 0x1040;
+and.b32 t0, t0, 0x81C081C0;
+and.b32 t1, t1, 0x81C081C0;
+and.b32 t2, t2, 0x81C081C0;
+and.b32 t3, t3, 0x81C081C0;
+fma.rn.bf16x2 $0, t0, $5, nz;
+fma.rn.bf16x2 $1, t1, $6, nz;
+fma.rn.bf16x2 $2, t2, $7, nz;
+fma.rn.bf16x2 $3, t3, $8, nz;
+}"""
+INT4_ASM_BF16 = _INT4_ASM.replace("MAGIC", "0x43004300").replace("ONE", "0x3F803F80").replace("TY", "bf16x2")
+INT4_ASM_FP16 = _INT4_ASM.replace("MAGIC", "0x64006400").replace("ONE", "0x3C003C00").replace("TY", "f16x2")
+E2M1_ASM_BF16 = _E2M1_ASM
+
+if HAVE_TRITON:
+    import triton
+    import triton.language as tl
+
+    _INT4_ASM_BF16 = tl.constexpr(INT4_ASM_BF16)
+    _INT4_ASM_FP16 = tl.constexpr(INT4_ASM_FP16)
+    _E2M1_ASM_BF16 = tl.constexpr(E2M1_ASM_BF16)
+
+    @triton.jit
+    def _pair16(v):
+        """A 16-bit float tensor -> int32 holding its bits in both halves (a broadcast operand for the PTX)."""
+        bits = v.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        return bits | (bits << 16)
+
+    @triton.jit
+    def _split_pairs(pair, OUT: tl.constexpr):
+        """int32 (low, high) 16-bit pairs from the PTX -> the two halves as OUT tensors."""
+        lo = (pair & 0xFFFF).to(tl.int16).to(OUT, bitcast=True)
+        hi = (pair >> 16).to(tl.int16).to(OUT, bitcast=True)
+        return lo, hi
+
+    @triton.jit
+    def _unpack_int4_fast(b, nz2, s2, IS_BF16: tl.constexpr):
+        """uint8 bytes -> int32 pairs of (low, high) nibbles dequantized to the 16-bit dtype: (q - z) * s.
+        nz2 holds -(magic + z) (-(128 + z) in bf16, -(1024 + z) in fp16) and s2 the scale, as pairs."""
+        if IS_BF16:
+            return tl.inline_asm_elementwise(_INT4_ASM_BF16, "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r", [b, nz2, s2],
+                                             dtype=tl.int32, is_pure=True, pack=4)
+        else:
+            return tl.inline_asm_elementwise(_INT4_ASM_FP16, "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r", [b, nz2, s2],
+                                             dtype=tl.int32, is_pure=True, pack=4)
+
+    @triton.jit
+    def _unpack_e2m1_fast(b, s2):
+        """uint8 bytes of E2M1 pairs -> int32 pairs of bf16 values * s * 2^-126; s2 carries s * 2^100 (above)."""
+        return tl.inline_asm_elementwise(_E2M1_ASM_BF16, "=r,=r,=r,=r,r,r,r,r,r", [b, s2],
+                                         dtype=tl.int32, is_pure=True, pack=4)
+
+    @triton.jit
+    def _int_to_float(v):
+        """Exact int32 -> float32 for |v| < 2^22 without I2F (a quarter-rate instruction on Hopper): the bits
+        0x4B400000 + v are the float 2^23 + 2^22 + v."""
+        return (v + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
+
+    @triton.jit
+    def _e2m1_plain(c):
+        """4-bit E2M1 codes (int32) -> float32 with integer ops only: 2|v| = m (e = 0) or (2 + m) << (e - 1)."""
+        e = (c >> 1) & 3
+        m = c & 1
+        twice = tl.where(e == 0, m, (2 + m) << tl.maximum(e - 1, 0))
+        mag = _int_to_float(twice) * 0.5
+        return tl.where((c & 8) != 0, -mag, mag)
+
+    @triton.jit
+    def _group_scales(S, Z, rows, n_mask, kk, K: tl.constexpr, G: tl.constexpr, NG: tl.constexpr,
+                      NGT: tl.constexpr, GT: tl.constexpr, SCALE_ROW_DIV: tl.constexpr, HAS_ZERO: tl.constexpr):
+        """Scales (and zeros) of the groups a tile covers: [SPLIT, BLOCK_N, NGT], group g of slice s starting at
+        kk[s] + g * GT. Out-of-range groups and rows read scale 0, so their weights come out 0."""
+        g = (kk[:, None] + tl.arange(0, NGT)[None, :] * GT) // G  # [S, NGT]
+        srow = (rows // SCALE_ROW_DIV)[None, :, None]
+        gmask = n_mask[None, :, None] & (g < NG)[:, None, :]
+        s = tl.load(S + srow * NG + g[:, None, :], mask=gmask, other=0)
+        if HAS_ZERO:
+            z = tl.load(Z + srow * NG + g[:, None, :], mask=gmask, other=0)
+        else:
+            z = tl.zeros(s.shape, dtype=tl.int32)
+        return s, z
+
+    @triton.jit
+    def _packed_offsets(kk, NGT: tl.constexpr, GT: tl.constexpr):
+        """Byte offsets within a row of two-per-byte weights: [SPLIT, NGT groups, GT / 2 bytes]."""
+        group = tl.arange(0, NGT)[None, :, None] * (GT // 2)
+        return kk[:, None, None] // 2 + group + tl.arange(0, GT // 2)[None, None, :]
+
+    @triton.jit
+    def _int4_tile(QW, S, Z, rows, n_mask, kk, K: tl.constexpr, G: tl.constexpr, NG: tl.constexpr,
+                   BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, FAST: tl.constexpr, OUT: tl.constexpr):
+        """int4 weights [SPLIT, BLOCK_N, BLOCK_K] starting at columns kk (one per slice), as OUT."""
+        GT: tl.constexpr = G if G < BLOCK_K else BLOCK_K
+        NGT: tl.constexpr = BLOCK_K // GT
+        kb = _packed_offsets(kk, NGT, GT)
+        mask = n_mask[None, :, None, None]
+        if not EVEN_K:
+            mask = mask & (kb < K // 2)[:, None, :, :]
+        b = tl.load(QW + rows[None, :, None, None] * (K // 2) + kb[:, None, :, :], mask=mask, other=0)
+        s, z = _group_scales(S, Z, rows, n_mask, kk, K, G, NG, NGT, GT, 1, True)
+        if FAST:  # bf16 / fp16 pairs straight from the bytes (PTX)
+            IS_BF16: tl.constexpr = tl.bfloat16 == OUT
+            NEG_MAGIC: tl.constexpr = 0xC300 if IS_BF16 else 0xE400  # sign bit | magic
+            nz = z.to(tl.int32) | NEG_MAGIC
+            pair = _unpack_int4_fast(b, tl.broadcast_to((nz | (nz << 16))[:, :, :, None], b.shape),
+                                     tl.broadcast_to(_pair16(s.to(OUT))[:, :, :, None], b.shape), IS_BF16)
+            lo, hi = _split_pairs(pair, OUT)
+        else:
+            bi = b.to(tl.int32)
+            zi = z.to(tl.int32)[:, :, :, None]
+            sf = s.to(tl.float32)[:, :, :, None]
+            lo = (_int_to_float((bi & 0xF) - zi) * sf).to(OUT)
+            hi = (_int_to_float((bi >> 4) - zi) * sf).to(OUT)
+        w = tl.interleave(lo, hi)  # [S, BN, NGT, GT]: element k even from the low nibble
+        return tl.reshape(w, [w.shape[0], w.shape[1], BLOCK_K])
+
+    @triton.jit
+    def _nvfp4_tile(QW, S, rows, n_mask, kk, K: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                    FAST: tl.constexpr, OUT: tl.constexpr):
+        """NVFP4 weights [SPLIT, BLOCK_N, BLOCK_K] * e4m3 group scale, without the global scale (applied to the
+        accumulator); FAST tiles are also scaled by 2^-26 (bf16 only)."""
+        GT: tl.constexpr = 16
+        NGT: tl.constexpr = BLOCK_K // GT
+        NG: tl.constexpr = K // GT
+        kb = _packed_offsets(kk, NGT, GT)
+        mask = n_mask[None, :, None, None]
+        if not EVEN_K:
+            mask = mask & (kb < K // 2)[:, None, :, :]
+        b = tl.load(QW + rows[None, :, None, None] * (K // 2) + kb[:, None, :, :], mask=mask, other=0)
+        s, z = _group_scales(S, S, rows, n_mask, kk, K, GT, NG, NGT, GT, 1, False)
+        sf = s.to(tl.float8e4nv, bitcast=True).to(tl.float32)  # e4m3 scales passed as a uint8 view
+        if FAST:
+            sb = (sf * 1.2676506002282294e30).to(tl.bfloat16)  # s * 2^100, exact (4 significant bits)
+            pair = _unpack_e2m1_fast(b, tl.broadcast_to(_pair16(sb)[:, :, :, None], b.shape))
+            lo, hi = _split_pairs(pair, tl.bfloat16)
+        else:
+            bi = b.to(tl.int32)
+            lo = (_e2m1_plain(bi & 0xF) * sf[:, :, :, None]).to(OUT)
+            hi = (_e2m1_plain(bi >> 4) * sf[:, :, :, None]).to(OUT)
+        w = tl.interleave(lo, hi)
+        return tl.reshape(w, [w.shape[0], w.shape[1], BLOCK_K])
+
+    @triton.jit
+    def _byte_tile(QW, S, Z, rows, n_mask, kk, z_row, K: tl.constexpr, G: tl.constexpr, NG: tl.constexpr,
+                   SCALE_ROW_DIV: tl.constexpr, IS_FP8: tl.constexpr, HAS_ZERO: tl.constexpr,
+                   PER_ROW: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, OUT: tl.constexpr):
+        """int8 or fp8 weights [SPLIT, BLOCK_N, BLOCK_K]. PER_ROW (one scale per row): the tile is q - z (int8)
+        or q (fp8) and the scale is applied to the accumulator; else each group's scale is applied here
+        (fp8 128x128 blocks: G = 128 along K and SCALE_ROW_DIV = 128 rows)."""
+        GT: tl.constexpr = BLOCK_K if PER_ROW else (G if G < BLOCK_K else BLOCK_K)
+        NGT: tl.constexpr = BLOCK_K // GT
+        ks = kk[:, None, None] + tl.arange(0, NGT)[None, :, None] * GT + tl.arange(0, GT)[None, None, :]
+        mask = n_mask[None, :, None, None]
+        if not EVEN_K:
+            mask = mask & (ks < K)[:, None, :, :]
+        q = tl.load(QW + rows[None, :, None, None] * K + ks[:, None, :, :], mask=mask, other=0)
+        if IS_FP8:  # passed as a uint8 view (a masked fp8 load has no `other` to fill with)
+            v = q.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        elif PER_ROW:
+            v = _int_to_float(q.to(tl.int32) - z_row[None, :, None, None])
+        else:
+            v = q.to(tl.int32)
+        if not PER_ROW:
+            s, z = _group_scales(S, Z, rows, n_mask, kk, K, G, NG, NGT, GT, SCALE_ROW_DIV, HAS_ZERO and not IS_FP8)
+            if not IS_FP8:
+                v = _int_to_float(v - z.to(tl.int32)[:, :, :, None])
+            v = v * s.to(tl.float32)[:, :, :, None]
+        w = v.to(OUT)
+        return tl.reshape(w, [w.shape[0], w.shape[1], BLOCK_K])
+
+    @triton.jit
+    def _dequant_tile(QW, S, Z, rows, n_mask, kk, z_row, SCHEME: tl.constexpr, K: tl.constexpr, G: tl.constexpr,
+                      NG: tl.constexpr, SCALE_ROW_DIV: tl.constexpr, HAS_ZERO: tl.constexpr, PER_ROW: tl.constexpr,
+                      BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, FAST: tl.constexpr, OUT: tl.constexpr):
+        """The per-scheme tile dequantizer shared by the GEMM and the whole-weight kernel (and, later, a grouped
+        MoE kernel: pass the expert's QW / S / Z base pointers). Returns [SPLIT, BLOCK_N, BLOCK_K] as OUT."""
+        if SCHEME == "int4":
+            return _int4_tile(QW, S, Z, rows, n_mask, kk, K, G, NG, BLOCK_K, EVEN_K, FAST, OUT)
+        elif SCHEME == "nvfp4":
+            return _nvfp4_tile(QW, S, rows, n_mask, kk, K, BLOCK_K, EVEN_K, FAST, OUT)
+        else:
+            return _byte_tile(QW, S, Z, rows, n_mask, kk, z_row, K, G, NG, SCALE_ROW_DIV, SCHEME == "fp8",
+                              HAS_ZERO, PER_ROW, BLOCK_K, EVEN_K, OUT)
+
+    @triton.jit
+    def _quant_linear_kernel(X, QW, S, Z, GS, B, Y, M, N, SCHEME: tl.constexpr, K: tl.constexpr, G: tl.constexpr,
+                             NG: tl.constexpr, SCALE_ROW_DIV: tl.constexpr, HAS_ZERO: tl.constexpr,
+                             PER_ROW: tl.constexpr, HAS_GS: tl.constexpr, GS_FACTOR: tl.constexpr,
+                             HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, USE_DOT: tl.constexpr,
+                             FAST: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr):
+        # Program (pid_n, pid_m) owns BLOCK_N output columns of BLOCK_M rows. Each step of the K loop covers
+        # SPLIT * BLOCK_K columns of the weight: slice s = [k0 + s * BLOCK_K, + BLOCK_K). The dot path computes
+        # the weight-as-A product acc[s] += W_s @ x_s^T as one batched dot (the warps split over the slices)
+        # and sums the slices after the loop; the one-row reduction path (USE_DOT = False, SPLIT = 1)
+        # accumulates products elementwise and reduces across K once at the end (skinny_linear's lesson).
+        # K is constexpr: a handful per model, compile-time trip counts and masks.
+        dtype = Y.dtype.element_ty
+        pid_n = tl.program_id(0)
+        pid_m = tl.program_id(1)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        n_mask = offs_n < N
+        m_mask = offs_m < M
+        rows = offs_n.to(tl.int64)
+        EVEN_K: tl.constexpr = K % (BLOCK_K * SPLIT) == 0
+        TILE: tl.constexpr = X.dtype.element_ty if USE_DOT or FAST else tl.float32
+        z_row = tl.zeros([BLOCK_N], dtype=tl.int32)
+        if PER_ROW and HAS_ZERO and SCHEME == "int8":
+            z_row = tl.load(Z + rows, mask=n_mask, other=0).to(tl.int32)
+        if USE_DOT:
+            if SPLIT == 1:
+                acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+            else:
+                acc3 = tl.zeros([SPLIT, BLOCK_N, BLOCK_M], dtype=tl.float32)
+        else:
+            acc3 = tl.zeros([SPLIT, BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K * SPLIT):
+            kk = k0 + tl.arange(0, SPLIT) * BLOCK_K
+            w = _dequant_tile(QW, S, Z, rows, n_mask, kk, z_row, SCHEME, K, G, NG, SCALE_ROW_DIV, HAS_ZERO, PER_ROW,
+                              BLOCK_K, EVEN_K, FAST, TILE)
+            ks = kk[:, None] + tl.arange(0, BLOCK_K)[None, :]  # [S, BK]
+            if USE_DOT:
+                x_mask = m_mask[None, :, None]
+                if not EVEN_K:
+                    x_mask = x_mask & (ks < K)[:, None, :]
+                xv = tl.load(X + offs_m[None, :, None].to(tl.int64) * K + ks[:, None, :], mask=x_mask, other=0.0)
+                if SPLIT == 1:
+                    acc = tl.dot(tl.reshape(w, [BLOCK_N, BLOCK_K]), tl.trans(tl.reshape(xv, [BLOCK_M, BLOCK_K])), acc,
+                                 input_precision=DOT_PRECISION)
+                else:
+                    acc3 = tl.dot(w, tl.permute(xv, [0, 2, 1]), acc3, input_precision=DOT_PRECISION)
+            else:  # one row
+                if EVEN_K:
+                    xv = tl.load(X + ks)
+                else:
+                    xv = tl.load(X + ks, mask=ks < K, other=0.0)
+                acc3 += w.to(tl.float32) * xv.to(tl.float32)[:, None, :]
+
+        if USE_DOT:
+            if SPLIT == 1:
+                y = tl.trans(acc)  # [BM, BN]
+            else:
+                y = tl.trans(tl.sum(acc3, axis=0))
+        else:
+            y = tl.sum(tl.sum(acc3, axis=2), axis=0)[None, :]  # [1, BN]
+        if PER_ROW:
+            y = y * tl.load(S + rows, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        if HAS_GS:
+            y = y * tl.load(GS).to(tl.float32)
+        if GS_FACTOR != 1.0:
+            y = y * GS_FACTOR
+        if HAS_BIAS:
+            y += tl.load(B + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        y = y.to(dtype)  # the F.linear output
+        out_mask = m_mask[:, None] & n_mask[None, :]
+        y_ptrs = Y + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+        if HAS_RES:
+            r = tl.load(y_ptrs, mask=out_mask, other=0.0)
+            y = (r.to(tl.float32) + y.to(tl.float32)).to(dtype)
+        tl.store(y_ptrs, y, mask=out_mask)
+
+    @triton.jit
+    def _dequant_kernel(QW, S, Z, GS, W, N, SCHEME: tl.constexpr, K: tl.constexpr, G: tl.constexpr,
+                        NG: tl.constexpr, SCALE_ROW_DIV: tl.constexpr, HAS_ZERO: tl.constexpr, PER_ROW: tl.constexpr,
+                        HAS_GS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """The whole weight as W [N, K] (W's dtype), for the prefill path (then cuBLAS). Bound by writing W:
+        the plain float32 dequantizers are fast enough here."""
+        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < N
+        rows = offs_n.to(tl.int64)
+        kk = tl.program_id(1) * BLOCK_K + tl.arange(0, 1)
+        z_row = tl.zeros([BLOCK_N], dtype=tl.int32)
+        if PER_ROW and HAS_ZERO and SCHEME == "int8":
+            z_row = tl.load(Z + rows, mask=n_mask, other=0).to(tl.int32)
+        w = _dequant_tile(QW, S, Z, rows, n_mask, kk, z_row, SCHEME, K, G, NG, SCALE_ROW_DIV, HAS_ZERO, PER_ROW,
+                          BLOCK_K, K % BLOCK_K == 0, False, tl.float32)
+        w = tl.reshape(w, [BLOCK_N, BLOCK_K])
+        if PER_ROW:
+            w = w * tl.load(S + rows, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+        if HAS_GS:
+            w = w * tl.load(GS).to(tl.float32)
+        ks = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+        tl.store(W + rows[:, None] * K + ks[None, :], w.to(W.dtype.element_ty),
+                 mask=n_mask[:, None] & (ks < K)[None, :])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Host side
+
+
+@dataclass(frozen=True)
+class QuantMeta:
+    """What the kernels need to know about a layer's format (constexprs, bar the tensors)."""
+    scheme: str
+    n: int
+    k: int
+    group: int  # along K (int4 / int8: G; fp8 blocks: 128; per-row schemes: K; nvfp4: 16)
+    n_groups: int  # scales.shape[1]
+    scale_row_div: int  # 128 for fp8 block scales, else 1
+    per_row: bool  # one scale per output row, applied to the accumulator
+    has_zero: bool
+    has_gs: bool
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    use_dot: bool
+    block_m: int
+    block_n: int
+    block_k: int
+    split: int
+    num_warps: int
+    num_stages: int
+
+
+def _next_pow2(v: int) -> int:
+    return 1 << max(v - 1, 0).bit_length()
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _pow2(v: int) -> bool:
+    return v > 0 and v & (v - 1) == 0
+
+
+def quant_meta(layer) -> QuantMeta | None:
+    """The layer's format as the kernels index it, or None where they do not cover it (the reference runs)."""
+    scheme, n, k = layer.scheme, layer.out_features, layer.in_features
+    qw, s, z, gs = layer.qweight, layer.scales, layer.zeros, layer.global_scale
+    if scheme not in SCHEMES or s.dim() != 2 or not (qw.is_contiguous() and s.is_contiguous()):
+        return None
+    if z is not None and not z.is_contiguous():
+        return None
+    if scheme == "int4":
+        g = layer.group_size if layer.group_size and layer.group_size > 0 else k
+        if (not _pow2(g) or g < 16 or k % g or tuple(qw.shape) != (n, k // 2) or qw.dtype != torch.uint8
+                or tuple(s.shape) != (n, k // g) or z is None or z.shape != s.shape):
+            return None
+        return QuantMeta(scheme, n, k, g, k // g, 1, False, True, False)
+    if scheme == "int8":
+        g = layer.group_size if layer.group_size and layer.group_size > 0 else k
+        if (k % g or tuple(qw.shape) != (n, k) or qw.dtype != torch.int8 or tuple(s.shape) != (n, k // g)
+                or (z is not None and z.shape != s.shape) or (g != k and (not _pow2(g) or g < 16))):
+            return None
+        return QuantMeta(scheme, n, k, g, k // g, 1, g == k, z is not None, False)
+    if scheme == "fp8":
+        if tuple(qw.shape) != (n, k) or qw.dtype != torch.float8_e4m3fn:
+            return None
+        if tuple(s.shape) == (n, 1):
+            return QuantMeta(scheme, n, k, k, 1, 1, True, False, False)
+        if tuple(s.shape) == (_cdiv(n, FP8_BLOCK), _cdiv(k, FP8_BLOCK)):
+            return QuantMeta(scheme, n, k, FP8_BLOCK, s.shape[1], FP8_BLOCK, False, False, False)
+        return None
+    if (k % NVFP4_GROUP or tuple(qw.shape) != (n, k // 2) or qw.dtype != torch.uint8
+            or tuple(s.shape) != (n, k // NVFP4_GROUP) or s.dtype != torch.float8_e4m3fn):
+        return None
+    return QuantMeta(scheme, n, k, NVFP4_GROUP, k // NVFP4_GROUP, 1, False, False, gs is not None)
+
+
+def fast_unpack(meta: QuantMeta, dtype: torch.dtype) -> bool:
+    """Whether the PTX unpackers apply: int4 with bf16 / fp16 activations, NVFP4 with bf16 (its trick needs
+    bf16's exponent range), on a GPU (the interpreter cannot run inline assembly)."""
+    if INTERPRET:
+        return False
+    return (meta.scheme == "int4" and dtype in (torch.bfloat16, torch.float16)) or (
+        meta.scheme == "nvfp4" and dtype == torch.bfloat16)
+
+
+def _max_split(k: int, block_k: int, cap: int) -> int:
+    """The largest power of two <= cap slices of block_k that K fills."""
+    split = 1
+    while split * 2 <= cap and split * 2 * block_k <= k:
+        split *= 2
+    return split
+
+
+def _balance(programs: int) -> float:
+    """Fraction of the SMs' time used when `programs` equal programs share _NUM_SMS SMs."""
+    return programs / (_cdiv(programs, _NUM_SMS) * _NUM_SMS)
+
+
+def launch_config(meta: QuantMeta, m: int) -> LaunchConfig:
+    """A hand heuristic (CUDA graphs are captured after warm-up, so no autotuning), reasoned from sm_90 SASS
+    instruction counts per weight (an H100 issues ~128 instructions per SM-clock; streaming 4-bit weights at
+    80% of its bandwidth leaves ~7 per weight), not yet measured: bench/quant_gemm.py --sweep.
+    - m == 1 on the reduction path (int8 / fp8, _M1_PATH): skinny_linear's one-row config, BLOCK_N 4-16 rows
+      by >= 2 programs per SM, BLOCK_K 512, 8 warps from 8192-element tiles.
+    - m <= 16 (dot path): rows padded to 8 (m <= 8: mma n = 8, half the x fragments of 16) or 16.
+      SPLIT = num_warps = 4 slices of K per step (one per warp) so that a 4096-wide projection still runs
+      ~8 warps per SM: each warp's dequantization is a chain of dependent ALU instructions. BLOCK_K 256 per
+      slice, 3 stages (loop and scale overhead per weight, int4 / NVFP4 at 8 rows: 3.5 / 4.5 instructions
+      per weight vs 4.0 / 4.9 at 128; 16 rows 4.0 vs 4.4 for int4, <= 96 KB of shared memory: 2 programs per
+      SM; not for 8-bit weights at 16 rows, 128 KB). BLOCK_N 32 (two 16-row mma tiles per warp: half the
+      x-fragment traffic per weight) where N still gives enough warps and an even spread over the SMs
+      (gate_up, LM head), else 16.
+    - m > 16 (verify batches, short prefill): 32-64-row tiles, BLOCK_N 64, BLOCK_K 64, 4 warps, no split:
+      Hopper's wgmma takes the dequantized tile from registers with one warp per 16 weight rows (7 instructions
+      per weight). Narrower tiles put mma v2's warps along the rows of x, each dequantizing the same weights
+      (19 per weight with BLOCK_N 32). Fewer programs than SMs on 4096-wide projections below 128 rows.
+    """
+    n, k = meta.n, meta.k
+    if m == 1 and _M1_PATH[meta.scheme] == "reduce":
+        block_k = min(512, max(64, _next_pow2(k)))
+        block_n = next((b for b in (16, 8) if _cdiv(n, b) >= _MIN_PROGRAMS), 4)
+        return LaunchConfig(False, 1, block_n, block_k, 1, 8 if block_n * block_k >= 8192 else 4, 3)
+    if m <= 16:
+        wide = k >= 2048 and (m <= 8 or meta.scheme in ("int4", "nvfp4"))  # 8-bit tiles at 16 rows: 128 KB
+        block_k = 256 if wide else (128 if k >= 128 else max(32, _next_pow2(k)))
+        split = _max_split(k, block_k, 4)
+        p32 = _cdiv(n, 32)
+        block_n = 32 if p32 * split >= _TARGET_WARPS and _balance(p32) >= 0.9 else 16
+        return LaunchConfig(True, 8 if m <= 8 else 16, block_n, block_k, split, split, 3 if wide else 4)
+    return LaunchConfig(True, 32 if m <= 32 else 64, 64, 64 if k >= 64 else 32, 1, 4, 3)
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def _native_blackwell(x: torch.Tensor, layer, residual: torch.Tensor | None) -> torch.Tensor | None:
+    """Dispatch point for native Blackwell (sm_100 / 110 / 120 / 121) block-scaled FP4 / FP8 tensor-core GEMMs
+    (tcgen05 / mma with e2m1 or e4m3 operands and ue4m3 / ue8m0 scales): there the activations would be
+    quantized on the fly and the weights never dequantized. Not written yet: returns None, and the caller
+    falls through to the W4A16 / W8A16 kernels, which run on Blackwell too."""
+    if x.is_cuda and layer.scheme in ("nvfp4", "fp8"):
+        major, _ = _capability(x.device.index if x.device.index is not None else torch.cuda.current_device())
+        if major in (10, 11, 12):
+            return None  # TODO(issue 14): native FP4 / FP8 GEMM here
+    return None
+
+
+def _supported_meta(x: torch.Tensor, layer) -> QuantMeta | None:
+    """The layer's QuantMeta where the Triton kernels apply to this activation / layer pair, else None."""
+    if not (use_triton(x) and x.dtype in (torch.bfloat16, torch.float16, torch.float32) and x.dim() >= 1
+            and x.shape[-1] == layer.in_features and layer.qweight.device == x.device):
+        return None
+    if layer.bias is not None and (tuple(layer.bias.shape) != (layer.out_features,) or not layer.bias.is_contiguous()):
+        return None
+    return quant_meta(layer)
+
+
+def quant_supported(x: torch.Tensor, layer) -> bool:
+    """Whether the Triton kernels apply to this activation / layer pair."""
+    return _supported_meta(x, layer) is not None
+
+
+def _kernel_operands(layer, meta: QuantMeta) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(qweight, scales, zeros) as the kernels take them: float8 tensors as uint8 views (decoded by bitcast),
+    a missing zeros tensor replaced by the scales (never read)."""
+    qw = layer.qweight.view(torch.uint8) if meta.scheme == "fp8" else layer.qweight
+    s = layer.scales.view(torch.uint8) if meta.scheme == "nvfp4" else layer.scales
+    return qw, s, layer.zeros if layer.zeros is not None else s
+
+
+def _gemm_triton(x: torch.Tensor, layer, meta: QuantMeta, residual: torch.Tensor | None,
+                 cfg: LaunchConfig | None = None, fast: bool | None = None) -> torch.Tensor:
+    """Launch the GEMM on a contiguous 2-D x without the support checks (tests call it on CPU tensors under
+    TRITON_INTERPRET=1; bench/quant_gemm.py passes its own cfg)."""
+    m = x.shape[0]
+    cfg = cfg or launch_config(meta, m)
+    fast = fast_unpack(meta, x.dtype) if fast is None else fast
+    out = residual if residual is not None else torch.empty(m, meta.n, dtype=x.dtype, device=x.device)
+    gs_factor = _FP4_GLOBAL_BIAS if (meta.scheme == "nvfp4" and fast) else 1.0
+    gs = layer.global_scale if meta.has_gs else x
+    dot_precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    grid = (triton.cdiv(meta.n, cfg.block_n), triton.cdiv(m, cfg.block_m) if cfg.use_dot else 1)
+    _quant_linear_kernel[grid](
+        x, *_kernel_operands(layer, meta), gs,
+        layer.bias if layer.bias is not None else x, out, m, meta.n,
+        SCHEME=meta.scheme, K=meta.k, G=meta.group, NG=meta.n_groups, SCALE_ROW_DIV=meta.scale_row_div,
+        HAS_ZERO=meta.has_zero, PER_ROW=meta.per_row, HAS_GS=meta.has_gs, GS_FACTOR=gs_factor,
+        HAS_BIAS=layer.bias is not None, HAS_RES=residual is not None, USE_DOT=cfg.use_dot, FAST=fast,
+        DOT_PRECISION=dot_precision, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        SPLIT=cfg.split, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out
+
+
+def dequantize_triton(layer, dtype: torch.dtype, meta: QuantMeta | None = None) -> torch.Tensor:
+    """dequantize() as one Triton kernel over the whole weight (the prefill path's first half)."""
+    meta = meta or quant_meta(layer)
+    w = torch.empty(meta.n, meta.k, dtype=dtype, device=layer.qweight.device)
+    block_n, block_k = 32, 128 if meta.k >= 128 else max(32, _next_pow2(meta.k))
+    gs = layer.global_scale if meta.has_gs else w
+    _dequant_kernel[(triton.cdiv(meta.n, block_n), triton.cdiv(meta.k, block_k))](
+        *_kernel_operands(layer, meta), gs, w, meta.n,
+        SCHEME=meta.scheme, K=meta.k, G=meta.group, NG=meta.n_groups, SCALE_ROW_DIV=meta.scale_row_div,
+        HAS_ZERO=meta.has_zero, PER_ROW=meta.per_row, HAS_GS=meta.has_gs, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=4)
+    return w
+
+
+def _prefill(x: torch.Tensor, layer, meta: QuantMeta, residual: torch.Tensor | None) -> torch.Tensor:
+    """Many rows: dequantize once to x's dtype, then cuBLAS (the residual add in its epilogue where it can)."""
+    w = dequantize_triton(layer, x.dtype, meta)
+    if residual is not None and layer.bias is None:
+        return residual.addmm_(x, w.t())
+    y = F.linear(x, w, layer.bias)
+    return y if residual is None else residual.add_(y)
+
+
+def quant_linear(x: torch.Tensor, layer, *, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x @ W.T + bias for a quantized layer (module attributes: scheme, qweight, scales, zeros,
+    global_scale, group_size, out_features, in_features, bias); with `residual` ([rows, out_features], x's
+    dtype) the result is added to it in place and the residual returned. Triton on a GPU (or under
+    TRITON_INTERPRET=1), the reference elsewhere (CPU, grad, formats the kernels do not cover)."""
+    meta = _supported_meta(x, layer)
+    if meta is None:
+        return quant_linear_ref(x, layer, residual)
+    native = _native_blackwell(x, layer, residual)
+    if native is not None:
+        return native
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, meta.k)
+    if not x2.is_contiguous():
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    if residual is not None:
+        if (tuple(residual.shape) != (*lead, meta.n) or residual.dtype != x.dtype or not residual.is_contiguous()
+                or residual.device != x.device):
+            return quant_linear_ref(x, layer, residual)
+        res2 = residual.view(m, meta.n)
+    else:
+        res2 = None
+    if m == 0:
+        return residual if residual is not None else x.new_empty(*lead, meta.n)
+    if m >= PREFILL_DEQUANT_MIN_M:
+        y = _prefill(x2, layer, meta, res2)
+    else:
+        y = _gemm_triton(x2, layer, meta, res2)
+    return residual if residual is not None else y.view(*lead, meta.n)

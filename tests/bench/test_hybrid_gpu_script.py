@@ -1,0 +1,106 @@
+"""bench/hybrid_gpu.py's tiny CPU mode end to end: the flow the GPU run takes, on tiny configs, in seconds."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+
+import hybrid_gpu  # noqa: E402
+import hybrid_parts  # noqa: E402
+
+from blockspec.models.layers import moe  # noqa: E402
+
+
+@pytest.fixture
+def routing_hooks(monkeypatch):
+    """SparseMoeBlock's route_override / record_routing hooks: the real ones when the tree has them, else a
+    stand-in forward with the same contract, so the script's routing measurements run either way."""
+    block = moe.SparseMoeBlock(16, 4, 2, 8, True)
+    if hasattr(block, "route_override") and hasattr(block, "record_routing"):
+        return
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.gate(x)
+        override = self.route_override
+        weights, ids = override(logits) if override is not None else moe.route(logits, self.top_k, self.renormalize)
+        if self.record_routing:
+            self.last_ids = ids
+        out = self.experts(x, weights, ids)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
+
+    monkeypatch.setattr(moe.SparseMoeBlock, "route_override", None, raising=False)
+    monkeypatch.setattr(moe.SparseMoeBlock, "record_routing", False, raising=False)
+    monkeypatch.setattr(moe.SparseMoeBlock, "forward", forward)
+
+
+def test_tiny_cpu_flow(tmp_path, routing_hooks, capsys):
+    args = ["--device", "cpu", "--tiny", "--in-process", "--tokens", "8", "--runs", "1", "--context", "32",
+            "--out", str(tmp_path)]
+    hybrid_gpu.main(args)
+    res = json.loads((tmp_path / "hybrid_gpu.json").read_text())
+    assert res["settings"]["tiny"] and res["copy_bandwidth_GBps"] > 0 and res["commit"]
+    assert res["env"]["checks"]["moe_grouped_vs_reference"]["tokens_16"]["max_rel_err"] < 1e-4
+    eq = res["graphs_vs_eager"]
+    assert all(eq[key][f"k{k}_equal"] for key in ("27b", "35b", "coder30b") for k in (0, 15))
+    models = {m["key"]: m for m in res["models"]}
+    assert list(models) == list(hybrid_gpu.ORDER)
+    for key, m in models.items():
+        assert "error" not in m and "skipped" not in m, (key, m.get("error"), m.get("skipped"))
+        assert m["ar"]["tok_s"] > 0 and m["k15"]["uniform"]["step_ms"] > 0 and m["verify"]["uniform"]["step_ms"] > 0
+        assert 0 < m["ar_bytes_per_token"] <= m["bytes"]["total"] and m["roofline_tok_s"] > 0
+        assert m["ar"]["steps"] == 7 and m["k15"]["uniform"]["tau"] >= 1
+    assert models["4b"]["bytes"]["embedding"] == 0 and models["4b"]["bytes"]["lm_head"] > 0  # tied: read as the head
+    for key in ("35b", "coder30b"):  # MoE: experts touched by 16-token verify passes, both routers
+        rout, split = models[key]["routing"], models[key]["bytes"]
+        top_k, num_experts = split["experts"][0]["top_k"], split["experts"][0]["num_experts"]
+        for mode in ("uniform", "correlated"):
+            for blocks in ("k15_blocks", "verify_blocks"):
+                assert top_k <= rout[mode][blocks]["mean"] <= num_experts and rout[mode][blocks]["steps"] > 0
+            assert models[key]["verify"][mode]["weight_bytes"] == pytest.approx(
+                hybrid_parts.step_bytes(split, rout[mode]["verify_blocks"]["per_layer"]))
+        assert rout["keep_per_token"] == 1  # round(0.5 * top-2)
+        assert models[key]["ar_bytes_per_token"] < models[key]["verify"]["uniform"]["weight_bytes"]
+    conc = models["27b"]["concurrency"]
+    assert set(conc) == {"1", "4", "16"} and all(c["tok_s"] > 0 for c in conc.values())
+    metrics = {(t["model"], t["metric"]) for t in res["targets"]}
+    assert ("Qwen3.6-27B (tiny)", "k15_over_ar") in metrics
+    assert ("Qwen3-Coder-30B-A3B (tiny)", "verify_fraction (correlated)") in metrics
+    out = capsys.readouterr().out.rstrip().splitlines()
+    table_at = next(i for i, line in enumerate(out) if line.startswith("| model |"))
+    assert out[table_at - 2].startswith("wrote ") and out[-1].startswith("target ")  # the table comes last
+
+
+def test_correlated_router_shares_experts():
+    logits = torch.randn(16, 32)
+    for share, keep in ((0.5, 4), (0.0, 0), (1.0, 8), (0.3, 2)):
+        route = hybrid_parts.correlated_router(8, 32, share, renormalize=True)
+        weights, ids = route(logits)
+        assert route.keep == keep and ids.dtype == torch.int64 and ids.shape == weights.shape == (16, 8)
+        assert all(len(set(row)) == 8 for row in ids.tolist())  # k distinct experts per token
+        rows = [set(row) for row in ids.tolist()]
+        assert all(len(a & b) >= keep for a, b in zip(rows, rows[1:]))
+        assert torch.allclose(weights.sum(-1), torch.ones(16))
+        probs = F.softmax(logits, -1)
+        assert torch.allclose(weights, probs.gather(1, ids) / probs.gather(1, ids).sum(-1, keepdim=True))
+    first, _ = hybrid_parts.correlated_router(8, 32, 0.5, True)(logits[:1])
+    assert first.shape == (1, 8)
+
+
+def test_spawn_records_failures(tmp_path):
+    crash = hybrid_gpu.spawn([sys.executable, "-c", "import sys; sys.exit(3)"], tmp_path / "a.json", 30)
+    assert crash["error"] == "exit status 3 (nothing recorded)"
+    part = tmp_path / "b.json"
+    partial = hybrid_gpu.spawn([sys.executable, "-c", f"import pathlib, sys; pathlib.Path({str(part)!r})"
+                                f".write_text('{{\"ar\": 1}}'); sys.exit(1)"], part, 30)
+    assert partial["ar"] == 1 and partial["error"] == "exit status 1"
+    slow = hybrid_gpu.spawn([sys.executable, "-c", "import time; time.sleep(30)"], tmp_path / "c.json", 0.5)
+    assert slow["error"].startswith("timed out")

@@ -1,0 +1,530 @@
+"""Quantized linear layers: `dequantize` against a per-element decoding written out here (always, CPU), the Triton
+kernels against `quant_linear_ref` (on a GPU, or on CPU under TRITON_INTERPRET=1), and the PTX unpackers
+against the definition through a small model of the PTX instructions they use (always: they only run on a GPU).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from blockspec.kernels import quant_linear as ql
+from blockspec.kernels._triton import HAVE_TRITON, INTERPRET, kernel_device
+
+KERNEL_DEVICE = kernel_device()
+kernel = pytest.mark.skipif(KERNEL_DEVICE is None, reason="needs a CUDA GPU, or Triton with TRITON_INTERPRET=1")
+gpu = pytest.mark.skipif(not (HAVE_TRITON and torch.cuda.is_available()), reason="needs a CUDA GPU")
+
+
+@dataclass
+class Layer:
+    """The attributes QuantLinear exposes (what quant_linear reads)."""
+    scheme: str
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor | None
+    global_scale: torch.Tensor | None
+    group_size: int | None
+    out_features: int
+    in_features: int
+    bias: torch.Tensor | None = None
+
+    def to(self, device: str) -> Layer:
+        move = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in vars(self).items()}
+        return Layer(**move)
+
+
+def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    return (q[:, 0::2] | (q[:, 1::2] << 4)).to(torch.uint8)
+
+
+def make_layer(scheme: str, n: int, k: int, dtype: torch.dtype, *, group: int | None = None, zeros: bool = True,
+               bias: bool = False, block_fp8: bool = False, global_scale: bool = True, seed: int = 0) -> Layer:
+    """Random codes over the full range of each format, scales sized so that y has unit-ish magnitude."""
+    g = torch.Generator().manual_seed(seed)
+    b = (torch.randn(n, generator=g) * 0.1).to(dtype) if bias else None
+    if scheme == "int4":
+        gs = group or 32
+        qw = pack_nibbles(torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8))
+        s = ((torch.rand(n, k // gs, generator=g) + 0.5) * 0.3 * k ** -0.5).to(dtype)
+        z = torch.randint(0, 16, (n, k // gs), generator=g, dtype=torch.uint8) if zeros else None
+        if z is None:
+            z = torch.full((n, k // gs), 8, dtype=torch.uint8)  # symmetric formats store 8
+        return Layer(scheme, qw, s, z, None, gs, n, k, b)
+    if scheme == "int8":
+        gs = group or k
+        qw = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+        s = ((torch.rand(n, k // gs, generator=g) + 0.5) * 0.02 * k ** -0.5).to(dtype)
+        z = torch.randint(-20, 21, (n, k // gs), generator=g, dtype=torch.int8) if zeros else None
+        return Layer(scheme, qw, s, z, None, gs, n, k, b)
+    if scheme == "fp8":
+        bits = torch.randint(0, 256, (n, k), generator=g, dtype=torch.uint8)
+        bits = torch.where((bits & 0x7F) == 0x7F, bits & 0xF0, bits)  # no NaN codes
+        qw = bits.view(torch.float8_e4m3fn)
+        shape = (-(-n // 128), -(-k // 128)) if block_fp8 else (n, 1)
+        s = (torch.rand(*shape, generator=g) + 0.5) * 0.01 * k ** -0.5
+        return Layer(scheme, qw, s, None, None, 128 if block_fp8 else None, n, k, b)
+    if scheme == "nvfp4":
+        qw = pack_nibbles(torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8))
+        # every e4m3 scale code from subnormal 2^-9 up to 448, bar NaN
+        s = torch.randint(1, 127, (n, k // 16), generator=g, dtype=torch.uint8).view(torch.float8_e4m3fn)
+        gsc = torch.tensor(0.5 * k ** -0.5 / 40.0) if global_scale else None
+        return Layer(scheme, qw, s, None, gsc, 16, n, k, b)
+    raise ValueError(scheme)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The definition, decoded element by element
+
+
+def e4m3_by_hand(byte: int) -> float:
+    sign = -1.0 if byte & 0x80 else 1.0
+    e, m = (byte >> 3) & 0xF, byte & 7
+    if e == 0:
+        return sign * m / 8 * 2.0 ** -6
+    return sign * (1 + m / 8) * 2.0 ** (e - 7)
+
+
+def e2m1_by_hand(code: int) -> float:
+    sign = -1.0 if code & 8 else 1.0
+    e, m = (code >> 1) & 3, code & 1
+    return sign * (m / 2 if e == 0 else (1 + m / 2) * 2.0 ** (e - 1))
+
+
+def nibble(row: list[int], k: int) -> int:
+    byte = row[k // 2]
+    return (byte >> 4) if k % 2 else (byte & 0xF)
+
+
+def by_hand(layer: Layer) -> torch.Tensor:
+    """float64 [N, K], one element at a time from the formats' descriptions."""
+    n, k = layer.out_features, layer.in_features
+    out = torch.empty(n, k, dtype=torch.float64)
+    if layer.scheme == "fp8":
+        codes = layer.qweight.view(torch.uint8).tolist()
+    else:
+        codes = layer.qweight.tolist()
+    s = layer.scales.view(torch.uint8).tolist() if layer.scheme == "nvfp4" else layer.scales.double().tolist()
+    z = layer.zeros.tolist() if layer.zeros is not None else None
+    per_channel = layer.scheme == "fp8" and tuple(layer.scales.shape) == (n, 1)
+    for r in range(n):
+        for c in range(k):
+            if layer.scheme == "int4":
+                g = c // layer.group_size
+                v = (nibble(codes[r], c) - z[r][g]) * s[r][g]
+            elif layer.scheme == "int8":
+                g = c // (layer.group_size or k)
+                v = (codes[r][c] - (z[r][g] if z is not None else 0)) * s[r][g]
+            elif layer.scheme == "fp8":
+                scale = s[r][0] if per_channel else s[r // 128][c // 128]
+                v = e4m3_by_hand(codes[r][c]) * scale
+            else:
+                v = e2m1_by_hand(nibble(codes[r], c)) * e4m3_by_hand(s[r][c // 16])
+                if layer.global_scale is not None:
+                    v *= float(layer.global_scale)
+            out[r, c] = v
+    return out
+
+
+DEQUANT_CASES = {  # name: (scheme, n, k, options)
+    "int4_g32": ("int4", 6, 96, dict(group=32)),
+    "int4_g64_sym": ("int4", 5, 128, dict(group=64, zeros=False)),
+    "int4_g128": ("int4", 3, 256, dict(group=128)),
+    "int8_channel": ("int8", 6, 40, dict()),
+    "int8_channel_nozero": ("int8", 6, 40, dict(zeros=False)),
+    "int8_g32": ("int8", 4, 96, dict(group=32)),
+    "fp8_channel": ("fp8", 7, 50, dict()),
+    "fp8_block": ("fp8", 130, 200, dict(block_fp8=True)),
+    "nvfp4": ("nvfp4", 6, 64, dict()),
+    "nvfp4_no_global": ("nvfp4", 3, 32, dict(global_scale=False)),
+}
+
+
+@pytest.mark.parametrize("case", list(DEQUANT_CASES))
+def test_dequantize_matches_hand_decoding(case):
+    scheme, n, k, opts = DEQUANT_CASES[case]
+    layer = make_layer(scheme, n, k, torch.float32, **opts)
+    expected = by_hand(layer)
+    w = ql.dequantize_layer(layer, torch.float32)
+    assert w.shape == (n, k) and w.dtype == torch.float32
+    torch.testing.assert_close(w.double(), expected, rtol=1e-6, atol=1e-12)
+    w16 = ql.dequantize_layer(layer, torch.bfloat16)  # rounded once from float32
+    assert w16.dtype == torch.bfloat16 and torch.equal(w16, w.to(torch.bfloat16))
+
+
+def test_dequantize_covers_every_code():
+    """All 16 int4 / E2M1 codes and all 254 finite e4m3 codes decode as written out by hand."""
+    codes = torch.arange(16, dtype=torch.uint8).repeat(2)  # K = 32: every nibble in both positions
+    packed = pack_nibbles(codes.view(1, 32))
+    int4 = Layer("int4", packed, torch.ones(1, 1), torch.zeros(1, 1, dtype=torch.uint8), None, 32, 1, 32)
+    assert ql.dequantize_layer(int4, torch.float32).flatten().tolist() == codes.float().tolist()
+    fp4 = Layer("nvfp4", packed, torch.ones(1, 2).to(torch.float8_e4m3fn), None, None, 16, 1, 32)
+    assert ql.dequantize_layer(fp4, torch.float32).flatten().tolist() == [e2m1_by_hand(c) for c in codes.tolist()]
+    finite = [b for b in range(256) if b & 0x7F != 0x7F]
+    fp8 = Layer("fp8", torch.tensor([finite], dtype=torch.uint8).view(torch.float8_e4m3fn), torch.ones(1, 1), None,
+                None, None, 1, len(finite))
+    assert ql.dequantize_layer(fp8, torch.float32).flatten().tolist() == [e4m3_by_hand(b) for b in finite]
+
+
+def test_dequantize_rejects_mismatched_shapes():
+    layer = make_layer("int4", 4, 64, torch.float32, group=32)
+    with pytest.raises(ValueError):
+        ql.dequantize(layer.scheme, layer.qweight, layer.scales, layer.zeros, None, 64, 4, 64)
+    with pytest.raises(ValueError):
+        ql.dequantize("int3", layer.qweight, layer.scales, None, None, 32, 4, 64)
+
+
+@pytest.mark.parametrize("residual", [False, True])
+def test_reference_is_dequantize_then_linear(residual):
+    layer = make_layer("int4", 24, 64, torch.float32, group=32, bias=True)
+    x = torch.randn(3, 64)
+    expected = x.double() @ by_hand(layer).T + layer.bias.double()
+    r = torch.randn(3, 24) if residual else None
+    r0 = r.clone() if residual else None
+    out = ql.quant_linear_ref(x, layer, r)
+    if residual:
+        assert out is r
+        expected = expected + r0.double()
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_cpu_without_triton_path_is_the_reference():
+    layer = make_layer("nvfp4", 24, 64, torch.float32)
+    x = torch.randn(2, 64)
+    with torch.enable_grad():  # grad on: never the kernels
+        assert not ql.quant_supported(x, layer)
+        torch.testing.assert_close(ql.quant_linear(x, layer), ql.quant_linear_ref(x, layer), rtol=0, atol=0)
+
+
+def test_meta_covers_the_formats_and_refuses_the_rest():
+    assert ql.quant_meta(make_layer("int4", 8, 64, torch.float32, group=32)).group == 32
+    assert ql.quant_meta(make_layer("int8", 8, 40, torch.float32)).per_row
+    assert not ql.quant_meta(make_layer("int8", 8, 96, torch.float32, group=32)).per_row
+    assert ql.quant_meta(make_layer("fp8", 8, 40, torch.float32)).per_row
+    block = ql.quant_meta(make_layer("fp8", 130, 200, torch.float32, block_fp8=True))
+    assert (block.group, block.scale_row_div, block.n_groups) == (128, 128, 2)
+    assert ql.quant_meta(make_layer("nvfp4", 8, 64, torch.float32)).has_gs
+    odd = make_layer("int8", 8, 96, torch.float32, group=24)  # a group the tiles cannot split
+    assert ql.quant_meta(odd) is None
+    assert not ql.quant_supported(torch.randn(1, 96), odd)
+
+
+@pytest.mark.parametrize("scheme", ql.SCHEMES)
+@pytest.mark.parametrize("m", [1, 2, 16, 64, 4096])
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 4096), (4096, 12288), (151936, 4096), (40, 96)])
+def test_launch_config(scheme, m, n, k):
+    meta = ql.QuantMeta(scheme, n, k, 16 if scheme == "nvfp4" else 128, 1, 1, False, False, False)
+    cfg = ql.launch_config(meta, m)
+    for v in (cfg.block_m, cfg.block_n, cfg.block_k, cfg.split, cfg.num_warps):
+        assert v & (v - 1) == 0
+    if cfg.use_dot:
+        assert cfg.block_m >= 8 and cfg.block_n >= 16 and cfg.block_k >= 32  # mma shapes
+        assert cfg.split == 1 or cfg.split * cfg.block_k <= k  # every slice holds some of K
+        assert cfg.block_m >= min(m, 16) or cfg.block_m == 64
+    else:
+        assert m == 1 and cfg.split == 1 and cfg.block_m == 1
+    if m <= 16 and n >= 4096:  # a decode projection keeps >= 8 warps per SM busy
+        progs = -(-n // cfg.block_n)
+        assert progs * cfg.num_warps >= 1024 or not cfg.use_dot
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The kernels
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+@pytest.fixture
+def launch(monkeypatch):
+    """The GEMM launch itself (CPU tensors under the interpreter, with bf16 made to behave as on a GPU)."""
+    if INTERPRET:
+        from tests.kernels.test_skinny_linear import _interpreter_like_gpu
+
+        _interpreter_like_gpu(monkeypatch)
+
+    def run(x, layer, residual=None, cfg=None, fast=None):
+        with torch.no_grad():
+            return ql._gemm_triton(x, layer, ql.quant_meta(layer), residual, cfg, fast)
+    return run
+
+
+KERNEL_CASES = {  # name: (scheme, N, K, options); K is not a multiple of the 128-wide K block where the format allows
+    "int4_g32": ("int4", 40, 160, dict(group=32)),
+    "int4_g128_sym": ("int4", 24, 256, dict(group=128, zeros=False)),
+    "int8_channel": ("int8", 40, 100, dict()),
+    "int8_g32_nozero": ("int8", 24, 160, dict(group=32, zeros=False)),
+    "fp8_channel": ("fp8", 40, 100, dict()),
+    "fp8_block": ("fp8", 136, 200, dict(block_fp8=True)),
+    "nvfp4": ("nvfp4", 40, 160, dict()),
+}
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+
+
+@kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", list(KERNEL_CASES))
+@pytest.mark.parametrize("m", [1, 2, 5, 16, 64])
+def test_kernel_matches_reference(launch, m, case, dtype):
+    scheme, n, k, opts = KERNEL_CASES[case]
+    layer = make_layer(scheme, n, k, dtype, bias=m in (2, 16), seed=m, **opts).to(KERNEL_DEVICE)
+    x = torch.randn(m, k, dtype=dtype, device=KERNEL_DEVICE)
+    x0 = x.clone()
+    expected = ql.quant_linear_ref(x, layer)
+    out = launch(x, layer)
+    assert out.shape == (m, n) and out.dtype == dtype
+    assert rel_err(out, expected) < TOL[dtype]
+    assert torch.equal(x, x0)
+
+
+@kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("scheme", ql.SCHEMES)
+@pytest.mark.parametrize("m", [1, 5])
+def test_kernel_residual_in_place(launch, m, scheme, dtype):
+    case = {"int4": "int4_g32", "int8": "int8_g32_nozero", "fp8": "fp8_block", "nvfp4": "nvfp4"}[scheme]
+    _, n, k, opts = KERNEL_CASES[case]
+    layer = make_layer(scheme, n, k, dtype, bias=m == 5, seed=3, **opts).to(KERNEL_DEVICE)
+    x = torch.randn(m, k, dtype=dtype, device=KERNEL_DEVICE)
+    r = torch.randn(m, n, dtype=dtype, device=KERNEL_DEVICE)
+    r0 = r.clone()
+    expected = ql.quant_linear_ref(x, layer, r0.clone())
+    out = launch(x, layer, residual=r)
+    assert out.data_ptr() == r.data_ptr() and not torch.equal(r, r0)
+    assert rel_err(out, expected) < TOL[dtype]
+    # the projection itself, not just the residual it was added to
+    tol = 3e-2 if dtype == torch.bfloat16 else 1e-4
+    assert rel_err(out.float() - r0.float(), expected.float() - r0.float()) < tol
+
+
+@kernel
+@pytest.mark.parametrize("scheme", ql.SCHEMES)
+def test_kernel_fp16_activations(launch, scheme):
+    case = {"int4": "int4_g32", "int8": "int8_channel", "fp8": "fp8_block", "nvfp4": "nvfp4"}[scheme]
+    _, n, k, opts = KERNEL_CASES[case]
+    layer = make_layer(scheme, n, k, torch.float16, bias=True, seed=5, **opts).to(KERNEL_DEVICE)
+    for m in (1, 6):
+        x = torch.randn(m, k, dtype=torch.float16, device=KERNEL_DEVICE)
+        assert rel_err(launch(x, layer), ql.quant_linear_ref(x, layer)) < 1e-2
+
+
+# explicit configurations: both one-row paths for every scheme, split K, 32-row blocks, 8- and 16-row tiles
+CONFIGS = {
+    "reduce": ql.LaunchConfig(False, 1, 8, 64, 1, 4, 2),
+    "dot_bm8_split2": ql.LaunchConfig(True, 8, 16, 64, 2, 2, 2),
+    "dot_bm16_bn32_split4": ql.LaunchConfig(True, 16, 32, 32, 4, 4, 2),
+    "dot_bm32": ql.LaunchConfig(True, 32, 32, 64, 1, 4, 2),
+}
+
+
+@kernel
+@pytest.mark.parametrize("cfg", list(CONFIGS))
+@pytest.mark.parametrize("case", list(KERNEL_CASES))
+def test_kernel_launch_configs(launch, case, cfg):
+    scheme, n, k, opts = KERNEL_CASES[case]
+    config = CONFIGS[cfg]
+    m = 1 if not config.use_dot else min(config.block_m, 11)
+    layer = make_layer(scheme, n, k, torch.bfloat16, bias=True, seed=7, **opts).to(KERNEL_DEVICE)
+    x = torch.randn(m, k, dtype=torch.bfloat16, device=KERNEL_DEVICE)
+    out = launch(x, layer, cfg=config)
+    assert rel_err(out, ql.quant_linear_ref(x, layer)) < 1e-2
+
+
+@kernel
+@pytest.mark.parametrize("case", list(KERNEL_CASES))
+def test_dequantize_kernel_is_the_definition(launch, case):
+    """The prefill path's whole-weight dequantization rounds exactly as dequantize() does."""
+    scheme, n, k, opts = KERNEL_CASES[case]
+    layer = make_layer(scheme, n, k, torch.float32, **opts).to(KERNEL_DEVICE)
+    with torch.no_grad():
+        for dtype in (torch.float32, torch.bfloat16):
+            w = ql.dequantize_triton(layer, dtype)
+            torch.testing.assert_close(w, ql.dequantize_layer(layer, dtype), rtol=1e-6, atol=1e-9)
+
+
+@kernel
+@pytest.mark.parametrize("m", [1, 5, 40])
+def test_entry_point(launch, monkeypatch, m):
+    """quant_linear: 3-D input, residual, and the prefill path (dequantize + F.linear) from a lowered threshold."""
+    monkeypatch.setattr(ql, "PREFILL_DEQUANT_MIN_M", 32)
+    layer = make_layer("int4", 40, 160, torch.bfloat16, group=32, bias=True).to(KERNEL_DEVICE)
+    x = torch.randn(1, m, 160, dtype=torch.bfloat16, device=KERNEL_DEVICE)
+    r = torch.randn(1, m, 40, dtype=torch.bfloat16, device=KERNEL_DEVICE)
+    with torch.no_grad():
+        assert ql.quant_supported(x, layer)
+        y = ql.quant_linear(x, layer)
+        assert y.shape == (1, m, 40)
+        assert rel_err(y, ql.quant_linear_ref(x, layer)) < 1e-2
+        expected = ql.quant_linear_ref(x, layer, r.clone())
+        out = ql.quant_linear(x, layer, residual=r)
+        assert out is r and rel_err(out, expected) < 1e-2
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("case", ["int4_g32", "int4_g128_sym", "nvfp4"])
+@pytest.mark.parametrize("m", [1, 5, 16])
+def test_fast_unpack_matches_plain_on_gpu(launch, m, case, dtype):
+    """The PTX unpackers against the plain Triton dequantizers on the same launch configuration."""
+    scheme, n, k, opts = KERNEL_CASES[case]
+    layer = make_layer(scheme, 4 * n, 2 * k, dtype, bias=True, seed=m, **opts).to("cuda")
+    x = torch.randn(m, 2 * k, dtype=dtype, device="cuda")
+    meta = ql.quant_meta(layer)
+    if not ql.fast_unpack(meta, dtype):
+        pytest.skip("no fast unpacker for this scheme and dtype")
+    fast, plain = launch(x, layer, fast=True), launch(x, layer, fast=False)
+    assert rel_err(fast, plain) < 2e-3
+    assert rel_err(fast, ql.quant_linear_ref(x, layer)) < 1e-2
+
+
+@gpu
+def test_fast_unpack_every_code_on_gpu(launch):
+    """Every int4 and E2M1 code, every e4m3 scale code: x = one-hot rows read single weights back."""
+    k = 32
+    codes = torch.arange(16, dtype=torch.uint8).repeat(2)
+    rows = 126  # scale codes 1..126: subnormal 2^-9 .. 448
+    q = codes.repeat(rows, 1)
+    fp4 = Layer("nvfp4", pack_nibbles(q), torch.arange(1, rows + 1, dtype=torch.uint8).view(torch.float8_e4m3fn)
+                .repeat_interleave(2).view(rows, 2), None, torch.tensor(1.0), 16, rows, k).to("cuda")
+    int4 = Layer("int4", pack_nibbles(q), torch.rand(rows, 1).to(torch.bfloat16), torch.randint(0, 16, (rows, 1))
+                 .to(torch.uint8), None, 32, rows, k).to("cuda")
+    eye = torch.eye(k, dtype=torch.bfloat16, device="cuda")
+    for layer in (fp4, int4):
+        out = torch.cat([launch(eye[i:i + 8], layer, fast=True) for i in range(0, k, 8)])  # [K, N] = W.T
+        torch.testing.assert_close(out.T, ql.dequantize_layer(layer, torch.bfloat16), rtol=0, atol=0)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The PTX unpackers, through a model of the instructions they use
+
+
+def _bits_to(dtype: torch.dtype, bits: int) -> float:
+    return float(torch.tensor([bits], dtype=torch.int32).to(torch.int16).view(dtype)[0])
+
+
+def _to_bits(dtype: torch.dtype, v: float) -> int:
+    return int(torch.tensor([v], dtype=torch.float32).to(dtype).view(torch.int16)[0]) & 0xFFFF
+
+
+def run_ptx(asm: str, inputs: dict[str, int]) -> dict[str, int]:
+    """Execute the straight-line PTX of an unpacker on 32-bit integers."""
+    regs: dict[str, int] = dict(inputs)
+
+    def val(tok: str) -> int:
+        tok = tok.strip()
+        return regs[tok] if tok in regs else int(tok, 0) & 0xFFFFFFFF
+
+    def half2(op, a: int, b: int, c: int, dtype: torch.dtype) -> int:
+        out = 0
+        for lane in (0, 16):
+            x, y, z = (_bits_to(dtype, (v >> lane) & 0xFFFF) for v in (a, b, c))
+            out |= _to_bits(dtype, op(x, y, z)) << lane
+        return out
+
+    for line in asm.strip().strip("{}").splitlines():
+        line = line.strip().rstrip(";")
+        if not line or line.startswith(".reg"):
+            continue
+        op, rest = line.split(None, 1)
+        args = [a.strip() for a in rest.split(",")]
+        d, src = args[0], [val(a) for a in args[1:]]
+        if op == "mov.b32":
+            r = src[0]
+        elif op == "shr.b32":
+            r = src[0] >> src[1]
+        elif op == "and.b32":
+            r = src[0] & src[1]
+        elif op == "mul.lo.u32":
+            r = src[0] * src[1]
+        elif op == "prmt.b32":
+            pool = [(src[0] >> 8 * i) & 0xFF for i in range(4)] + [(src[1] >> 8 * i) & 0xFF for i in range(4)]
+            r = 0
+            for i in range(4):
+                sel = (src[2] >> 4 * i) & 0xF
+                byte = pool[sel & 7]
+                if sel & 8:
+                    byte = 0xFF if byte & 0x80 else 0
+                r |= byte << 8 * i
+        elif op == "lop3.b32":
+            a, b, c, lut = src
+            r = sum(((lut >> (((a >> i) & 1) << 2 | ((b >> i) & 1) << 1 | ((c >> i) & 1))) & 1) << i for i in range(32))
+        elif op in ("fma.rn.bf16x2", "fma.rn.f16x2"):
+            dtype = torch.bfloat16 if "bf16" in op else torch.float16
+            r = half2(lambda x, y, z: x * y + z, *src, dtype)  # exact in float32 for these operands
+        else:
+            raise NotImplementedError(op)
+        regs[d] = r & 0xFFFFFFFF
+    return regs
+
+
+def _pack16(dtype: torch.dtype, a: float, b: float) -> int:
+    return _to_bits(dtype, a) | _to_bits(dtype, b) << 16
+
+
+def _outputs(regs: dict[str, int], dtype: torch.dtype) -> tuple[list[float], list[float]]:
+    """Output i is the pair (low nibble, high nibble) of byte i."""
+    return ([_bits_to(dtype, regs[f"${i}"] & 0xFFFF) for i in range(4)],
+            [_bits_to(dtype, regs[f"${i}"] >> 16) for i in range(4)])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_int4_asm_model(dtype):
+    asm = (ql.INT4_ASM_BF16 if dtype == torch.bfloat16 else ql.INT4_ASM_FP16)
+    magic = 0xC300 if dtype == torch.bfloat16 else 0xE400  # as _int4_tile builds -(magic + z)
+    g = torch.Generator().manual_seed(0)
+    for trial in range(64):
+        b = [(4 * trial + i) % 256 for i in range(4)]  # every byte value once per position
+        z = int(torch.randint(0, 16, (1,), generator=g))
+        s = float(torch.rand(1, generator=g).to(dtype)) * 0.1 + 0.001
+        nzc = _bits_to(dtype, z | magic)
+        assert nzc == -((128 if dtype == torch.bfloat16 else 1024) + z)
+        pairs = {f"${5 + i}": _pack16(dtype, nzc, nzc) for i in range(4)} | {f"${9 + i}": _pack16(dtype, s, s)
+                                                                            for i in range(4)}
+        regs = run_ptx(asm, {"$4": b[0] | b[1] << 8 | b[2] << 16 | b[3] << 24} | pairs)
+        lo, hi = _outputs(regs, dtype)
+        s_r = _bits_to(dtype, _to_bits(dtype, s))
+        want = {q: float(torch.tensor((q - z) * s_r, dtype=torch.float32).to(dtype)) for q in range(16)}
+        assert lo == [want[v & 0xF] for v in b] and hi == [want[v >> 4] for v in b]
+
+
+def test_e2m1_asm_model():
+    asm = ql.E2M1_ASM_BF16
+    for trial in range(64):
+        b = [(4 * trial + i) % 256 for i in range(4)]
+        for scale_code in (1, 7, 8, 0x38, 0x7E):  # e4m3: smallest subnormal, largest subnormal, 2^-6, 1, 448
+            s = e4m3_by_hand(scale_code)
+            sp = float(torch.tensor(s * 2.0 ** 100).to(torch.bfloat16))
+            assert sp == s * 2.0 ** 100  # exact
+            regs = run_ptx(asm, {"$4": b[0] | b[1] << 8 | b[2] << 16 | b[3] << 24}
+                           | {f"${5 + i}": _pack16(torch.bfloat16, sp, sp) for i in range(4)})
+            lo, hi = _outputs(regs, torch.bfloat16)
+            assert lo == [e2m1_by_hand(v & 0xF) * s * 2.0 ** -26 for v in b]
+            assert hi == [e2m1_by_hand(v >> 4) * s * 2.0 ** -26 for v in b]
+
+
+def test_asm_uses_only_modelled_instructions():
+    known = {"mov.b32", "shr.b32", "and.b32", "mul.lo.u32", "prmt.b32", "lop3.b32", "fma.rn.bf16x2", "fma.rn.f16x2"}
+    for asm in (ql.INT4_ASM_BF16, ql.INT4_ASM_FP16, ql.E2M1_ASM_BF16):
+        ops = {m.group(1) for m in re.finditer(r"^\s*([a-z][\w.]*)\s", asm, re.M)} - {".reg"}
+        assert ops <= known, ops - known
+    assert math.isclose(ql._FP4_GLOBAL_BIAS, 2.0 ** 26)
+
+
+def test_prefill_threshold_and_dispatch_point():
+    assert ql.PREFILL_DEQUANT_MIN_M > 256  # verify batches of up to 256 rows stay in the skinny kernels
+    layer = make_layer("nvfp4", 8, 32, torch.float32)
+    assert ql._native_blackwell(torch.randn(1, 32), layer, None) is None
+
+
+def test_reference_entry_point_matches_f_linear_on_cpu():
+    layer = make_layer("int8", 24, 64, torch.float32, bias=True)
+    x = torch.randn(4, 64)
+    with torch.enable_grad():
+        y = ql.quant_linear(x, layer)
+    torch.testing.assert_close(y, F.linear(x, ql.dequantize_layer(layer, torch.float32), layer.bias))
