@@ -395,9 +395,15 @@ def task_model(args: argparse.Namespace, key: str, res: dict[str, Any], save: Ca
         save(res)
     if "correlated" in modes:
         hp.set_routing(engine, None)
+    if args.profile and args.device == "cuda":  # per-kernel GPU time of the k = 15 graphs (bench/profile_decode.py)
+        from profile_decode import kernel_table
+
+        res["profile"] = [{"k": 15} | kernel_table(engine, name) for name in ("target", "draft")]
     # 2. AR (k = 0), and aggregate decode at concurrency.
     engine.set_num_speculative_tokens(0)
     res["ar"] = hp.median_runs(request, args.runs, warmup)
+    if args.profile and args.device == "cuda":
+        res["profile"].append({"k": 0} | kernel_table(engine, "target"))
     res["ar_fraction"] = res["ar"]["tok_s"] / res["roofline_tok_s"]
     for k15 in res["k15"].values():
         k15["over_ar"] = k15["step_ms"] / res["ar"]["step_ms"]
@@ -579,6 +585,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--force", action="store_true", help="run models even when they look too big")
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--skip-equality", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="per-kernel GPU time of the batch-1 graphs")
     ap.add_argument("--task-timeout", type=float, default=420, help="seconds one model may take")
     ap.add_argument("--deadline", type=float, default=570, help="seconds for the whole run (the device allows 600)")
     ap.add_argument("--in-process", action="store_true", help="run every task in this process (tests)")

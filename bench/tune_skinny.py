@@ -1,11 +1,12 @@
-"""Sweep the skinny GEMM's tl.dot path (2-16 rows: verify blocks, drafter blocks) over launch configs for the
-Qwen3-8B shapes, against what a verify block runs now (cuBLAS, with the fused norm / SwiGLU kernels and the
-residual as an in-place addmm). GPU only; prints a table and writes $OUT/tune_skinny.json.
+"""Sweep the skinny GEMM's launch configs for a model's projection shapes: the tl.dot path (2-16 rows:
+verify and drafter blocks) or, with --rows 1, the one-row reduction path (autoregressive decode), against
+what skinny_linear dispatches now and against cuBLAS (with the fused norm / SwiGLU kernels and the residual
+as an in-place addmm). GPU only; prints a table and writes $OUT/tune_skinny_<model>_m<rows>.json.
 
 Each timing is a CUDA-graph replay of one call (triton.testing.do_bench_cudagraph), so launch overhead is
 not counted, as inside the decode graphs. The ideal is the weight bytes over the measured copy bandwidth.
 
-  python bench/tune_skinny.py [--rows 16]
+  python bench/tune_skinny.py [--model 8b|27b|4b] [--rows 16]
 """
 
 from __future__ import annotations
@@ -24,16 +25,28 @@ import triton.testing
 
 from blockspec.kernels.activation import silu_mul
 from blockspec.kernels.rms_norm import rms_norm
-from blockspec.kernels.skinny_linear import _skinny_linear_kernel
+from blockspec.kernels.skinny_linear import _launch_config, _skinny_linear_kernel, skinny_linear
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # first_gpu.py sits beside this script
 from first_gpu import copy_bandwidth  # noqa: E402
 
-# name, weight rows, K, epilogue
-SHAPES = [("qkv", 6144, 4096, "plain"), ("o", 4096, 4096, "residual"), ("gate_up", 24576, 4096, "gated"),
-          ("down", 4096, 12288, "residual"), ("lm_head", 151936, 4096, "plain"), ("draft_fc", 4096, 20480, "plain")]
-CONFIGS = [c for c in itertools.product((16, 32, 64), (128, 256), (4, 8), (3, 5))
-           if not (c[0] == 16 and c[2] == 8)]
+# name, weight rows, K, epilogue (gated: rows of the stacked [gate; up])
+SHAPES = {
+    "8b": [("qkv", 6144, 4096, "plain"), ("o", 4096, 4096, "residual"), ("gate_up", 24576, 4096, "gated"),
+           ("down", 4096, 12288, "residual"), ("lm_head", 151936, 4096, "plain"),
+           ("draft_fc", 4096, 20480, "plain")],
+    # Qwen3.6-27B: Gated DeltaNet [qkv | z] and out_proj, gated attention's q|gate|k|v and o, the MLP, the head
+    "27b": [("gdn_qkvz", 16384, 5120, "plain"), ("gdn_out", 5120, 6144, "residual"),
+            ("attn_qkv", 14336, 5120, "plain"), ("gate_up", 34816, 5120, "gated"), ("down", 5120, 17408, "residual"),
+            ("lm_head", 248320, 5120, "plain"), ("draft_fc", 5120, 25600, "plain")],
+    "4b": [("gdn_qkvz", 12288, 2560, "plain"), ("gdn_out", 2560, 4096, "residual"), ("attn_qkv", 10240, 2560, "plain"),
+           ("gate_up", 18432, 2560, "gated"), ("down", 2560, 9216, "residual"), ("lm_head", 248320, 2560, "plain")],
+    "35b": [("gdn_qkvz", 12288, 2048, "plain"), ("gdn_out", 2048, 4096, "residual"), ("attn_qkv", 9216, 2048, "plain"),
+            ("lm_head", 248320, 2048, "plain")],
+}
+DOT_CONFIGS = [c for c in itertools.product((16, 32, 64), (128, 256), (4, 8), (3, 5))
+               if not (c[0] == 16 and c[2] == 8)]
+ROW_CONFIGS = list(itertools.product((4, 8, 16), (256, 512, 1024), (4, 8), (3,)))
 
 
 def prologue(x, nw, epilogue):
@@ -51,18 +64,29 @@ def current_path(x, w, nw, res, epilogue):
     return fn
 
 
+def dispatched(x, w, nw, res, epilogue):
+    """What the decode layers call: skinny_linear with the norm folded (its own dispatch and configs)."""
+    def fn():
+        if epilogue == "residual":
+            return skinny_linear(x, w, residual=res)
+        return skinny_linear(x, w, norm_weight=nw, eps=1e-6, gated=epilogue == "gated")
+    return fn
+
+
 def dot_path(x, w, nw, res, epilogue, cfg):
     bn, bk, warps, stages = cfg
     m, k = x.shape
+    one_row = m == 1
     n_out = w.shape[0] // 2 if epilogue == "gated" else w.shape[0]
     out = res if epilogue == "residual" else torch.empty(m, n_out, dtype=x.dtype, device=x.device)
 
     def fn():
-        h = prologue(x, nw, epilogue)
+        h = x if one_row else prologue(x, nw, epilogue)  # one row: the norm folds into the kernel
+        norm = one_row and epilogue != "residual"
         _skinny_linear_kernel[(triton.cdiv(n_out, bn),)](
-            h, w, h, h, out, m, n_out, 0.0, K=k, HAS_BIAS=False, HAS_NORM=False, GATED=epilogue == "gated",
-            HAS_RES=epilogue == "residual", USE_DOT=True, DOT_PRECISION="tf32", BLOCK_M=16, BLOCK_N=bn,
-            BLOCK_K=bk, num_warps=warps, num_stages=stages)
+            h, w, h, nw if norm else h, out, m, n_out, 1e-6, K=k, HAS_BIAS=False, HAS_NORM=norm,
+            GATED=epilogue == "gated", HAS_RES=epilogue == "residual", USE_DOT=not one_row, DOT_PRECISION="tf32",
+            BLOCK_M=1 if one_row else 16, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
         return out
     return fn
 
@@ -70,12 +94,16 @@ def dot_path(x, w, nw, res, epilogue, cfg):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, default=16)
+    ap.add_argument("--model", default="8b", choices=sorted(SHAPES))
+    ap.add_argument("--only", default=None, help="comma-separated shape names")
     args = ap.parse_args()
+    shapes = [s for s in SHAPES[args.model] if args.only is None or s[0] in args.only.split(",")]
+    configs = ROW_CONFIGS if args.rows == 1 else DOT_CONFIGS
     torch.manual_seed(0)
     bw = copy_bandwidth()
     table = []
     with torch.inference_mode():
-        for name, n, k, epilogue in SHAPES:
+        for name, n, k, epilogue in shapes:
             w = torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * 0.02
             x = torch.randn(args.rows, k, dtype=torch.bfloat16, device="cuda")
             nw = torch.ones(k, dtype=torch.bfloat16, device="cuda")
@@ -84,15 +112,16 @@ def main() -> None:
             ideal_us = 1e6 * w.numel() * 2 / bw
             ref = current_path(x, w, nw, res.clone(), epilogue)
             cur_us = 1000 * triton.testing.do_bench_cudagraph(ref, rep=30)
+            ours_us = 1000 * triton.testing.do_bench_cudagraph(dispatched(x, w, nw, res.clone(), epilogue), rep=30)
             want = current_path(x, w, nw, torch.zeros_like(res), epilogue)().float()
             rows = []
-            for cfg in CONFIGS:
+            for cfg in configs:
                 fn = dot_path(x, w, nw, torch.zeros_like(res), epilogue, cfg)
                 try:
                     got = fn().float()
                 except triton.runtime.errors.OutOfResources:
                     continue
-                if epilogue != "residual":
+                if epilogue != "residual" and args.rows > 1:
                     err = float((got - want).norm() / want.norm())
                 else:
                     err = 0.0  # in place: accumulated over the calls above
@@ -101,20 +130,23 @@ def main() -> None:
             best_us, best_cfg, best_err = rows[0]
             table.append({"shape": name, "n": n, "k": k, "rows": args.rows, "epilogue": epilogue,
                           "ideal_us": round(ideal_us, 2), "current_us": round(cur_us, 2),
+                          "dispatched_us": round(ours_us, 2),
+                          "dispatched_config": _launch_config(args.rows, n_out, k, epilogue == "gated"),
                           "best_dot_us": round(best_us, 2), "best_config": best_cfg, "rel_err": round(best_err, 5),
                           "all": [[round(t, 2), list(c)] for t, c, _ in rows]})
-            print(f"{name:9s} ideal {ideal_us:7.1f} us  current {cur_us:7.1f}  best dot {best_us:7.1f} "
+            print(f"{name:9s} ideal {ideal_us:7.1f} us  cuBLAS {cur_us:7.1f}  ours {ours_us:7.1f}  best {best_us:7.1f} "
                   f"{best_cfg} (top 3: {[(round(t, 1), c) for t, c, _ in rows[:3]]})", flush=True)
             del w, x, res
             torch.cuda.empty_cache()
     out = {"device": torch.cuda.get_device_name(), "commit": os.environ.get("COMMIT", "?"),
            "copy_bandwidth_GBs": round(bw / 1e9, 1), "dtype": "bfloat16", "shapes": table}
-    path = Path(os.environ.get("OUT", ".")) / "tune_skinny.json"
+    out["model"], out["rows"] = args.model, args.rows
+    path = Path(os.environ.get("OUT", ".")) / f"tune_skinny_{args.model}_m{args.rows}.json"
     path.write_text(json.dumps(out, indent=1))
-    print(f"{'shape':9s} {'ideal':>8s} {'current':>8s} {'dot':>8s}  config")
+    print(f"{'shape':9s} {'ideal':>8s} {'cuBLAS':>8s} {'ours':>8s} {'best':>8s}  best config / dispatched config")
     for r in table:
-        print(f"{r['shape']:9s} {r['ideal_us']:8.1f} {r['current_us']:8.1f} {r['best_dot_us']:8.1f}  "
-              f"{r['best_config']}")
+        print(f"{r['shape']:9s} {r['ideal_us']:8.1f} {r['current_us']:8.1f} {r['dispatched_us']:8.1f} "
+              f"{r['best_dot_us']:8.1f}  {r['best_config']} / {r['dispatched_config']}")
 
 
 if __name__ == "__main__":

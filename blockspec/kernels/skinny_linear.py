@@ -133,6 +133,26 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+# Launch configs measured per projection shape on an H100 (bench/tune_skinny.py: --model 4b/35b --rows 1 and
+# --model 27b --rows 16; bench/results/tune_skinny_*_h100.json), where they beat the heuristic below by more
+# than noise: (1 for one row | 16 for the 2-16-row dot path, n output columns, k, gated) -> config.
+_TUNED = {
+    (1, 12288, 2560, False): (4, 512, 4, 3),  # Qwen3.5-4B Gated DeltaNet [qkv | z]: 22.9 vs 23.7 us
+    (1, 10240, 2560, False): (4, 512, 4, 3),  # 4B gated attention q|gate|k|v: 19.8 vs 20.4
+    (1, 9216, 2560, True): (4, 256, 4, 3),  # 4B gate|up: 34.7 vs 38.7
+    (1, 2560, 9216, False): (8, 1024, 8, 3),  # 4B down: 17.9 vs 20.2
+    (1, 248320, 2560, False): (4, 512, 4, 3),  # 4B LM head (the tied embedding): 401 vs 407
+    (1, 12288, 2048, False): (8, 1024, 4, 3),  # Qwen3.6-35B-A3B [qkv | z]: 18.5 vs 20.3
+    (1, 9216, 2048, False): (16, 256, 4, 3),  # 35B-A3B attention: 7.2 vs 11.1
+    (16, 16384, 5120, False): (64, 128, 4, 3),  # Qwen3.6-27B [qkv | z], verify block: 61.4 vs 62.8
+    (16, 5120, 6144, False): (64, 128, 4, 5),  # 27B out_proj / o_proj (+ residual): 25.9 vs 27.9
+    (16, 14336, 5120, False): (32, 128, 4, 3),  # 27B attention q|gate|k|v: 54.9 vs 57.0
+    (16, 17408, 5120, True): (32, 256, 4, 5),  # 27B gate|up: 125.6 vs 127.9
+    (16, 5120, 17408, False): (64, 256, 8, 5),  # 27B down (+ residual): 67.2 vs 76.0
+    (16, 5120, 25600, False): (64, 256, 8, 5),  # 27B drafter fc: 99.1 vs 109.2
+}
+
+
 def _launch_config(m: int, n: int, k: int, gated: bool = False) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages) for m rows, n output columns, reduction length k.
 
@@ -148,6 +168,9 @@ def _launch_config(m: int, n: int, k: int, gated: bool = False) -> tuple[int, in
       BLOCK_N 32 with deep pipelining, 5 stages of BLOCK_K 256 for long rows (K > 4096) and the LM head,
       128 otherwise; the gated [gate; up] pair (two tiles per stage) 3 stages of 128.
     """
+    tuned = _TUNED.get((1 if m == 1 else 16, n, k, gated))
+    if tuned is not None:
+        return tuned
     if m == 1:
         block_k = min(512, max(64, _next_pow2(k)))
         block_n = next((b for b in (16, 8) if _cdiv(n, b) >= _MIN_PROGRAMS), 4)
