@@ -270,6 +270,8 @@ def distinct_experts(engine: Engine, prompt: list[int], tokens: int, q: int) -> 
     blocks = moe_blocks(engine)
     for b in blocks:
         b.record_routing = True
+        if hasattr(b, "ids_by_tokens"):
+            b.ids_by_tokens.clear()
     recapture(engine)
     counts: list[torch.Tensor] = []
     try:
@@ -278,7 +280,9 @@ def distinct_experts(engine: Engine, prompt: list[int], tokens: int, q: int) -> 
             outs = engine.step()
             if not any(o.token_ids and len(o.token_ids) > len(o.new_token_ids) for o in outs):
                 continue  # the prefill step
-            ids = [getattr(b, "last_ids", None) for b in blocks]
+            # by token count: a graph replay refreshes the tensor captured for q tokens, while the eager
+            # prefill left `last_ids` pointing at its own
+            ids = [getattr(b, "ids_by_tokens", {}).get(q, getattr(b, "last_ids", None)) for b in blocks]
             if any(i is None or i.shape[0] != q for i in ids):
                 continue
             counts.append(torch.stack([torch.zeros(b.experts.num_experts, device=i.device).index_fill_(

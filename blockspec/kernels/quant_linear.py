@@ -580,7 +580,9 @@ def launch_config(meta: QuantMeta, m: int) -> LaunchConfig:
       (19 per weight with BLOCK_N 32). Fewer programs than SMs on 4096-wide projections below 128 rows.
     """
     n, k = meta.n, meta.k
-    if m == 1 and _M1_PATH[meta.scheme] == "reduce":
+    # int8 with groups along K gave wrong sums on the reduction path on an H100 (the dot path is right): only
+    # per-row int8 and fp8 take it until that is found
+    if m == 1 and _M1_PATH[meta.scheme] == "reduce" and (meta.per_row or meta.scheme == "fp8"):
         block_k = min(512, max(64, _next_pow2(k)))
         block_n = next((b for b in (16, 8) if _cdiv(n, b) >= _MIN_PROGRAMS), 4)
         return LaunchConfig(False, 1, block_n, block_k, 1, 8 if block_n * block_k >= 8192 else 4, 3)

@@ -19,6 +19,7 @@ from blockspec.kernels.skinny_linear import skinny_linear, skinny_supported
 from blockspec.models.layers.attention import PagedAttention
 from blockspec.models.layers.linear import FusedLinear, Linear, fused_attention_residual, fused_swiglu_residual
 from blockspec.models.layers.norm import RMSNorm
+from blockspec.models.layers.quant_linear import QuantLinear
 from blockspec.models.layers.rotary import RotaryEmbedding
 from blockspec.models.model_config import ModelConfig
 from blockspec.models.weight_utils import copy_named
@@ -90,7 +91,9 @@ class LlamaDecoderLayer(nn.Module):
         GPU) take four skinny GEMMs with the norms, SwiGLU and residual adds folded in, updating h in
         place; everything else the unfused ops."""
         attn = self.self_attn
-        if not skinny_supported(h, attn.qkv_proj.weight):
+        mlp = [self.mlp.gate_up_proj, self.mlp.down_proj] if isinstance(self.mlp, LlamaMLP) else []
+        quantized = any(isinstance(p, QuantLinear) for p in (attn.qkv_proj, attn.o_proj, *mlp))
+        if quantized or not skinny_supported(h, attn.qkv_proj.weight):
             a = attn(positions, self.input_layernorm(h))
             x, h = self.post_attention_layernorm(a, residual=h)  # fused residual add + norm
             return h + self.mlp(x)

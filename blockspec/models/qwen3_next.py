@@ -24,6 +24,7 @@ from blockspec.models.layers.attention import PagedAttention, current_metadata
 from blockspec.models.layers.gated_deltanet import GatedDeltaNet
 from blockspec.models.layers.linear import FusedLinear, Linear, fused_swiglu_residual
 from blockspec.models.layers.moe import load_expert_weight
+from blockspec.models.layers.quant_linear import QuantLinear
 from blockspec.models.layers.recurrent_state import (
     SLOTS_PER_SEQUENCE,
     DecodeStateMetadata,
@@ -143,8 +144,14 @@ class HybridDecoderLayer(nn.Module):
             return False
         if self.linear_attn is not None and getattr(meta, "state_decode", None) is None:
             return False
-        weight = mixer.in_proj_qkvz.weight if self.linear_attn is not None else mixer.qkv_proj.weight
-        return skinny_supported(h, weight)
+        projections = ([mixer.in_proj_qkvz, mixer.in_proj_ba, mixer.out_proj] if self.linear_attn is not None
+                       else [mixer.qkv_proj, mixer.o_proj])
+        if isinstance(self.mlp, LlamaMLP):
+            projections += [self.mlp.gate_up_proj, self.mlp.down_proj]
+        # quantized projections (QuantLinear: no bf16 `weight`) take the module path for now
+        if any(isinstance(p, QuantLinear) for p in projections):
+            return False
+        return skinny_supported(h, projections[0].weight)
 
 
 class HybridModel(nn.Module):

@@ -182,8 +182,10 @@ class SparseMoeBlock(nn.Module):
 
     Benchmark hooks: `route_override`, a callable router_logits [T, E] -> (weights [T, k], ids [T, k]) used
     instead of `route` (it must be graph-safe where the block runs inside a CUDA graph); `record_routing`:
-    when True, `last_ids` holds the last step's expert ids (the device tensor, int32 on the fused path;
-    no host sync).
+    when True, `last_ids` holds the last forward's expert ids (the device tensor, int32 on the fused path;
+    no host sync) and `ids_by_tokens[T]` the last ids of a T-token forward: a CUDA graph's replays keep
+    refreshing the tensor it captured there, while an eager call of another size (a prefill) moves
+    `last_ids` elsewhere.
     """
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int,
@@ -198,6 +200,7 @@ class SparseMoeBlock(nn.Module):
         self.route_override: RouteFn | None = None
         self.record_routing = False
         self.last_ids: torch.Tensor | None = None
+        self.ids_by_tokens: dict[int, torch.Tensor] = {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -210,11 +213,14 @@ class SparseMoeBlock(nn.Module):
         else:
             weights, ids = route(logits, self.top_k, self.renormalize)
         if self.record_routing:
-            self.last_ids = ids
+            self._record(ids)
         out = self.experts(x, weights, ids)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out.view(shape)
+
+    def _record(self, ids: torch.Tensor) -> None:
+        self.last_ids = self.ids_by_tokens[ids.shape[0]] = ids
 
     def _folded_shared(self) -> SharedWeights | None:
         """The shared expert's weights when it can ride in the routed launches as expert E."""
@@ -238,7 +244,7 @@ class SparseMoeBlock(nn.Module):
             weights, ids = self.route_override(logits)
             shared_w = moe_route(logits, self.top_k, self.renormalize, x, shared_gate, topk=False)[2]
         if self.record_routing:
-            self.last_ids = ids
+            self._record(ids)
         out = moe_experts(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids, shared, shared_w,
                           layout=layout)
         if self.shared_expert is not None and shared is None:  # a differently sized shared expert: its own path
