@@ -23,6 +23,7 @@ from blockspec.engine.scheduler import ScheduledSeq
 from blockspec.engine.sequence import Sequence
 from blockspec.models.layers.quant_linear import QuantLinear
 from blockspec.runner.model_runner import ModelRunner
+from tests.engine.test_lossless import run_all
 from tests.loader.quant_helpers import write_ct_checkpoint, write_packed_checkpoint
 from tests.loader.quant_model import load_quantized
 from tests.tiny_hybrid import save_tiny_hybrid
@@ -91,14 +92,7 @@ def test_logits_match_the_dequantized_model(tiny_models, hybrids, tmp_path, fami
 
 
 def _run(engine: Engine) -> dict[str, list[int]]:
-    for i, p in enumerate(PROMPTS):
-        engine.add_request(f"r{i}", p, SamplingParams(**vars(GREEDY)))
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.token_ids
-    return done
+    return run_all(engine, PROMPTS, GREEDY)
 
 
 @pytest.fixture(scope="module")
