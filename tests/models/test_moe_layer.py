@@ -156,6 +156,20 @@ def test_route_override_and_record_routing(path, gpu_like):
                                                      route(F.linear(x, block.gate.weight), k, True)[1])
 
 
+def test_recorded_routing_is_kept_per_token_count():
+    """A CUDA graph keeps refreshing the ids tensor it captured; an eager forward of another size (a
+    prefill between decode steps) moves `last_ids` but must leave the captured size's entry alone."""
+    block = make_block(32, 8, 2, 16, 16, torch.float32, device="cpu")
+    block.experts.backend = "reference"
+    block.record_routing = True
+    with torch.no_grad():
+        block(torch.randn(16, 32))
+        verify_ids = block.last_ids
+        block(torch.randn(40, 32))
+    assert block.last_ids.shape[0] == 40 and block.ids_by_tokens[16] is verify_ids
+    assert sorted(block.ids_by_tokens) == [16, 40]
+
+
 @kernel
 def test_dispatch_rule(monkeypatch, gpu_like):
     """auto: fused up to FUSED_MAX_TOKENS tokens, torch's path above; reference / grouped never fused;
