@@ -8,8 +8,7 @@ bytes, which also covers quantized checkpoints whose bit widths the config only 
 
 from __future__ import annotations
 
-import json
-import struct
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -186,8 +185,11 @@ def target_footprint(config: dict[str, Any], dtype_name: str, model_dir: Path | 
     source = "config"
     header = held = None
     if model_dir is not None:
-        held = _quantized_bytes(model_dir, elem_bytes, notes)
-        header = held if held is not None else safetensors_bytes(model_dir)
+        from blockspec.loader.safetensors_loader import read_tensor_headers
+
+        tensors = read_tensor_headers(model_dir)  # once, for both questions below
+        held = _quantized_bytes(model_dir, elem_bytes, tensors, notes)
+        header = held if held is not None else safetensors_bytes(tensors)
     if header is not None:
         stored, stored_experts, stored_embed = header
         weight_bytes, source = stored, "safetensors headers"
@@ -229,13 +231,14 @@ def drafter_footprint(config: dict[str, Any], dtype_name: str) -> Footprint:
         bytes_source="config", notes=[])
 
 
-def _quantized_bytes(model_dir: Path, elem_bytes: int, notes: list[str]) -> tuple[int, int, int] | None:
+def _quantized_bytes(model_dir: Path, elem_bytes: int, tensors: dict[str, tuple[str, tuple[int, ...]]],
+                     notes: list[str]) -> tuple[int, int, int] | None:
     """In-memory bytes of a quantized checkpoint (loader.quant.bytes); None when unquantized or unreadable."""
     from blockspec.errors import BlockspecError
     from blockspec.loader.quant.bytes import checkpoint_memory_bytes
 
     try:
-        return checkpoint_memory_bytes(model_dir, elem_bytes)
+        return checkpoint_memory_bytes(model_dir, elem_bytes, tensors)
     except BlockspecError as exc:
         notes.append(f"quantized bytes counted as stored: {exc}")
         return None
@@ -276,24 +279,21 @@ def quant_bits(qcfg: dict[str, Any] | None, hidden: int = 4096, elem_bytes: int 
     return None
 
 
-def safetensors_bytes(model_dir: Path) -> tuple[int, int, int] | None:
-    """(stored bytes, routed-expert bytes, input-embedding bytes) from the headers, or None without files."""
-    files = sorted(Path(model_dir).glob("*.safetensors"))
-    if not files:
+def safetensors_bytes(tensors: dict[str, tuple[str, tuple[int, ...]]]) -> tuple[int, int, int] | None:
+    """(stored bytes, routed-expert bytes, input-embedding bytes) from the headers (read_tensor_headers),
+    or None without files."""
+    from blockspec.loader.quant.bytes import SAFETENSORS_BYTES
+
+    if not tensors:
         return None
     total = experts = embed = 0
-    for path in files:
-        with path.open("rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(n))
-        for name, info in header.items():
-            if name == "__metadata__" or any(m in name for m in SKIPPED_MARKERS):
-                continue
-            start, end = info["data_offsets"]
-            size = end - start
-            total += size
-            if ".experts." in name and "shared_expert" not in name:
-                experts += size
-            if "embed_tokens" in name:
-                embed += size
+    for name, (dtype, shape) in tensors.items():
+        if any(m in name for m in SKIPPED_MARKERS):
+            continue
+        size = math.prod(shape) * SAFETENSORS_BYTES.get(dtype, 1)
+        total += size
+        if ".experts." in name and "shared_expert" not in name:
+            experts += size
+        if "embed_tokens" in name:
+            embed += size
     return total, experts, embed

@@ -26,7 +26,7 @@ from blockspec.bench.presets import PRESETS
 from blockspec.engine.memory import GIB, MIB, blocks_for_sequence, cuda_kv_budget, kv_shortfall
 from blockspec.engine.state_pool import checkpoints_per_slot
 from blockspec.errors import ConfigError
-from blockspec.models.layers.recurrent_state import SLOTS_PER_SEQUENCE
+from blockspec.models.layers.recurrent_state import pool_size
 
 ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
 # CUDA context and driver memory: outside the measured step peak, but the engine sees it as memory it
@@ -175,9 +175,9 @@ def make_plan(inp: PlanInputs) -> dict[str, Any]:
     checkpoints = checkpoints_per_slot(k) if target.state_bytes_per_seq else 0
     state = recurrent_state_bytes(raw, dtype, checkpoints)
     plain_state = recurrent_state_bytes(raw, dtype, 0)
-    # a slot pair per sequence (current + next) and a scratch pair, as models/layers/recurrent_state.pool_bytes
-    state_per_seq = SLOTS_PER_SEQUENCE * plain_state + state - plain_state
-    state_pool = state_per_seq * inp.max_num_seqs + SLOTS_PER_SEQUENCE * plain_state
+    state_pool = pool_size(plain_state, state, inp.max_num_seqs)  # slot pairs + the scratch pair (+ checkpoints)
+    scratch_pool = pool_size(plain_state, state, 0)
+    state_per_seq = pool_size(plain_state, state, 1) - scratch_pool
     min_blocks = blocks_for_sequence(max_len, k, inp.block_size)
     need_one = min_blocks * per_block
     weights = target.weight_bytes + (drafter.weight_bytes if drafter else 0)
@@ -207,8 +207,8 @@ def make_plan(inp: PlanInputs) -> dict[str, Any]:
         allowed = total_mem * inp.gpu_memory_utilization
         fixed = weights + state_pool + act + CUDA_RESERVE_BYTES
         util_needed = (fixed + need_one) / total_mem
-        slots = int((allowed - weights - act - CUDA_RESERVE_BYTES - need_one - SLOTS_PER_SEQUENCE * plain_state)
-                    // state_per_seq) if state else 0
+        slots = int((allowed - weights - act - CUDA_RESERVE_BYTES - need_one - scratch_pool) // state_per_seq) \
+            if state else 0
         fewer = f"--max-num-seqs {slots}" if state and 1 <= slots < inp.max_num_seqs else None
         if fixed > allowed:
             fix = " or ".join(f for f in (fewer, f"--gpu-memory-utilization {util_needed:.2f}"

@@ -42,7 +42,8 @@ def format_plan(p: dict[str, Any]) -> str:
         extra = f", {kv['state_checkpoints']} checkpoints" if kv["state_checkpoints"] else ""
         lines.append(f"recurrent state  {kv['state_bytes_per_seq'] / 2**20:.1f} MiB per sequence "
                      f"({m['linear_attention_layers']} linear-attention layers{extra}); "
-                     f"{p['max_num_seqs']} slots = {_gib(kv['state_pool_bytes'])}, allocated before the KV cache")
+                     f"{p['max_num_seqs']} sequences x 2 slots + a scratch pair = {_gib(kv['state_pool_bytes'])}, "
+                     "allocated before the KV cache")
     lines.append(f"one full sequence {_gib(kv['bytes_per_full_sequence'])} of KV ({p['max_model_len']} tokens)")
     if mem.get("total_bytes"):
         lines.append(f"memory           {mem['device']}: {_gib(mem['total_bytes'])} x {mem['gpu_memory_utilization']:g}"

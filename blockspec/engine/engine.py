@@ -7,6 +7,7 @@ from one worker thread and talks to it through queues.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import logging
@@ -111,11 +112,10 @@ class Engine:
         cls = model_class(self.model_config)
         rope_len = self.max_model_len + self.config.block_size  # verify blocks may look past the end
         quant = detect_quantization(self.model_dir, self.config.quantization)
-        if quant is None:
+        # quantized: linear weights are placed by quantize_model, never in full precision first
+        with deferred_linears() if quant is not None else contextlib.nullcontext():
             model = build_module(lambda: cls(self.model_config, max_positions=rope_len), self.device, self.dtype)
-        else:
-            with deferred_linears():  # linear weights are placed by quantize_model, never in full precision first
-                model = build_module(lambda: cls(self.model_config, max_positions=rope_len), self.device, self.dtype)
+        if quant is not None:
             quantize_model(model, quant, self.device, self.dtype)
         if self.config.load_format != "dummy":
             load_weights(model, self.model_dir, self.device, self.dtype)

@@ -67,12 +67,7 @@ def weight_bytes(module: torch.nn.Module) -> tuple[int, int]:
     """(bytes of all weights, bytes of the quantized layouts among them: packed codes + scales + zeros)."""
     from blockspec.models.layers.quant_linear import quantized_tensor_bytes
 
-    seen: set[int] = set()
-    total = 0
-    for p in module.parameters():
-        if id(p) not in seen and not p.is_meta:
-            seen.add(id(p))
-            total += p.numel() * p.element_size()
+    total = sum(p.numel() * p.element_size() for p in module.parameters() if not p.is_meta)  # shared once
     quantized = quantized_tensor_bytes(module)
     return total + quantized, quantized
 

@@ -43,6 +43,8 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
+    from blockspec.kernels.skinny_linear import _accumulate  # the skinny GEMM's K-tile step, shared
+
     @triton.jit
     def _route_block(L, X, WS, W_OUT, IDS_OUT, SW_OUT, t0, T,
                      E: tl.constexpr, EP: tl.constexpr, TOP_K: tl.constexpr, KP: tl.constexpr,
@@ -246,16 +248,10 @@ if HAVE_TRITON:
                 av = tl.load(a_rows + ks[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
                 w_mask = n_mask[:, None] & k_mask[None, :]
                 wg = tl.load(g_base + rows + ks[None, :], mask=w_mask, other=0.0)
-                if USE_DOT:
-                    acc_g = tl.dot(av, tl.trans(wg), acc_g, input_precision=DOT_PRECISION)
-                else:
-                    acc_g += wg.to(tl.float32) * av.to(tl.float32)
+                acc_g = _accumulate(acc_g, av, wg, USE_DOT, DOT_PRECISION)
                 if GATED:
                     wu = tl.load(u_base + rows + ks[None, :], mask=w_mask, other=0.0)
-                    if USE_DOT:
-                        acc_u = tl.dot(av, tl.trans(wu), acc_u, input_precision=DOT_PRECISION)
-                    else:
-                        acc_u += wu.to(tl.float32) * av.to(tl.float32)
+                    acc_u = _accumulate(acc_u, av, wu, USE_DOT, DOT_PRECISION)
             if USE_DOT:
                 yg = acc_g
                 yu = acc_u

@@ -38,11 +38,8 @@ import torch
 import torch.nn.functional as F
 
 from blockspec.kernels._triton import HAVE_TRITON, INTERPRET, use_triton
-
-SCHEMES = ("int4", "int8", "fp8", "nvfp4")
-NVFP4_GROUP = 16
-FP8_BLOCK = 128
-E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # magnitude of E2M1 code & 7
+from blockspec.models.layers.quant_linear import FP8_BLOCK, NVFP4_GROUP, SCHEMES
+from blockspec.models.layers.quant_linear import dequantize as layout_dequantize
 
 PREFILL_DEQUANT_MIN_M = 1024  # rows: from here dequantize + cuBLAS beats the in-register tl.dot GEMM (to tune)
 _M1_PATH = {"int4": "dot", "nvfp4": "dot", "int8": "reduce", "fp8": "reduce"}  # one-row kernel per scheme
@@ -53,19 +50,7 @@ _FP4_GLOBAL_BIAS = 2.0 ** 26  # fast NVFP4 tiles hold w * 2^-26 (see _unpack_e2m
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The definition
-
-
-def unpack_int4(packed: torch.Tensor, k: int) -> torch.Tensor:
-    """uint8 [..., K/2] -> uint8 [..., K] of 4-bit values, element k even taken from the low nibble."""
-    return torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(*packed.shape[:-1], k)
-
-
-def e2m1_to_float(codes: torch.Tensor) -> torch.Tensor:
-    """4-bit E2M1 codes (sign | e1 e0 | m) -> float32."""
-    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=codes.device)
-    mag = table[(codes & 7).long()]
-    return torch.where((codes & 8) != 0, -mag, mag)
+# The reference (the layouts are defined in models/layers/quant_linear.py)
 
 
 def _check(cond: bool, msg: str) -> None:
@@ -76,38 +61,34 @@ def _check(cond: bool, msg: str) -> None:
 def dequantize(scheme: str, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
                global_scale: torch.Tensor | None, group_size: int | None, out_features: int, in_features: int,
                dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """The quantized weight as a dense [out_features, in_features] tensor of `dtype`, computed in float32 and
-    rounded once. group_size is read for int4 / int8 only (None or <= 0 means one group per row); fp8 takes
-    its granularity from the scales' shape, NVFP4's groups are 16."""
+    """The quantized weight as a dense [out_features, in_features] tensor of `dtype`: the layouts' one
+    definition (models/layers/quant_linear.dequantize), after checking the tensors hold [N, K]. group_size
+    is read for int4 / int8 only (None or <= 0 means one group per row); fp8 takes its granularity from the
+    scales' shape, NVFP4's groups are 16."""
     n, k = out_features, in_features
     if scheme in ("int4", "int8"):
-        q = (unpack_int4(qweight, k) if scheme == "int4" else qweight).to(torch.int32)
-        _check(tuple(q.shape) == (n, k), f"{scheme} qweight {tuple(qweight.shape)} does not hold [{n}, {k}]")
+        _check(tuple(qweight.shape) == ((n, k // 2) if scheme == "int4" else (n, k)),
+               f"{scheme} qweight {tuple(qweight.shape)} does not hold [{n}, {k}]")
         g = group_size if group_size and group_size > 0 else k
         _check(k % g == 0 and tuple(scales.shape) == (n, k // g), f"{scheme} scales {tuple(scales.shape)} "
                f"do not match [{n}, {k}] in groups of {g}")
-        z = zeros.to(torch.int32).repeat_interleave(g, dim=1) if zeros is not None else 0
-        w = (q - z).float() * scales.float().repeat_interleave(g, dim=1)
-    elif scheme == "fp8":
+        if zeros is None and scheme == "int4":  # the definition reads a zero point for every int4 group
+            zeros = torch.zeros(scales.shape, dtype=torch.uint8, device=scales.device)
+        return layout_dequantize(scheme, qweight, scales, zeros, None, g, dtype)
+    if scheme == "fp8":
         _check(tuple(qweight.shape) == (n, k), f"fp8 qweight {tuple(qweight.shape)} is not [{n}, {k}]")
-        s = scales.float()
-        if tuple(s.shape) == (n, 1):
-            w = qweight.float() * s
-        else:
-            _check(tuple(s.shape) == (-(-n // FP8_BLOCK), -(-k // FP8_BLOCK)), f"fp8 scales {tuple(s.shape)} "
-                   f"are neither per channel nor 128x128 blocks of [{n}, {k}]")
-            s = s.repeat_interleave(FP8_BLOCK, 0)[:n].repeat_interleave(FP8_BLOCK, 1)[:, :k]
-            w = qweight.float() * s
-    elif scheme == "nvfp4":
+        blocks = tuple(scales.shape) != (n, 1)
+        _check(not blocks or tuple(scales.shape) == (-(-n // FP8_BLOCK), -(-k // FP8_BLOCK)),
+               f"fp8 scales {tuple(scales.shape)} are neither per channel nor 128x128 blocks of [{n}, {k}]")
+        return layout_dequantize(scheme, qweight, scales, None, None, FP8_BLOCK if blocks else 0, dtype)
+    if scheme == "nvfp4":
         _check(k % NVFP4_GROUP == 0 and tuple(qweight.shape) == (n, k // 2)
                and tuple(scales.shape) == (n, k // NVFP4_GROUP), f"nvfp4 qweight {tuple(qweight.shape)} / scales "
                f"{tuple(scales.shape)} do not match [{n}, {k}]")
-        w = e2m1_to_float(unpack_int4(qweight, k)) * scales.float().repeat_interleave(NVFP4_GROUP, dim=1)
-        if global_scale is not None:
-            w = w * global_scale.float()
-    else:
-        raise ValueError(f"unknown quantization scheme {scheme!r} (one of {SCHEMES})")
-    return w.to(dtype)
+        if global_scale is None:
+            global_scale = torch.ones((), device=scales.device)
+        return layout_dequantize(scheme, qweight, scales, None, global_scale, NVFP4_GROUP, dtype)
+    raise ValueError(f"unknown quantization scheme {scheme!r} (one of {SCHEMES})")
 
 
 def dequantize_layer(layer, dtype: torch.dtype) -> torch.Tensor:

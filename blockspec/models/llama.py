@@ -8,6 +8,7 @@ the residual stream at the output of chosen layers, concatenated in the order as
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -91,9 +92,7 @@ class LlamaDecoderLayer(nn.Module):
         GPU) take four skinny GEMMs with the norms, SwiGLU and residual adds folded in, updating h in
         place; everything else the unfused ops."""
         attn = self.self_attn
-        mlp = [self.mlp.gate_up_proj, self.mlp.down_proj] if isinstance(self.mlp, LlamaMLP) else []
-        quantized = any(isinstance(p, QuantLinear) for p in (attn.qkv_proj, attn.o_proj, *mlp))
-        if quantized or not skinny_supported(h, attn.qkv_proj.weight):
+        if self._quantized or not skinny_supported(h, attn.qkv_proj.weight):
             a = attn(positions, self.input_layernorm(h))
             x, h = self.post_attention_layernorm(a, residual=h)  # fused residual add + norm
             return h + self.mlp(x)
@@ -102,6 +101,15 @@ class LlamaDecoderLayer(nn.Module):
         if not isinstance(self.mlp, LlamaMLP):  # MoE blocks keep their own path
             return h + self.mlp(self.post_attention_layernorm(h))
         return fused_swiglu_residual(h, self.post_attention_layernorm, self.mlp.gate_up_proj, self.mlp.down_proj)
+
+
+    @functools.cached_property
+    def _quantized(self) -> bool:
+        """Whether a projection is quantized (QuantLinear: no bf16 `weight` for the fused path); fixed once the
+        loader has swapped the modules in, before the first forward."""
+        mlp = [self.mlp.gate_up_proj, self.mlp.down_proj] if isinstance(self.mlp, LlamaMLP) else []
+        attn = self.self_attn
+        return any(isinstance(p, QuantLinear) for p in (attn.qkv_proj, attn.o_proj, *mlp))
 
 
 class LlamaModel(nn.Module):

@@ -14,6 +14,8 @@ blocks forward to their last accepted token.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -140,18 +142,23 @@ class HybridDecoderLayer(nn.Module):
 
     def _fused(self, h: torch.Tensor, mixer: nn.Module) -> bool:
         meta = current_metadata()
-        if getattr(meta, "decode", None) is None:
+        if getattr(meta, "decode", None) is None or self._quantized:
             return False
         if self.linear_attn is not None and getattr(meta, "state_decode", None) is None:
             return False
+        weight = mixer.in_proj_qkvz.weight if self.linear_attn is not None else mixer.qkv_proj.weight
+        return skinny_supported(h, weight)
+
+    @functools.cached_property
+    def _quantized(self) -> bool:
+        """Whether a projection is quantized (QuantLinear: no bf16 `weight`), which keeps the module path for
+        now; fixed once the loader has swapped the modules in, before the first forward."""
+        mixer = self.linear_attn if self.linear_attn is not None else self.self_attn
         projections = ([mixer.in_proj_qkvz, mixer.in_proj_ba, mixer.out_proj] if self.linear_attn is not None
                        else [mixer.qkv_proj, mixer.o_proj])
         if isinstance(self.mlp, LlamaMLP):
             projections += [self.mlp.gate_up_proj, self.mlp.down_proj]
-        # quantized projections (QuantLinear: no bf16 `weight`) take the module path for now
-        if any(isinstance(p, QuantLinear) for p in projections):
-            return False
-        return skinny_supported(h, projections[0].weight)
+        return any(isinstance(p, QuantLinear) for p in projections)
 
 
 class HybridModel(nn.Module):

@@ -136,13 +136,8 @@ def ct_compress(w: torch.Tensor, scheme, global_scale: torch.Tensor | None = Non
     return compressed, restored, fmt.value
 
 
-def write_ct_checkpoint(src: Path, out: Path, key: str, ignore: list[str] | None = None,
-                        weight_dtype: torch.dtype = torch.float32, fuse_globals: bool = True) -> tuple[Path, Path]:
-    """`src` (a float checkpoint) -> (`out`: compressed-tensors checkpoint, `out`-dequant: its decompression)."""
-    from compressed_tensors.quantization import QuantizationConfig, QuantizationStatus
-
-    ignore = DEFAULT_IGNORE if ignore is None else ignore
-    scheme = ct_scheme(key)
+def _start_pair(src: Path, out: Path) -> tuple[Path, dict[str, torch.Tensor]]:
+    """Make `out` and its `-dequant` twin with src's non-weight files; returns (the twin, src's float tensors)."""
     out.mkdir(parents=True, exist_ok=True)
     ref = out.parent / f"{out.name}-dequant"
     ref.mkdir(exist_ok=True)
@@ -153,6 +148,17 @@ def write_ct_checkpoint(src: Path, out: Path, key: str, ignore: list[str] | None
     state = {}
     for f in sorted(src.glob("*.safetensors")):
         state.update(load_file(f))
+    return ref, state
+
+
+def write_ct_checkpoint(src: Path, out: Path, key: str, ignore: list[str] | None = None,
+                        weight_dtype: torch.dtype = torch.float32, fuse_globals: bool = True) -> tuple[Path, Path]:
+    """`src` (a float checkpoint) -> (`out`: compressed-tensors checkpoint, `out`-dequant: its decompression)."""
+    from compressed_tensors.quantization import QuantizationConfig, QuantizationStatus
+
+    ignore = DEFAULT_IGNORE if ignore is None else ignore
+    scheme = ct_scheme(key)
+    ref, state = _start_pair(src, out)
     packed, dequant = {}, {}
     fmt = None
     shared = _fused_global_scales(state, ignore) if key == "nvfp4" and fuse_globals else {}
@@ -316,16 +322,7 @@ def write_packed_checkpoint(src: Path, out: Path, method: str, bits: int = 4, gr
     fp8-block. Layers the format cannot hold (N or K not a multiple of what it packs) stay float, as
     exporters leave them.
     """
-    out.mkdir(parents=True, exist_ok=True)
-    ref = out.parent / f"{out.name}-dequant"
-    ref.mkdir(exist_ok=True)
-    for f in src.iterdir():
-        if f.is_file() and not f.name.endswith(".safetensors") and not f.name.endswith(".index.json"):
-            shutil.copy(f, out / f.name)
-            shutil.copy(f, ref / f.name)
-    state = {}
-    for f in sorted(src.glob("*.safetensors")):
-        state.update(load_file(f))
+    ref, state = _start_pair(src, out)
     # fused projections share what their exporters share: act-order permutation (same inputs), NVFP4 global
     seeds: dict[str, int] = {}
     amax: dict[str, torch.Tensor] = {}

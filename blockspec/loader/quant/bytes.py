@@ -15,8 +15,8 @@ from blockspec.errors import ConfigError
 from blockspec.loader.quant.config import LayerScheme, parse_quantization
 from blockspec.models.layers.quant_linear import FP8_BLOCK, NVFP4_GROUP
 
-SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
-                     "F8_E4M3": 1, "F8_E5M2": 1, "BOOL": 1}
+SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8,
+                     "U32": 4, "U16": 2, "U8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "BOOL": 1}
 FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")
 
 

@@ -172,12 +172,11 @@ def bytes_per_sequence(layers: list, dtype: torch.dtype, checkpoints: int) -> in
     return total
 
 
-def pool_bytes(layers: list, dtype: torch.dtype, checkpoints: int, max_num_seqs: int) -> int:
-    """The whole pool `allocate_state` makes: a slot pair per sequence and the scratch pair, plus
-    `checkpoints` states per layer for each of max_num_seqs rows."""
-    plain = bytes_per_sequence(layers, dtype, 0)
-    extra = bytes_per_sequence(layers, dtype, checkpoints) - plain
-    return physical_slots(max_num_seqs) * plain + max_num_seqs * extra
+def pool_size(plain: int, with_checkpoints: int, max_num_seqs: int) -> int:
+    """The whole pool `allocate_state` makes, from one sequence's state bytes without and with its
+    checkpoints (bytes_per_sequence): a slot pair per sequence and the scratch pair, plus the
+    checkpoints of max_num_seqs rows. The planner (bench/plan.py) sizes it from config values alone."""
+    return physical_slots(max_num_seqs) * plain + max_num_seqs * (with_checkpoints - plain)
 
 
 @dataclass
