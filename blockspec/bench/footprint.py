@@ -282,18 +282,9 @@ def quant_bits(qcfg: dict[str, Any] | None, hidden: int = 4096, elem_bytes: int 
 def safetensors_bytes(tensors: dict[str, tuple[str, tuple[int, ...]]]) -> tuple[int, int, int] | None:
     """(stored bytes, routed-expert bytes, input-embedding bytes) from the headers (read_tensor_headers),
     or None without files."""
-    from blockspec.loader.quant.bytes import SAFETENSORS_BYTES
+    from blockspec.loader.quant.bytes import SAFETENSORS_BYTES, split_bytes
 
     if not tensors:
         return None
-    total = experts = embed = 0
-    for name, (dtype, shape) in tensors.items():
-        if any(m in name for m in SKIPPED_MARKERS):
-            continue
-        size = math.prod(shape) * SAFETENSORS_BYTES.get(dtype, 1)
-        total += size
-        if ".experts." in name and "shared_expert" not in name:
-            experts += size
-        if "embed_tokens" in name:
-            embed += size
-    return total, experts, embed
+    return split_bytes((name, math.prod(shape) * SAFETENSORS_BYTES.get(dtype, 1))
+                       for name, (dtype, shape) in tensors.items() if not any(m in name for m in SKIPPED_MARKERS))

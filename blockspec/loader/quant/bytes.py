@@ -8,6 +8,7 @@ per decode token are the bytes actually read.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -99,7 +100,7 @@ def checkpoint_memory_bytes(model_dir: Path, elem_bytes: int,
         if not is_skipped(name):
             module, _, suffix = name.rpartition(".")
             modules.setdefault(module, {})[suffix] = info
-    total = experts = embed = 0
+    sizes = []
     for module, stored in modules.items():
         ls = resolve_scheme(config, module) if "weight" in stored or "qweight" in stored \
             or "weight_packed" in stored else None
@@ -112,9 +113,18 @@ def checkpoint_memory_bytes(model_dir: Path, elem_bytes: int,
         else:
             size = sum(math.prod(shape) * (elem_bytes if dtype in FLOAT_DTYPES else SAFETENSORS_BYTES.get(dtype, 1))
                        for dtype, shape in stored.values())
+        sizes.append((module, size))
+    return split_bytes(sizes)
+
+
+def split_bytes(sizes: Iterable[tuple[str, int]]) -> tuple[int, int, int]:
+    """(total, routed-expert, input-embedding) bytes of named tensors or modules: what a decode step does
+    not read (idle experts, all but one embedding row) is told apart by name."""
+    total = experts = embed = 0
+    for name, size in sizes:
         total += size
-        if ".experts." in module and "shared_expert" not in module:
+        if ".experts." in name and "shared_expert" not in name:
             experts += size
-        if "embed_tokens" in module:
+        if "embed_tokens" in name:
             embed += size
     return total, experts, embed
