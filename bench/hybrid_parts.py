@@ -20,6 +20,7 @@ from blockspec.config import EngineConfig, SpeculativeConfig
 from blockspec.engine.engine import Engine, build_module
 from blockspec.engine.sampling_params import SamplingParams
 from blockspec.models.layers.moe import SparseMoeBlock
+from blockspec.models.layers.quant_linear import QuantLinear, quantized_tensor_bytes
 from blockspec.models.model_config import ModelConfig
 from blockspec.models.registry import model_class
 from blockspec.spec.dflash import DFlashDrafter, DrafterConfig, default_target_layer_ids
@@ -118,18 +119,23 @@ def build_engine(model_dir: Path, draft_dir: Path | None, k: int, device: str, d
 
 
 def weight_split(target: torch.nn.Module) -> dict[str, Any]:
-    """Weight bytes by role. dense: every matrix a decode token reads whole except the LM head (attention,
-    DeltaNet, dense MLPs, routers, shared experts, norms); lm_head: the output matrix (the embedding table
-    when tied); embedding: an untied table (one row per token: left out of the rooflines); experts: bytes of
-    one expert per MoE layer, with that layer's top-k."""
+    """Weight bytes by role, as stored (quantized layers: packed weights + scales + zeros). dense: every
+    matrix a decode token reads whole except the LM head (attention, DeltaNet, dense MLPs, routers, shared
+    experts, norms); lm_head: the output matrix (the embedding table when tied); embedding: an untied table
+    (one row per token: left out of the rooflines); experts: bytes of one expert per MoE layer, with that
+    layer's top-k."""
     blocks = [m for m in target.modules() if isinstance(m, SparseMoeBlock)]
+    in_experts = {id(m) for b in blocks for m in b.experts.modules()}
     expert_params = {id(p) for b in blocks for p in b.experts.parameters()}
     lm = target.lm_head_weight
     embeds = {id(m.weight) for m in target.modules() if isinstance(m, torch.nn.Embedding)}
+
+    def expert_bytes(b: SparseMoeBlock) -> int:
+        return sum(p.numel() * p.element_size() for p in b.experts.parameters()) + quantized_tensor_bytes(b.experts)
+
     out = {"total": 0, "dense": 0, "lm_head": 0, "embedding": 0,
-           "experts": [{"bytes_per_expert": sum(p.numel() * p.element_size() for p in b.experts.parameters())
-                        // b.experts.num_experts, "num_experts": b.experts.num_experts, "top_k": b.top_k}
-                       for b in blocks]}
+           "experts": [{"bytes_per_expert": expert_bytes(b) // b.experts.num_experts,
+                        "num_experts": b.experts.num_experts, "top_k": b.top_k} for b in blocks]}
     for p in target.parameters():  # shared (tied) parameters come once
         n = p.numel() * p.element_size()
         out["total"] += n
@@ -137,6 +143,12 @@ def weight_split(target: torch.nn.Module) -> dict[str, Any]:
             continue
         role = "lm_head" if p is lm else "embedding" if id(p) in embeds else "dense"
         out[role] += n
+    for m in target.modules():  # quantized layers hold buffers, not parameters
+        if isinstance(m, QuantLinear):
+            n = quantized_tensor_bytes(m)
+            out["total"] += n
+            out["dense"] += 0 if id(m) in in_experts else n
+    out["total"] += sum(quantized_tensor_bytes(b.experts) for b in blocks)
     return out
 
 

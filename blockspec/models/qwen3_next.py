@@ -134,7 +134,7 @@ class HybridDecoderLayer(nn.Module):
                 return fused_swiglu_residual(h, self.post_attention_layernorm, self.mlp.gate_up_proj,
                                              self.mlp.down_proj)
             norm = self.post_attention_layernorm
-            return h + self.mlp(rms_norm(h, norm.kernel_weight(), norm.eps)[0])  # one kernel for the norm
+            return self.mlp.forward_residual(rms_norm(h, norm.kernel_weight(), norm.eps)[0], h)  # one norm kernel
         x = self.input_layernorm(h)
         x = self.linear_attn(x) if self.linear_attn is not None else self.self_attn(positions, x)
         h = h + x

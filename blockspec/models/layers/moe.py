@@ -219,6 +219,15 @@ class SparseMoeBlock(nn.Module):
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out.view(shape)
 
+    def forward_residual(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual + self(x): on the fused path the add rides in the combine launch (rounded as the add is)."""
+        flat = x.reshape(-1, x.shape[-1])
+        res = residual.reshape(-1, residual.shape[-1])
+        if (res.is_contiguous() and res.dtype == flat.dtype
+                and fused_applies(flat, self.experts.gate_up_proj, self.experts.down_proj, self.experts.backend)):
+            return self._forward_fused(flat, res).view(residual.shape)
+        return residual + self.forward(x)
+
     def _record(self, ids: torch.Tensor) -> None:
         self.last_ids = self.ids_by_tokens[ids.shape[0]] = ids
 
@@ -230,7 +239,7 @@ class SparseMoeBlock(nn.Module):
         shared = SharedWeights(se.gate_proj.weight, se.up_proj.weight, se.down_proj.weight)
         return shared if shared_foldable(shared, self.experts.gate_up_proj, self.experts.down_proj) else None
 
-    def _forward_fused(self, x: torch.Tensor) -> torch.Tensor:
+    def _forward_fused(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """Router GEMM, routing (top-k and the shared gate) + grouping by expert, gate_up, down, combine:
         five launches for a small step (the routing and grouping share one), six for a large one."""
         x = x if x.is_contiguous() else x.contiguous()
@@ -245,10 +254,13 @@ class SparseMoeBlock(nn.Module):
             shared_w = moe_route(logits, self.top_k, self.renormalize, x, shared_gate, topk=False)[2]
         if self.record_routing:
             self._record(ids)
+        separate = self.shared_expert is not None and shared is None  # a differently sized one: its own path
         out = moe_experts(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids, shared, shared_w,
-                          layout=layout)
-        if self.shared_expert is not None and shared is None:  # a differently sized shared expert: its own path
+                          layout=layout, residual=None if separate else residual)
+        if separate:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+            if residual is not None:
+                out = residual + out
         return out
 
 
