@@ -46,42 +46,6 @@ if HAVE_TRITON:
         return (p * (zf / (1.0 + tl.exp(-zf)))).to(dtype)
 
     @triton.jit
-    def _gdn_step(s, t, q_row, k_row, v_row, a_row, b_row, o_row, ck_row, z_row, nw_row, Z, OUT, CKPT,
-                  sq_t, sk_t, sv_t, sa_t, sb_t, sz_t, mask_k, mask_v, s_mask, neg_a, dt_b, scale, eps,
-                  H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, HAS_OUT: tl.constexpr,
-                  HAS_NORM: tl.constexpr, HAS_CKPT: tl.constexpr, ROUND_WN: tl.constexpr):
-        """One token of the gated delta rule on a [DK, BV] state tile: decay, delta update, output."""
-        kf = tl.load(k_row + t * sk_t, mask=mask_k, other=0.0).to(tl.float32)
-        vf = tl.load(v_row + t * sv_t, mask=mask_v, other=0.0).to(tl.float32)
-        a = tl.load(a_row + t * sa_t).to(tl.float32)
-        b = tl.load(b_row + t * sb_t)
-        kn = kf * tl.rsqrt(tl.sum(kf * kf, axis=0) + 1e-6)
-        beta = (1.0 / (1.0 + tl.exp(-b.to(tl.float32)))).to(b.dtype).to(tl.float32)  # sigmoid in b's dtype
-        # softplus as torch's (threshold 20): log1p(exp(x)) as log(w) * u / (w - 1), w = 1 + u, which
-        # keeps log1p's precision for tiny u where log(1 + u) does not
-        x = a + dt_b
-        u = tl.exp(tl.minimum(x, 20.0))
-        w = 1.0 + u
-        softplus = tl.where(x > 20.0, x, tl.where(w == 1.0, u, tl.log(w) * (u / (w - 1.0))))
-        s = s * tl.exp(neg_a * softplus)
-        kv = tl.sum(s * kn[:, None], axis=0)
-        delta = (vf - kv) * beta
-        s = s + kn[:, None] * delta[None, :]
-        if HAS_OUT:
-            qf = tl.load(q_row + t * sq_t, mask=mask_k, other=0.0).to(tl.float32)
-            qn = qf * tl.rsqrt(tl.sum(qf * qf, axis=0) + 1e-6) * scale
-            o = tl.sum(s * qn[:, None], axis=0)
-            if HAS_NORM:
-                dtype = Z.dtype.element_ty
-                zf = tl.load(z_row + t * sz_t, mask=mask_v, other=0.0).to(tl.float32)
-                nw = tl.load(nw_row, mask=mask_v, other=0.0)
-                o = _gated_norm(o.to(dtype).to(tl.float32), zf, nw, mask_v, eps, DV, ROUND_WN, dtype)
-            tl.store(o_row + t * (H * DV), o.to(OUT.dtype.element_ty), mask=mask_v)
-        if HAS_CKPT:
-            tl.store(ck_row + t * (H * DK * DV), s.to(CKPT.dtype.element_ty), mask=s_mask)
-        return s
-
-    @triton.jit
     def _gdn_recurrent_kernel(Q, K, V, A, B, A_LOG, DT_BIAS, SSM, READ, WRITE, COUNTS, CKPT, OUT, Z, NW,
                               sq_n, sq_t, sq_h, sk_n, sk_t, sk_h, sv_n, sv_t, sv_h, sa_n, sa_t, sb_n, sb_t,
                               sz_n, sz_t, sz_h, scale, eps,
@@ -113,28 +77,44 @@ if HAVE_TRITON:
         o_row = OUT + (n * L * H + h) * DV + offs_v  # OUT: [N, L, H, DV] contiguous
         ck_row = CKPT + n * (L * H * DK * DV) + tile  # CKPT: [N, L, H, DK, DV] contiguous
         z_row = Z + n * sz_n + h * sz_h + offs_v
-        nw_row = NW + offs_v
         if HAS_COUNTS:
             count = tl.load(COUNTS + n)
         else:
             count = L
-        # One code path for every token of decode, verify and commit (the same per-token arithmetic), so a
-        # commit reproduces the verify pass's states. Without counts (decode, verify) the L steps are
-        # unrolled: the compiler hoists every step's loads and state-free math (norms, gates) off the
-        # sequential state chain. A commit loops over its count only (it usually replays a few tokens).
-        if HAS_COUNTS:
-            for t in range(L):
-                if t < count:
-                    s = _gdn_step(s, t, q_row, k_row, v_row, a_row, b_row, o_row, ck_row, z_row, nw_row, Z, OUT, CKPT,
-                                  sq_t, sk_t, sv_t, sa_t, sb_t, sz_t, mask_k, mask_v, s_mask, neg_a, dt_b, scale,
-                                  eps, H, DK, DV, HAS_OUT, HAS_NORM, HAS_CKPT, ROUND_WN)
-                elif HAS_OUT:  # tokens past the count: zeros, so the output is defined
-                    tl.store(o_row + t * (H * DV), tl.zeros([BV], dtype=OUT.dtype.element_ty), mask=mask_v)
-        else:
-            for t in tl.static_range(L):
-                s = _gdn_step(s, t, q_row, k_row, v_row, a_row, b_row, o_row, ck_row, z_row, nw_row, Z, OUT, CKPT,
-                              sq_t, sk_t, sv_t, sa_t, sb_t, sz_t, mask_k, mask_v, s_mask, neg_a, dt_b, scale,
-                              eps, H, DK, DV, HAS_OUT, HAS_NORM, HAS_CKPT, ROUND_WN)
+        # One code path for every token of decode, verify and commit (a dynamic `if` even without counts):
+        # a commit then reproduces the verify pass's states bit for bit.
+        for t in range(L):
+            if t < count:
+                kf = tl.load(k_row + t * sk_t, mask=mask_k, other=0.0).to(tl.float32)
+                vf = tl.load(v_row + t * sv_t, mask=mask_v, other=0.0).to(tl.float32)
+                a = tl.load(a_row + t * sa_t).to(tl.float32)
+                b = tl.load(b_row + t * sb_t)
+                kn = kf * tl.rsqrt(tl.sum(kf * kf, axis=0) + 1e-6)
+                beta = (1.0 / (1.0 + tl.exp(-b.to(tl.float32)))).to(b.dtype).to(tl.float32)  # sigmoid in b's dtype
+                # softplus as torch's (threshold 20): log1p(exp(x)) as log(w) * u / (w - 1), w = 1 + u, which
+                # keeps log1p's precision for tiny u where log(1 + u) does not
+                x = a + dt_b
+                u = tl.exp(tl.minimum(x, 20.0))
+                w = 1.0 + u
+                softplus = tl.where(x > 20.0, x, tl.where(w == 1.0, u, tl.log(w) * (u / (w - 1.0))))
+                s = s * tl.exp(neg_a * softplus)
+                kv = tl.sum(s * kn[:, None], axis=0)
+                delta = (vf - kv) * beta
+                s = s + kn[:, None] * delta[None, :]
+                if HAS_OUT:
+                    qf = tl.load(q_row + t * sq_t, mask=mask_k, other=0.0).to(tl.float32)
+                    qn = qf * tl.rsqrt(tl.sum(qf * qf, axis=0) + 1e-6) * scale
+                    o = tl.sum(s * qn[:, None], axis=0)
+                    if HAS_NORM:
+                        dtype = Z.dtype.element_ty
+                        zf = tl.load(z_row + t * sz_t, mask=mask_v, other=0.0).to(tl.float32)
+                        nw = tl.load(NW + offs_v, mask=mask_v, other=0.0)
+                        o = _gated_norm(o.to(dtype).to(tl.float32), zf, nw, mask_v, eps, DV, ROUND_WN, dtype)
+                    tl.store(o_row + t * (H * DV), o.to(OUT.dtype.element_ty), mask=mask_v)
+                if HAS_CKPT:
+                    tl.store(ck_row + t * (H * DK * DV), s.to(CKPT.dtype.element_ty), mask=s_mask)
+            elif HAS_OUT:  # tokens past the count: zeros, so the output is defined
+                tl.store(o_row + t * (H * DV), tl.zeros([BV], dtype=OUT.dtype.element_ty), mask=mask_v)
         if HAS_WRITE:  # the same program read this tile: read == write slot needs no barrier
             write = tl.load(WRITE + n).to(tl.int64)
             tl.store(SSM + write * (H * DK * DV) + tile, s.to(SSM.dtype.element_ty), mask=s_mask)
