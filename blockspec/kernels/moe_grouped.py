@@ -350,16 +350,17 @@ def gemm_config(tokens: int, n: int, k: int, items: int, gated: bool) -> GemmCon
 
     A hand heuristic (no autotune: CUDA graphs are captured right after warm-up), after skinny_linear's:
     the kernels stream expert weights, so they want >= 2 programs per SM with enough bytes in flight each.
-    - One token (every expert has one row): the row-reduction path, BLOCK_N 16 (else 8, 4 while that
-      leaves too few programs), wide BLOCK_K, 8 warps once a tile reaches 8192 elements.
+    - One token (every expert has one row): the row-reduction path, BLOCK_N 8 (4 while that leaves too
+      few programs), BLOCK_K 256, 4 warps: the best or within 4% of it for both Qwen3.6-35B-A3B and
+      Qwen3-Coder-30B-A3B GEMMs in `bench/moe_kernels.py --sweep` on an H100 (bench/results/
+      moe_kernels_sweep_h100.json; the old 16 x 512 x 8 warps took 1.2-1.7x longer on gate_up).
     - More tokens: tl.dot over 16-row tiles (the smallest tl.dot tile; decode experts rarely see more),
       BLOCK_K 128 whatever the token count (so a row rounds the same in any batch), BLOCK_N 64/32/16.
     `items` is the worst case; a step that touches fewer experts has fewer live programs.
     """
     if tokens == 1:
-        block_k = min(512, max(64, _next_pow2(k)))
-        block_n = next((b for b in (16, 8) if items * _cdiv(n, b) >= _MIN_PROGRAMS), 4)
-        return GemmConfig(1, block_n, block_k, 8 if block_n * block_k >= 8192 else 4, 3)
+        block_n = 8 if items * _cdiv(n, 8) >= _MIN_PROGRAMS else 4
+        return GemmConfig(1, block_n, min(256, max(64, _next_pow2(k))), 4, 3)
     block_k = min(128, max(16, _next_pow2(k)))
     block_n = next((b for b in (64, 32) if items * _cdiv(n, b) >= _MIN_PROGRAMS), 16)
     return GemmConfig(16, block_n, block_k, 4, 3)
