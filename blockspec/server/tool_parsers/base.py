@@ -120,7 +120,9 @@ class ToolParser(ABC):
         self._text += text
         return self._advance(final=False)
 
-    def finish(self) -> Delta:
+    def finish(self, text: str = "") -> Delta:
+        """The last text: what was held back (a possible tag start, an unfinished call) is settled."""
+        self._text += text
         return self._advance(final=True)
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
