@@ -7,7 +7,6 @@ import json
 
 from blockspec.server.choice_output import ChoiceOutput
 from blockspec.server.reasoning import ReasoningParser
-from blockspec.server.tool_parsers import PARSERS
 from blockspec.server.tools import ToolUse
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": None, "parameters": {

@@ -16,7 +16,8 @@ class NamedCallParser(ToolParser):
         self.name = name
 
     def scan(self, text: str, final: bool) -> Scan:
-        return Scan(0, [CallProgress(self.name, text)])
+        """The call starts with its first output (after any reasoning), as in vLLM's stream."""
+        return Scan(0, [CallProgress(self.name if text or final else None, text)])
 
 
 class RequiredCallsParser(ToolParser):
