@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from blockspec.server.reasoning import ReasoningParser
+from blockspec.server.server_config import ServerConfig
 from blockspec.server.tool_parsers import ToolParser
 from blockspec.server.tools import ToolUse
 
@@ -14,6 +15,12 @@ class ChoiceOutput:
     def __init__(self, reasoning: ReasoningParser | None, tools: ToolParser | None, use: ToolUse | None) -> None:
         self.reasoning, self.tools, self.use = reasoning, tools, use
         self.called = False  # a tool call was found (streamed or whole)
+
+    @classmethod
+    def create(cls, config: ServerConfig, prompt: str, use: ToolUse | None) -> ChoiceOutput:
+        """The server's parsers for one choice of a request with this prompt and tool use."""
+        reasoning = ReasoningParser(config.reasoning_parser, prompt) if config.reasoning_parser else None
+        return cls(reasoning, use.parser(config.tool_call_parser) if use is not None else None, use)
 
     def feed(self, text: str, final: bool = False) -> dict[str, Any]:
         """The delta fields (reasoning_content, content, tool_calls) of new text; `final`: the last."""

@@ -17,7 +17,6 @@ from blockspec.server.async_engine import RequestGroup
 from blockspec.server.choice_output import ChoiceOutput
 from blockspec.server.errors import APIError, bad_request, error_body
 from blockspec.server.protocol import ChatCompletionRequest, ChatMessage
-from blockspec.server.reasoning import ReasoningParser
 from blockspec.server.sampling import for_choice, sampling_params
 from blockspec.server.serving import (
     DONE,
@@ -33,7 +32,7 @@ from blockspec.server.serving import (
     submit,
     usage,
 )
-from blockspec.server.tools import ToolUse, template_arguments, tool_use
+from blockspec.server.tools import ToolUse, history_arguments_as_dicts, tool_use
 
 log = logging.getLogger("blockspec.server")
 
@@ -67,7 +66,7 @@ def normalize_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
             if value is not None:
                 msg[key] = value
         out.append(msg)
-    template_arguments(out)
+    history_arguments_as_dicts(out)
     return out
 
 
@@ -140,10 +139,7 @@ class _Chat:
         self.prompt, self.prompt_ids, self.arrival = prompt, prompt_ids, arrival
         self.created = int(time.time())
         self.choices = [Choice(i, arrival) for i in range(req.n)]
-        reasoning, tool_parser = state.config.reasoning_parser, state.config.tool_call_parser
-        self.outputs = [ChoiceOutput(ReasoningParser(reasoning, prompt) if reasoning else None,
-                                     use.parser(tool_parser) if use is not None else None, use)
-                        for _ in range(req.n)]
+        self.outputs = [ChoiceOutput.create(state.config, prompt, use) for _ in range(req.n)]
 
     async def collect(self) -> dict[str, Any]:
         async with contextlib.aclosing(follow(self.state, self.group)) as updates:

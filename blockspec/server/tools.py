@@ -127,7 +127,7 @@ def required_schema(tools: list[dict[str, Any]]) -> dict[str, Any]:
     return schema
 
 
-def template_arguments(messages: list[dict[str, Any]]) -> None:
+def history_arguments_as_dicts(messages: list[dict[str, Any]]) -> None:
     """Assistant tool calls' arguments, sent as JSON strings, become the dicts chat templates expect
     (as vLLM does); 400 when one is not JSON."""
     for i, message in enumerate(messages):

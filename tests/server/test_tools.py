@@ -11,7 +11,7 @@ from blockspec.server.errors import APIError
 from blockspec.server.protocol import ChatCompletionRequest
 from blockspec.server.server_config import ServerConfig
 from blockspec.server.tool_parsers import PARSERS, NamedCallParser, RequiredCallsParser
-from blockspec.server.tools import required_schema, template_arguments, tool_use
+from blockspec.server.tools import history_arguments_as_dicts, required_schema, tool_use
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
@@ -84,8 +84,8 @@ def test_history_arguments_reach_templates_as_dicts():
         {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
         {"id": "c2", "type": "function", "function": {"name": "now", "arguments": ""}}]},
         {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
-    template_arguments(messages)
+    history_arguments_as_dicts(messages)
     assert [c["function"]["arguments"] for c in messages[0]["tool_calls"]] == [{"city": "Paris"}, {}]
     bad = [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{oops"}}]}]
     with pytest.raises(APIError, match=r"messages\[0\].tool_calls\[0\].function.arguments is not valid JSON"):
-        template_arguments(bad)
+        history_arguments_as_dicts(bad)
