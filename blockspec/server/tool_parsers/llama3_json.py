@@ -3,15 +3,17 @@ optionally after `<|python_tag|>`, several separated by `;`. Output that starts 
 
 from __future__ import annotations
 
-from blockspec.server.tool_parsers.base import NotACall, Scan, ToolParser
-from blockspec.server.tool_parsers.json_calls import call_from_object, check_complete, parse_json
+from typing import Any
+
+from blockspec.server.tool_parsers.base import CallProgress, NotACall, Scan, ToolParser
+from blockspec.server.tool_parsers.json_calls import call_from_object, parse_json
 from blockspec.server.tool_parsers.partial_json import skip_ws
 
 PYTHON_TAG = "<|python_tag|>"
 
 
 class Llama3JsonParser(ToolParser):
-    def __init__(self, tools=None) -> None:
+    def __init__(self, tools: list[dict[str, Any]] | None = None) -> None:
         super().__init__(tools)
         self._calls_start: int | None = None  # where the calls begin, once the output's start says so
         self._plain = False  # the output starts with something else: all content
@@ -33,13 +35,14 @@ class Llama3JsonParser(ToolParser):
                 return Scan(0, [])  # whitespace, or maybe the start of the python tag: wait
         return Scan(0, self._calls(text, self._calls_start, final))
 
-    def _calls(self, text: str, start: int, final: bool) -> list:
+    def _calls(self, text: str, start: int, final: bool) -> list[CallProgress]:
         calls = []
         while True:
             node = parse_json(text, start)
             if node is None:
                 return calls
-            check_complete(node, "", final)
+            if final and not node.done:
+                raise NotACall("a tool call's JSON was cut off")
             calls.append(call_from_object(node, ("arguments", "parameters")))
             if not node.done:
                 return calls

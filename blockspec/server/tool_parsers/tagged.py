@@ -5,6 +5,7 @@ as vLLM's whole-response parsers do; each region's body is read by the format.""
 from __future__ import annotations
 
 from abc import abstractmethod
+from typing import Any
 
 from blockspec.server.tool_parsers.base import CallProgress, Scan, ToolParser, partial_tag
 
@@ -12,7 +13,7 @@ from blockspec.server.tool_parsers.base import CallProgress, Scan, ToolParser, p
 class TaggedParser(ToolParser):
     end_tags: dict[str, str]  # start tag -> the tag that closes its region
 
-    def __init__(self, tools=None) -> None:
+    def __init__(self, tools: list[dict[str, Any]] | None = None) -> None:
         super().__init__(tools)
         self._closed_calls: list[CallProgress] = []  # regions already closed: they never change
         self._resume = 0  # where the next look starts
