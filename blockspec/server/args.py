@@ -20,6 +20,8 @@ from blockspec.errors import ConfigError
 from blockspec.server.reasoning import PARSERS, check_parser
 from blockspec.server.served_models import check_defaults, parse_alias
 from blockspec.server.server_config import ServerConfig
+from blockspec.server.tool_parsers import PARSERS as TOOL_PARSERS
+from blockspec.server.tool_parsers import check_tool_parser
 
 log = logging.getLogger("blockspec.server")
 
@@ -36,8 +38,6 @@ IGNORED_FLAGS: list[tuple[tuple[str, ...], bool, str]] = [
     (("--language-model-only",), False, "blockspec always loads the language model only (vision weights are "
                                         "skipped)"),
     (("--enable-prefix-caching",), False, "prefix caching is " + _NOT_YET),
-    (("--enable-auto-tool-choice",), False, "tool-call parsing is " + _NOT_YET + "; tool calls arrive as text"),
-    (("--tool-call-parser",), True, "tool-call parsing is " + _NOT_YET + "; tool calls arrive as text"),
     (("--tensor-parallel-size", "-tp"), True, _ONE_GPU),
     (("--pipeline-parallel-size", "-pp"), True, _ONE_GPU),
     (("--data-parallel-size", "-dp"), True, _ONE_GPU),
@@ -120,6 +120,12 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "modelopt_fp4, fp8, gptq, awq, auto-round); checked against what the checkpoint declares")
     s.add_argument("--reasoning-parser", default=None, choices=sorted(PARSERS),
                    help="put <think>...</think> into reasoning_content")
+    s.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='let the model call tools on its own (tool_choice "auto", the default when tools are '
+                        "given); needs --tool-call-parser")
+    s.add_argument("--tool-call-parser", default=None, metavar="{" + ",".join(TOOL_PARSERS) + "}",
+                   help="how the model writes tool calls: hermes (Qwen2.5/Qwen3), qwen3_coder and qwen3_xml "
+                        "(Qwen3-Coder, Qwen3.5/3.6), llama3_json")
     s.add_argument("--generation-config", default="auto",
                    help="sampling defaults: auto (the model's generation_config.json), vllm (none), or a folder")
     s.add_argument("--override-generation-config", default=None, help='JSON, e.g. {"temperature": 0.6}')
@@ -187,6 +193,9 @@ def build_engine_config(args: argparse.Namespace) -> EngineConfig:
 
 def build_server_config(args: argparse.Namespace) -> ServerConfig:
     check_parser(args.reasoning_parser)
+    check_tool_parser(args.tool_call_parser)
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ConfigError(f"--enable-auto-tool-choice needs --tool-call-parser (one of {', '.join(TOOL_PARSERS)})")
     names = args.served_model_name or [args.model if args.model is not None else DEFAULT_MODEL_NAME]
     aliases: dict[str, dict[str, Any]] = {}
     for text in args.alias:
@@ -211,6 +220,7 @@ def build_server_config(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(
         served_model_names=names, model_root=args.model or DEFAULT_MODEL_NAME, host=args.host, port=args.port,
         api_keys=[key] if key else [], aliases=aliases, reasoning_parser=args.reasoning_parser,
+        enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
         generation_config=args.generation_config, override_generation_config=override,
         uvicorn_log_level=args.uvicorn_log_level, access_log=not args.disable_uvicorn_access_log,
         log_stats=not args.disable_log_stats)

@@ -30,6 +30,21 @@ class ChatMessage(_Request):
     tool_call_id: str | None = None
 
 
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="allow")  # every field reaches the chat template, as in vLLM
+
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class ChatCompletionTool(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
 class SamplingRequest(_Request):
     """Fields shared by chat and text completions."""
 
@@ -65,7 +80,11 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool | None = False
     top_logprobs: int | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: list[ChatCompletionTool] | None = None
+    tool_choice: str | dict[str, Any] | None = Field(
+        None, description='"none", "auto", "required" or {"type": "function", "function": {"name": ...}}; '
+                          'default "auto" when tools are given')
+    parallel_tool_calls: bool | None = True
 
 
 class CompletionRequest(SamplingRequest):

@@ -41,6 +41,7 @@ class ServerState:
     models: ServedModels
     metrics: ServerMetrics
     config: ServerConfig
+    template_ignores_tools: bool | None = None  # found out at the first request with tools
 
 
 class _EngineStream(StreamingResponse):

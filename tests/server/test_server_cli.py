@@ -98,6 +98,16 @@ def test_alias_and_config_errors():
         _parse("m --reasoning-parser nope")
 
 
+def test_tool_call_flags():
+    server = build_server_config(_parse(SEED_COMMANDS[2]))
+    assert server.enable_auto_tool_choice and server.tool_call_parser == "qwen3_xml"
+    assert not any("tool" in w for w in warn_ignored(_parse(SEED_COMMANDS[3])))  # used, so not "ignored"
+    with pytest.raises(ConfigError, match="use one of hermes, qwen3_coder, qwen3_xml, llama3_json"):
+        build_server_config(_parse("m --tool-call-parser qwen3"))
+    with pytest.raises(ConfigError, match="--enable-auto-tool-choice needs --tool-call-parser"):
+        build_server_config(_parse("m --enable-auto-tool-choice"))
+
+
 def test_serve_subprocess_warns_serves_and_exits_0_on_sigterm(tiny_models, tiny_drafter):
     port = free_port()
     spec = json.dumps({"method": "dflash", "model": str(tiny_drafter), "num_speculative_tokens": 3})
