@@ -44,6 +44,7 @@ class PrefixCacheStats:
 
     queries: int = 0
     hits: int = 0
+    evictions: int = 0  # cached blocks handed out again (their contents lost)
 
     @property
     def hit_rate(self) -> float:
@@ -174,6 +175,7 @@ class BlockAllocator:
         if key is not None:  # evict
             self._key[block] = None
             del self._cached[key]
+            self.stats.evictions += 1
         self._refs[block] = 1
         return block
 
