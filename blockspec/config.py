@@ -127,7 +127,8 @@ class EngineConfig:
         if self.load_format not in ("auto", "dummy"):
             raise ConfigError(f"--load-format {self.load_format!r}: blockspec reads auto (safetensors/GGUF) or dummy")
         if self.mamba_cache_mode not in MAMBA_CACHE_MODES:
-            raise ConfigError(f"--mamba-cache-mode {self.mamba_cache_mode!r}: use one of {', '.join(MAMBA_CACHE_MODES)}")
+            raise ConfigError(f"--mamba-cache-mode {self.mamba_cache_mode!r}: use one of "
+                              f"{', '.join(MAMBA_CACHE_MODES)}")
         if self.mamba_block_size is not None and (self.mamba_block_size < 1 or self.mamba_block_size % self.block_size):
             raise ConfigError(f"--mamba-block-size {self.mamba_block_size} must be a positive multiple of --block-size "
                               f"{self.block_size} (snapshots sit on block boundaries)")

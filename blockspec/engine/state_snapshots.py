@@ -41,11 +41,10 @@ class StateSnapshots:
     def reserve(self, key: BlockHash) -> int | None:
         """An entry for the current step to write the state for `key` into (the least recently used one
         not being written already), or None when every entry is being written this step."""
-        for entry, old in self._lru.items():
-            if entry not in self._writing:
-                break
-        else:
+        entry = next((e for e in self._lru if e not in self._writing), None)
+        if entry is None:
             return None
+        old = self._lru[entry]
         if old is not None:
             del self._entry[old]
         self._lru[entry] = None
