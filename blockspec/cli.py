@@ -50,6 +50,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat-template", default=None)
     p.add_argument("--load-format", default="auto", help="auto | dummy (random weights)")
     p.add_argument("--enforce-eager", action="store_true")
+    add_prefix_caching_args(p)
+
+
+def add_prefix_caching_args(p: argparse.ArgumentParser) -> None:
+    """vLLM's prefix-caching flags (serve, generate, plan)."""
     c = p.add_argument_group("prefix caching")
     c.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="share the K/V of prompt prefixes between requests (default: on, as vLLM v1)")
