@@ -66,6 +66,30 @@ def test_a_hit_keeps_every_draft_and_acceptance_of_dflash(tiny_models, tiny_draf
     assert alone.prefix_cache_stats.queries == 0
 
 
+def test_the_shipped_drafter_accepts_the_same_on_a_hit(default_model):
+    """SmolLM2-135M with its trained drafter (real acceptance, tau ~4): a request that starts on the cached
+    system prompt drafts, accepts and outputs what the same request computed whole does."""
+    from blockspec.loader.default_model import default_drafter_dir
+
+    spec = SpeculativeConfig(model=str(default_drafter_dir()), num_speculative_tokens=7)
+    engine = Engine(EngineConfig(model=str(default_model), device="cpu", speculative=spec, max_model_len=256))
+    log = DraftLog(engine)
+    system = [{"role": "system", "content": "You are a helpful coding assistant. Answer with short Python code."}]
+    first, second = (engine.apply_chat_template(system + [{"role": "user", "content": q}])
+                     for q in ("Write a function that adds two numbers.", "Write a function that reverses a string."))
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    engine.generate([first], params)
+    log.take()
+    hit = engine.generate([second], params)[0]
+    hit_drafts = log.take()
+    engine.allocator.reset_cache()
+    whole = engine.generate([second], params)[0]
+    assert hit.stats.cached_tokens > 0 and whole.stats.cached_tokens == 0
+    assert hit.token_ids == whole.token_ids and hit_drafts == log.take()
+    assert hit.stats.accepted_per_position == whole.stats.accepted_per_position
+    assert hit.stats.tau == whole.stats.tau > 2  # the drafter really is accepted
+
+
 def test_a_one_token_request_leaves_its_prompt_cached_for_the_drafter_too(tiny_models, tiny_drafter):
     engine = engine_for(tiny_models, tiny_drafter)
     prompt = SYSTEM + "Q: and now?"
@@ -74,6 +98,25 @@ def test_a_one_token_request_leaves_its_prompt_cached_for_the_drafter_too(tiny_m
     assert again.stats.cached_tokens == (len(engine.encode(prompt)) - 1) // 16 * 16
     assert again.token_ids == engine_for(tiny_models, tiny_drafter, enable_prefix_caching=False).generate(
         [prompt], GREEDY)[0].token_ids
+
+
+def test_blocks_wait_for_their_drafter_context(tiny_models, tiny_drafter):
+    """A prompt's features reach the drafter's cache one step after its prefill: a sequence preempted in
+    between leaves its blocks without drafter context, and none of them may be shared."""
+    from blockspec.engine.scheduler import SchedulerOutput
+
+    engine = engine_for(tiny_models, tiny_drafter)
+    engine.add_request("a", SYSTEM + "Q: one", GREEDY)
+    engine.step()  # the whole prompt: target K/V written, drafter context still pending
+    engine.scheduler._preempt(engine.requests["a"], SchedulerOutput())
+    assert engine.allocator.num_cached == 0
+    engine.abort_request("a")
+    log = DraftLog(engine)
+    got = engine.generate([SYSTEM + "Q: two"], GREEDY)[0]
+    alone = engine_for(tiny_models, tiny_drafter, enable_prefix_caching=False)
+    alone_log = DraftLog(alone)
+    assert got.token_ids == alone.generate([SYSTEM + "Q: two"], GREEDY)[0].token_ids
+    assert log.take() == alone_log.take()
 
 
 def test_changing_k_drops_the_cache(tiny_models, tiny_drafter):
