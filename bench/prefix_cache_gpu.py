@@ -33,7 +33,6 @@ import gc
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -46,7 +45,7 @@ sys.path[:0] = [str(BENCH.parent), str(BENCH)]
 
 import torch  # noqa: E402
 from first_gpu import QWEN3_8B  # noqa: E402
-from hybrid_gpu import CONFIGS, MASK_TOKEN, TINY, scaled  # noqa: E402
+from hybrid_gpu import CONFIGS, MASK_TOKEN, TINY, commit, scaled  # noqa: E402
 from hybrid_parts import drafter_config, kv_cache_bytes, random_prompts, torch_dtype, write_model_dir  # noqa: E402
 
 from blockspec.config import EngineConfig, SpeculativeConfig  # noqa: E402
@@ -183,13 +182,6 @@ def table(result: dict[str, Any]) -> str:
                      f"{last_c['ttft_ms']:.1f} / {last_u['ttft_ms']:.1f} | {faster}/{len(c['conversation']) - 1} | "
                      f"{m['hit_tokens_equal_uncached']} |")
     return "\n".join(lines)
-
-
-def commit() -> str:
-    if os.environ.get("COMMIT"):
-        return os.environ["COMMIT"]
-    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=BENCH)
-    return out.stdout.strip() or "unknown"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -12,14 +12,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from blockspec.engine.sampling_params import SamplingParams
 from blockspec.engine.scheduler import ScheduledSeq
-from blockspec.engine.sequence import Sequence
 from blockspec.loader.weights import load_weights
 from blockspec.models.layers import delta_rule, delta_rule_fla
 from blockspec.models.model_config import ModelConfig
 from blockspec.models.registry import model_class
 from blockspec.runner.model_runner import ModelRunner
+from tests.models.test_hybrid_models import _seq
 from tests.tiny_hybrid import save_tiny_hybrid
 
 TOL = dict(rtol=1e-4, atol=1e-4)
@@ -64,12 +63,6 @@ def _step(runner, model, seq, n, snapshots=()):
     model.commit_state([seq], [n])
     seq.num_computed += n
     return model.compute_logits(hidden)
-
-
-def _seq(ids, blocks, slot):
-    seq = Sequence("t", ids, SamplingParams(temperature=0), None, [], None)
-    seq.block_table, seq.state_slot = list(blocks), slot
-    return seq
 
 
 def _state(model, slot):
