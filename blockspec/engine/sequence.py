@@ -90,7 +90,8 @@ class Sequence:
     Invariants: positions [0, num_computed) have K/V in the target cache; positions
     [0, drafter_computed) have K/V in the drafter's context cache; `pending_features` holds the
     target's context features of positions [drafter_computed, num_computed), waiting for the
-    drafter's next pass to project them.
+    drafter's next pass to project them. A sequence admitted on a prefix-cache hit starts with both
+    counters at the hit's length: its first blocks are shared, with their drafter context.
     """
 
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams,

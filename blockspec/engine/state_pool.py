@@ -5,8 +5,10 @@ model holds a pair of slots for each of `max_num_seqs` sequences (allocated here
 is planned, so the planner sees them; why a pair: models/layers/recurrent_state.py);
 `SlotBlockAllocator` hands a sequence a pair the first time it gets blocks
 (admission) and takes it back whenever its blocks are freed (finish, abort, preemption), so the
-scheduler needs no change: it already brackets every sequence's life with `ensure` and `free`.
+scheduler needs no change: it already brackets every sequence's life with `admit` and `free`.
 The scheduler admits at most `max_num_seqs` sequences, so a slot is always free at admission.
+With prefix caching the same allocator keeps the state snapshots that let a hybrid start on a
+cached prefix (engine/state_snapshots.py).
 """
 
 from __future__ import annotations

@@ -72,13 +72,13 @@ def test_the_shipped_drafter_accepts_the_same_on_a_hit(default_model):
     from blockspec.loader.default_model import default_drafter_dir
 
     spec = SpeculativeConfig(model=str(default_drafter_dir()), num_speculative_tokens=7)
-    engine = Engine(EngineConfig(model=str(default_model), device="cpu", speculative=spec, max_model_len=256))
+    engine = Engine(EngineConfig(model=str(default_model), device="cpu", speculative=spec, max_model_len=128))
     log = DraftLog(engine)
     system = [{"role": "system", "content": "You are a helpful coding assistant. Answer with short Python code."}]
     first, second = (engine.apply_chat_template(system + [{"role": "user", "content": q}])
                      for q in ("Write a function that adds two numbers.", "Write a function that reverses a string."))
-    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    engine.generate([first], params)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    engine.generate([first], SamplingParams(temperature=0, max_tokens=1))
     log.take()
     hit = engine.generate([second], params)[0]
     hit_drafts = log.take()
