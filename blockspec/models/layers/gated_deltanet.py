@@ -303,28 +303,17 @@ class GatedDeltaNet(nn.Module):
     def _fla_in_pieces(self, q, k, v, g, beta, initial: torch.Tensor, meta: StateMetadata, st: LayerState):
         """fla over spans cut at their snapshot points: round r runs the r-th piece of every span that has
         one (one varlen call), from the state the previous round ended in, and saves the snapshots."""
-        pieces = [meta.pieces(b) for b in range(meta.num_seqs)]
         out = None
         final = initial.clone()
-        for r in range(max(len(p) for p in pieces)):
-            spans = [b for b in range(meta.num_seqs) if r < len(pieces[b])]
-            cuts = [pieces[b][r] for b in spans]
-            tokens = [meta.starts[b] + i for b, (a, e, _) in zip(spans, cuts) for i in range(a, e)]
-            dev = q.device
-            idx = torch.tensor(tokens, device=dev)
-            span_t = torch.tensor(spans, device=dev)
-            cu = torch.tensor(list(accumulate((e - a for a, e, _ in cuts), initial=0)), dtype=torch.int64, device=dev)
-            o, f = delta_rule_fla.run(q[idx], k[idx], v[idx], g[idx], beta[idx], final[span_t], cu,
-                                      max(e - a for a, e, _ in cuts))
+        for rnd in meta.piece_rounds():
+            o, f = delta_rule_fla.run(q[rnd.tokens], k[rnd.tokens], v[rnd.tokens], g[rnd.tokens], beta[rnd.tokens],
+                                      final[rnd.spans], rnd.cu_seqlens, rnd.longest)
             if out is None:
                 out = o.new_empty((q.shape[0], *o.shape[1:]))
-            out[idx] = o
-            final[span_t] = f
-            saves = [(i, entry) for i, (_, _, entry) in enumerate(cuts) if entry is not None]
-            if saves:
-                rows = torch.tensor([i for i, _ in saves], device=dev)
-                entries = torch.tensor([e for _, e in saves], device=dev)
-                st.snap_ssm[entries] = f[rows].to(st.snap_ssm.dtype)
+            out[rnd.tokens] = o
+            final[rnd.spans] = f
+            if rnd.entries is not None:
+                st.snap_ssm[rnd.entries] = f[rnd.saved].to(st.snap_ssm.dtype)
         return out, final
 
     # ---- commit ------------------------------------------------------------------------------

@@ -89,9 +89,7 @@ class StateMetadata:
     def tensor(self, key: str, build) -> torch.Tensor:
         """A cached device tensor built from host lists by `build()` (called once per step)."""
         if key not in self._cache:
-            values, dtype = build()
-            host = torch.tensor(values, dtype=dtype)
-            self._cache[key] = host.to(self.device, non_blocking=True) if self.device.type == "cuda" else host
+            self._cache[key] = self._device(*build())
         return self._cache[key]
 
     def pieces(self, b: int) -> list[tuple[int, int, int | None]]:
@@ -105,6 +103,30 @@ class StateMetadata:
         if start < self.lengths[b]:
             out.append((start, self.lengths[b], None))
         return out
+
+    def piece_rounds(self) -> list[PieceRound]:
+        """The pieces as rounds (round r: the r-th piece of every span that has one), for kernels that take
+        one ragged batch per call; device tensors built once per step and shared by all layers."""
+        if "piece_rounds" not in self._cache:
+            pieces = [self.pieces(b) for b in range(self.num_seqs)]
+            rounds = []
+            for r in range(max(len(p) for p in pieces)):
+                spans = [b for b in range(self.num_seqs) if r < len(pieces[b])]
+                cuts = [pieces[b][r] for b in spans]
+                saves = [(i, entry) for i, (_, _, entry) in enumerate(cuts) if entry is not None]
+                tokens = [self.starts[b] + i for b, (a, e, _) in zip(spans, cuts) for i in range(a, e)]
+                lengths = [e - a for a, e, _ in cuts]
+                rounds.append(PieceRound(
+                    tokens=self._device(tokens), spans=self._device(spans),
+                    cu_seqlens=self._device(list(accumulate(lengths, initial=0))), longest=max(lengths),
+                    saved=self._device([i for i, _ in saves]) if saves else None,
+                    entries=self._device([e for _, e in saves]) if saves else None))
+            self._cache["piece_rounds"] = rounds
+        return self._cache["piece_rounds"]
+
+    def _device(self, values: list, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        host = torch.tensor(values, dtype=dtype)
+        return host.to(self.device, non_blocking=True) if self.device.type == "cuda" else host
 
     def spans(self, speculative: bool | None = None) -> list[int]:
         """Batch indices of the (non-)speculative spans; all of them for None."""
@@ -137,6 +159,19 @@ class StateMetadata:
                 rows.extend(b_count * width + s + i for i in range(n))
             self._cache[key] = (rows, bases)
         return self._cache[key]
+
+
+@dataclass
+class PieceRound:
+    """One round of `StateMetadata.piece_rounds`: the flat token rows of its pieces, the spans they belong to,
+    their cu_seqlens and longest length, and which of them end at a snapshot (row in the round, entry)."""
+
+    tokens: torch.Tensor
+    spans: torch.Tensor
+    cu_seqlens: torch.Tensor
+    longest: int
+    saved: torch.Tensor | None
+    entries: torch.Tensor | None
 
 
 SLOTS_PER_SEQUENCE = 2  # the current state and the one a decode step commits into
