@@ -57,7 +57,8 @@ def test_hits_resume_from_snapshots_with_identical_greedy_output(hybrids, family
     turn2 = turn1 + first.token_ids + cached.encode(" Q: and then?")
     other = cached.encode(SYSTEM[:70] + "a different question")
     for prompt, hit in ((turn2, len(turn1) // 16 * 16),  # the previous prompt's end
-                        (other, 64)):  # the last snapshot (every 32 tokens) inside the 70 shared tokens
+                        (other, 64),  # the last snapshot (every 32 tokens) inside the 70 shared tokens
+                        (turn1[:33], 32)):  # one token left: the step takes the uniform decode path
         (got, got_lps), (want, want_lps) = with_logprobs(cached, prompt), with_logprobs(plain, prompt)
         assert got.stats.cached_tokens == hit
         assert got.token_ids == want.token_ids
