@@ -167,13 +167,18 @@ class Engine:
         self.runner.capture_layer_ids = tuple(self.drafter_config.target_layer_ids) if use_drafter else ()
         resize_for_k(self, k)  # checkpoint mode keeps k + 1 states per slot
         # cached blocks hold drafter context only if the drafter ran; snapshots may have been re-made
-        self.allocator.reset_cache()
+        self.reset_prefix_cache()
         self.allocator.tracks_drafter = use_drafter
         self.num_speculative_tokens = self.scheduler.k = self.runner.num_speculative_tokens = k
         self.spec_counters = SpecDecodeCounters(accepted_per_pos=[0] * k)
         self.runner.prepare_decode(self.config.max_num_seqs, self.max_model_len, not self.config.enforce_eager,
                                    log.info)
         self._set_lookahead()
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block and state snapshot (vLLM's name). Call it after changing the target's
+        or the drafter's weights in place: cached K/V and drafter context were computed with the old ones."""
+        self.allocator.reset_cache()
 
     def _set_lookahead(self) -> None:
         decode = self.runner.decode

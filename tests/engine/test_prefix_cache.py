@@ -125,6 +125,10 @@ def test_changing_k_drops_the_cache(tiny_models, tiny_drafter):
     assert engine.allocator.num_cached > 0
     engine.set_num_speculative_tokens(0)  # blocks cached from now on hold no drafter context
     assert engine.allocator.num_cached == 0 and not engine.allocator.tracks_drafter
+    engine.generate([SYSTEM], GREEDY)
+    assert engine.allocator.num_cached > 0
+    engine.reset_prefix_cache()  # after weights change in place (drafter training's evaluations do)
+    assert engine.allocator.num_cached == 0
 
 
 def run_together(engine: Engine, requests: list[tuple[str, SamplingParams]], abort_after: dict[str, int]
