@@ -19,6 +19,7 @@ import torch
 
 from blockspec.config import EngineConfig
 from blockspec.engine.detokenizer import IncrementalDetokenizer
+from blockspec.engine.kv_cache import PrefixCacheStats
 from blockspec.engine.memory import plan_kv_blocks
 from blockspec.engine.outputs import RequestOutput, SpecDecodeCounters
 from blockspec.engine.sampling_params import SamplingParams
@@ -82,6 +83,7 @@ class Engine:
         self.runner.num_speculative_tokens = self.num_speculative_tokens
         self.runner.prepare_decode(config.max_num_seqs, self.max_model_len, not config.enforce_eager, log.info)
         self.allocator = block_allocator(self, num_blocks)  # + a state slot per sequence for hybrids
+        self.allocator.tracks_drafter = self.runner.drafter is not None
         self.scheduler = Scheduler(self.allocator, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, self.num_speculative_tokens)
         self._set_lookahead()
@@ -164,11 +166,19 @@ class Engine:
         self.runner.drafter = self._drafter if use_drafter else None
         self.runner.capture_layer_ids = tuple(self.drafter_config.target_layer_ids) if use_drafter else ()
         resize_for_k(self, k)  # checkpoint mode keeps k + 1 states per slot
+        # cached blocks hold drafter context only if the drafter ran; snapshots may have been re-made
+        self.reset_prefix_cache()
+        self.allocator.tracks_drafter = use_drafter
         self.num_speculative_tokens = self.scheduler.k = self.runner.num_speculative_tokens = k
         self.spec_counters = SpecDecodeCounters(accepted_per_pos=[0] * k)
         self.runner.prepare_decode(self.config.max_num_seqs, self.max_model_len, not self.config.enforce_eager,
                                    log.info)
         self._set_lookahead()
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block and state snapshot (vLLM's name). Call it after changing the target's
+        or the drafter's weights in place: cached K/V and drafter context were computed with the old ones."""
+        self.allocator.reset_cache()
 
     def _set_lookahead(self) -> None:
         decode = self.runner.decode
@@ -221,8 +231,13 @@ class Engine:
         if seq is None:
             return False
         seq.finish_reason = "abort"
-        self.scheduler.finish(seq)
+        self._finish(seq)
         return True
+
+    def _finish(self, seq: Sequence) -> None:
+        if self.allocator.enable_caching and seq.block_table:
+            self.runner.complete_context(seq)  # its last blocks complete for the prefix cache
+        self.scheduler.finish(seq)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -238,6 +253,11 @@ class Engine:
     @property
     def kv_usage(self) -> float:
         return self.allocator.usage
+
+    @property
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        """Prompt tokens looked up in the prefix cache and found there (vLLM's queries / hits)."""
+        return self.allocator.stats
 
     def release(self) -> None:
         """Give the KV cache (and the allocator's cached GPU memory) back now, before another engine plans
@@ -264,6 +284,7 @@ class Engine:
         for res in results:
             if res.tokens:
                 outputs.append(self._commit(res.seq, res.tokens, res.num_drafts, res.num_accepted, res.logprobs, now))
+        self.allocator.step_done([item.seq for item in sched.items])  # completed blocks join the prefix cache
         return outputs
 
     def _commit(self, seq: Sequence, tokens: list[int], num_drafts: int, num_accepted: int,
@@ -296,7 +317,7 @@ class Engine:
             seq.logprobs.extend(logprobs[:len(new_ids)])
         if seq.finish_reason is not None:
             st.finish_time = now
-            self.scheduler.finish(seq)
+            self._finish(seq)
             self.requests.pop(seq.request_id, None)
         return RequestOutput(
             request_id=seq.request_id, prompt_token_ids=seq.prompt_ids, token_ids=list(seq.output_ids),

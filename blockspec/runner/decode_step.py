@@ -227,13 +227,18 @@ class DecodeStep:
     def release_features(self, keep: set[int] | None = None) -> None:
         """Copy the committed feature rows of held sequences out of the shared buffer (before it is reused)."""
         for seq in self.holders:
-            if seq.feature_rows is None or seq.finished or (keep is not None and id(seq) in keep):
-                continue
-            start, count = seq.feature_rows
-            rows = self.features[start:start + count].clone()
-            seq.pending_features = rows if seq.pending_features is None else torch.cat([seq.pending_features, rows])
-            seq.feature_rows = None
+            if not seq.finished and (keep is None or id(seq) not in keep):
+                self.copy_out(seq)
         self.holders = []
+
+    def copy_out(self, seq: Sequence) -> None:
+        """seq's committed feature rows from the shared buffer into its pending_features."""
+        if seq.feature_rows is None:
+            return
+        start, count = seq.feature_rows
+        rows = self.features[start:start + count].clone()
+        seq.pending_features = rows if seq.pending_features is None else torch.cat([seq.pending_features, rows])
+        seq.feature_rows = None
 
     def drop_inflight(self) -> None:
         """Forget a chained step (it still runs, ahead of anything queued later; its results go unread)."""
@@ -278,16 +283,8 @@ class DecodeStep:
         bp = self.graphs.bucket(len(items))
         self.release_features(keep={id(i.seq) for i in items})
         # Features committed through the general path (e.g. a prefill) are projected eagerly, once.
-        pending = [i.seq for i in items if i.seq.pending_features is not None]
-        if pending and self.uses_drafter:
-            feats, pos, slots = [], [], []
-            for seq in pending:
-                feats.append(seq.pending_features)
-                pos += range(seq.drafter_computed, seq.drafter_computed + seq.pending_features.shape[0])
-                slots += r._slots(seq, seq.drafter_computed, seq.drafter_computed + seq.pending_features.shape[0])
-                seq.drafter_computed += seq.pending_features.shape[0]
-                seq.pending_features = None
-            r.drafter.write_context(torch.cat(feats), r._tensor(pos), r._tensor(slots))
+        if self.uses_drafter:
+            r.project_pending([i.seq for i in items])
         rows: list[Sequence | None] = [i.seq for i in items] + [None] * (bp - len(items))
         num_drafts = [i.num_drafts for i in items] + [0] * (bp - len(items))
         self._stage(bp, rows, num_drafts, items)

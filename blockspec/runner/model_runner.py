@@ -110,6 +110,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> list[StepResult]:
         items = sched.items
+        self._restore_snapshots(items)
         if self._uniform_decode(items):
             return self.decode.execute(items)
         if self.decode is not None:
@@ -123,6 +124,40 @@ class ModelRunner:
         for item, start, n in zip(items, offsets, committed):
             self._advance(item, start, n, features)
         return results
+
+    def _restore_snapshots(self, items: list[ScheduledSeq]) -> None:
+        """Sequences starting on a cached prefix of a hybrid: their state slots from the prefix's snapshot
+        (before this step's pass, which may itself overwrite that entry with a new snapshot)."""
+        starting = [item.seq for item in items if item.seq.restore_snapshot is not None]
+        if starting:
+            self.target.restore_state([s.state_slot for s in starting], [s.restore_snapshot for s in starting])
+            for seq in starting:
+                seq.restore_snapshot = None
+
+    def project_pending(self, seqs: list[Sequence]) -> None:
+        """Write the drafter's context K/V for the sequences' pending features now (one drafter pass)."""
+        seqs = [s for s in seqs if s.pending_features is not None]
+        if not seqs or self.drafter is None:
+            return
+        feats, pos, slots = [], [], []
+        for seq in seqs:
+            n = seq.pending_features.shape[0]
+            feats.append(seq.pending_features)
+            pos += range(seq.drafter_computed, seq.drafter_computed + n)
+            slots += self._slots(seq, seq.drafter_computed, seq.drafter_computed + n)
+            seq.drafter_computed += n
+            seq.pending_features = None
+        self.drafter.write_context(torch.cat(feats), self._tensor(pos), self._tensor(slots))
+
+    @torch.inference_mode()
+    def complete_context(self, seq: Sequence) -> None:
+        """A finishing sequence's last committed positions into the drafter's cache, so that all its full
+        blocks can enter the prefix cache (without it, a 1-token request would leave nothing cacheable)."""
+        if self.drafter is None:
+            return
+        if self.decode is not None:
+            self.decode.copy_out(seq)
+        self.project_pending([seq])
 
     def _commit_state(self, items: list[ScheduledSeq], committed: list[int]) -> None:
         commit_state = getattr(self.target, "commit_state", None)

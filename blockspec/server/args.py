@@ -37,7 +37,7 @@ IGNORED_FLAGS: list[tuple[tuple[str, ...], bool, str]] = [
     (("--moe-backend",), True, _KERNELS),
     (("--language-model-only",), False, "blockspec always loads the language model only (vision weights are "
                                         "skipped)"),
-    (("--enable-prefix-caching",), False, "prefix caching is " + _NOT_YET),
+    (("--prefix-caching-hash-algo",), True, "blocks are always keyed by SHA-256"),
     (("--tensor-parallel-size", "-tp"), True, _ONE_GPU),
     (("--pipeline-parallel-size", "-pp"), True, _ONE_GPU),
     (("--data-parallel-size", "-dp"), True, _ONE_GPU),
@@ -74,7 +74,7 @@ IGNORED_FLAGS: list[tuple[tuple[str, ...], bool, str]] = [
     (("--enable-sleep-mode",), False, _NOT_YET),
     (("--disable-frontend-multiprocessing",), False, "the server and engine share one process already"),
     (("--enable-force-include-usage",), False, "ask with stream_options.include_usage"),
-    (("--enable-prompt-tokens-details",), False, _NOT_YET),
+    (("--enable-prompt-tokens-details",), False, "usage.prompt_tokens_details.cached_tokens is always reported"),
     (("--return-tokens-as-token-ids",), False, "ask with return_token_ids"),
     (("--enable-request-id-headers",), False, _NOT_YET),
     (("--disable-fastapi-docs",), False, _NOT_YET),

@@ -97,10 +97,15 @@ class CompletionRequest(SamplingRequest):
 # ---- responses --------------------------------------------------------------------------------
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int  # prompt tokens found in the prefix cache (their K/V not computed again)
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class SpecDecodeStats(BaseModel):
@@ -113,6 +118,7 @@ class SpecDecodeStats(BaseModel):
     completion_tokens: int
     num_draft_tokens: int
     num_accepted_tokens: int
+    cached_tokens: int
     prefill_time_s: float
     decode_time_s: float
     decode_tok_s: float

@@ -157,7 +157,7 @@ class _Chat:
             choices.append(choice)
         body: dict[str, Any] = {"id": self.id, "object": "chat.completion", "created": self.created,
                                 "model": self.model, "choices": choices,
-                                "usage": usage(len(self.prompt_ids), self.choices)}
+                                "usage": usage(len(self.prompt_ids), self.choices, self.req.n)}
         if self.req.return_token_ids:
             body["prompt_token_ids"] = self.prompt_ids
         body["spec_decode"] = spec_decode_stats(self.choices)
@@ -170,7 +170,7 @@ class _Chat:
                  "choices": choices, **extra}
         opts = self.req.stream_options
         if opts and opts.continuous_usage_stats and "usage" not in chunk:
-            chunk["usage"] = usage(len(self.prompt_ids), self.choices)
+            chunk["usage"] = usage(len(self.prompt_ids), self.choices, self.req.n)
         return chunk
 
     def _role_chunk(self, c: Choice) -> dict[str, Any]:
@@ -199,7 +199,7 @@ class _Chat:
         opts = req.stream_options
         final: dict[str, Any] = {}
         if opts and opts.include_usage:
-            final["usage"] = usage(len(self.prompt_ids), self.choices)
+            final["usage"] = usage(len(self.prompt_ids), self.choices, self.req.n)
             final["spec_decode"] = spec_decode_stats(self.choices)
         if req.return_meta_info:
             final["meta_info"] = meta_info(self.id, len(self.prompt_ids), self.choices, self.arrival)

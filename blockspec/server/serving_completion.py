@@ -124,7 +124,7 @@ class _Completion:
             choices.append(choice)
         body: dict[str, Any] = {"id": self.id, "object": "text_completion", "created": self.created,
                                 "model": self.model, "choices": choices,
-                                "usage": usage(self.prompt_tokens, self.choices),
+                                "usage": usage(self.prompt_tokens, self.choices, self.req.n),
                                 "spec_decode": spec_decode_stats(self.choices)}
         if self.req.return_meta_info:
             body["meta_info"] = meta_info(self.id, self.prompt_tokens, self.choices, self.arrival)
@@ -135,7 +135,7 @@ class _Completion:
                  "choices": choices, **extra}
         opts = self.req.stream_options
         if opts and opts.continuous_usage_stats and "usage" not in chunk:
-            chunk["usage"] = usage(self.prompt_tokens, self.choices)
+            chunk["usage"] = usage(self.prompt_tokens, self.choices, self.req.n)
         return chunk
 
     def _prompt_chunk(self, c: Choice) -> dict[str, Any]:
@@ -169,7 +169,7 @@ class _Completion:
             return
         final: dict[str, Any] = {}
         if req.stream_options and req.stream_options.include_usage:
-            final["usage"] = usage(self.prompt_tokens, self.choices)
+            final["usage"] = usage(self.prompt_tokens, self.choices, self.req.n)
             final["spec_decode"] = spec_decode_stats(self.choices)
         if req.return_meta_info:
             final["meta_info"] = meta_info(self.id, self.prompt_tokens, self.choices, self.arrival)
