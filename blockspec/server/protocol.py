@@ -66,6 +66,8 @@ class ChatCompletionRequest(SamplingRequest):
     top_logprobs: int | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
+    # vLLM's values; passed to the chat template as `reasoning_effort` (GPT-OSS's harmony template reads it)
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
 
 
 class CompletionRequest(SamplingRequest):
