@@ -95,3 +95,17 @@ def save_tiny_gpt_oss_mxfp4(out: Path, seed: int = 0, **overrides) -> Path:
 def _tokenizer(out: Path) -> None:
     write_tokenizer(out)
     (out / "generation_config.json").write_text(json.dumps({"eos_token_id": [258]}))
+
+
+def save_tiny_gpt_oss_drafter(out: Path, target_dir: Path, block_size: int = 16) -> Path:
+    """A random DFlash drafter for the tiny target, in the shape of z-lab's GPT-OSS drafters: Qwen3 layers with
+    q/k/v/o biases, rope theta 150000, config.json's model_type "gpt_oss" (written with the reference package)."""
+    from transformers import AutoConfig
+
+    from tests.conftest import save_tiny_drafter
+
+    save_tiny_drafter(out, AutoConfig.from_pretrained(target_dir), target_layer_ids=[0, 2], block_size=block_size,
+                      mask_token_id=300, attention_bias=True, rope_theta=150000.0)
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "model_type": "gpt_oss"}))
+    return out
