@@ -315,6 +315,11 @@ class QuantExperts(nn.Module):
                                            requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"{self.scheme} MoE experts run the dequantize-then-matmul reference, which reads the "
+                               "routed experts back to the host and cannot be captured in a CUDA graph: serve with "
+                               "--enforce-eager until their kernel is wired in")
+
         def project(holder: QuantExpertWeights, bias: torch.Tensor | None):
             def fn(rows: torch.Tensor, e: int) -> torch.Tensor:
                 y = holder.apply(rows, e)
