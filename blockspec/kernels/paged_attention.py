@@ -109,6 +109,17 @@ def ragged_paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 if HAVE_TRITON:
 
     @triton.jit
+    def _online_softmax_step(s, visible, v, m_i, l_i, acc):
+        """Fold one key tile into a running softmax: scores s [M, N] where visible, values v [N, D]; returns
+        the new row maxima, normalisers and (unnormalised) accumulator."""
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        return m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+
+    @triton.jit
     def _paged_attention_kernel(
         Q, K, V, Out, M, L, BT, SEQ_LENS, KV_START,
         stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
@@ -156,16 +167,9 @@ if HAVE_TRITON:
                 visible = visible & (n[None, :] <= q_pos[:, None])
             if WINDOWED:
                 visible = visible & (q_pos[:, None] - n[None, :] < window)
-            s = tl.where(visible, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp(m_i - m_safe)
-            p = tl.exp(s - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(V + blk[:, None] * stride_vb + slot[:, None] * stride_vs + kvh * stride_vh + d[None, :],
                         mask=n_ok[:, None], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
+            m_i, l_i, acc = _online_softmax_step(s, visible, v, m_i, l_i, acc)
         base = b * stride_ob + kvh * stride_oh + split * stride_os
         tl.store(Out + base + rows[:, None] * stride_om + d[None, :], acc)
         tl.store(M + (b * tl.num_programs(1) + kvh) * num_splits * BLOCK_M + split * BLOCK_M + rows, m_i)
@@ -247,15 +251,8 @@ if HAVE_TRITON:
             visible = n_ok[None, :] & row_ok[:, None] & (n[None, :] <= q_pos[:, None])
             if WINDOWED:
                 visible = visible & (q_pos[:, None] - n[None, :] < window)
-            s = tl.where(visible, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp(m_i - m_safe)
-            p = tl.exp(s - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(V + slot[:, None] * stride_vs + kvh * stride_vh + d[None, :], mask=n_ok[:, None], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
+            m_i, l_i, acc = _online_softmax_step(s, visible, v, m_i, l_i, acc)
         if HAS_SINKS:
             sink = tl.load(SINKS + head, mask=row_ok, other=0.0).to(tl.float32)
             m_new = tl.maximum(m_i, sink)

@@ -13,6 +13,7 @@ from blockspec.engine.engine import Engine, build_module
 from blockspec.engine.sampling_params import SamplingParams
 from blockspec.models.model_config import ModelConfig
 from blockspec.spec.dflash import DFlashDrafter, DrafterConfig
+from tests.engine.test_lossless import PROMPTS, run_all
 from tests.tiny_gpt_oss import save_tiny_gpt_oss, save_tiny_gpt_oss_drafter, save_tiny_gpt_oss_mxfp4
 
 dflash_model = pytest.importorskip("dflash.model", reason="test-only oracle: pip install --no-deps dflash")
@@ -29,7 +30,6 @@ GPT_OSS_20B = {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", 
                "hidden_size": 2880, "intermediate_size": 2880, "num_hidden_layers": 24, "num_attention_heads": 64,
                "num_key_value_heads": 8, "head_dim": 64, "num_local_experts": 32, "num_experts_per_tok": 4,
                "sliding_window": 128, "attention_bias": True}
-PROMPTS = ["hello world", "a" * 37, "The quick brown fox jumps over", "x", "def f(n):\n    return"]
 GREEDY = SamplingParams(temperature=0, max_tokens=28, ignore_eos=True)
 
 
@@ -39,17 +39,6 @@ def pair(tmp_path_factory):
     root = tmp_path_factory.mktemp("gpt_oss_dflash")
     target = save_tiny_gpt_oss(root / "target")
     return target, save_tiny_gpt_oss_drafter(root / "drafter", target)
-
-
-def run_all(engine: Engine) -> dict[str, list[int]]:
-    for i, p in enumerate(PROMPTS):
-        engine.add_request(f"r{i}", p, SamplingParams(**vars(GREEDY)))
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.token_ids
-    return done
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +77,7 @@ def test_greedy_loop_matches_dflash_generate(pair, tmp_path):
 def test_dflash_greedy_equals_autoregressive(pair, ar_reference, k):
     spec = SpeculativeConfig(model=str(pair[1]), num_speculative_tokens=k)
     engine = Engine(EngineConfig(model=str(pair[0]), device="cpu", speculative=spec, max_num_batched_tokens=24))
-    assert run_all(engine) == ar_reference
+    assert run_all(engine, PROMPTS, GREEDY) == ar_reference
     assert engine.allocator.num_free == engine.allocator.num_blocks
 
 
@@ -101,5 +90,5 @@ def test_high_acceptance_with_preemption_equals_autoregressive(pair, ar_referenc
     preempted = []
     preempt = engine.scheduler._preempt
     monkeypatch.setattr(engine.scheduler, "_preempt", lambda seq, out: (preempted.append(seq), preempt(seq, out)))
-    assert run_all(engine) == ar_reference
+    assert run_all(engine, PROMPTS, GREEDY) == ar_reference
     assert preempted

@@ -37,7 +37,8 @@ from blockspec.kernels._triton import use_triton
 from blockspec.kernels.skinny_linear import linear
 from blockspec.models.layers.moe import SILU, GatedActivation, experts_loop
 
-SCHEMES = ("int4", "int8", "fp8", "nvfp4", "mxfp4")
+SCHEMES = ("int4", "int8", "fp8", "nvfp4")  # the layouts the Triton linear kernels read (kernels/quant_linear.py)
+LAYOUTS = (*SCHEMES, "mxfp4")  # every layout; mxfp4 (GPT-OSS experts) has only the dequantize reference so far
 NVFP4_GROUP = 16
 MXFP4_GROUP = 32
 E8M0_BIAS = 127
@@ -154,7 +155,7 @@ class _QuantTensors(nn.Module):
                  shard_sizes: list[int] | None, leading: tuple[int, ...], dtype: torch.dtype,
                  device: torch.device | str | None) -> None:
         super().__init__()
-        if scheme not in SCHEMES:
+        if scheme not in LAYOUTS:
             raise ValueError(f"unknown quantization scheme {scheme!r}")
         problem = check_shape(scheme, out_features, in_features, group_size)
         if problem:
