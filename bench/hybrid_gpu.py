@@ -415,11 +415,17 @@ def task_model(args: argparse.Namespace, key: str, res: dict[str, Any], save: Ca
     with_state = res["ar_bytes_per_token"] + res["kv_bytes_per_token"] * args.context + 2 * res["state_bytes_per_seq"]
     res["roofline_with_kv_state_tok_s"] = bandwidth / with_state
     prompt = hp.random_prompts(1, args.context, engine.model_config.vocab_size)[0]
-    short = min(args.tokens, 32)
+    tokens, runs = args.tokens, args.runs
+    reduced = "experts_path" in res and args.device == "cuda"
+    if reduced:  # the reference experts take seconds per verify pass at these sizes: a short run, one router
+        tokens, runs = min(tokens, 16), 1
+        res["reduced"] = (f"reference experts: {tokens} tokens, 1 run, the model's own router only (no routing "
+                          "statistics)")
+    short = min(tokens, 32)
     routing_tokens = 24 if args.tiny else ROUTING_TOKENS
 
     def request() -> dict[str, Any]:
-        return hp.one_request(engine, prompt, args.tokens)
+        return hp.one_request(engine, prompt, tokens)
 
     def warmup() -> dict[str, Any]:
         return hp.one_request(engine, prompt, short)
@@ -433,7 +439,8 @@ def task_model(args: argparse.Namespace, key: str, res: dict[str, Any], save: Ca
 
     blocks = hp.moe_blocks(engine)
     missing = hp.missing_hooks(blocks)
-    modes = ["uniform"] + (["correlated"] if blocks and not missing else [])
+    count_experts = bool(blocks) and not missing and not reduced
+    modes = ["uniform"] + (["correlated"] if count_experts else [])
     if blocks:
         res["routing"] = {"route_share": args.route_share, "hooks_missing": missing}
         if missing:
@@ -446,8 +453,8 @@ def task_model(args: argparse.Namespace, key: str, res: dict[str, Any], save: Ca
             hp.set_routing(engine, args.route_share)
             hp.recapture(engine)
             res["routing"]["keep_per_token"] = blocks[0].route_override.keep
-        res["k15"][mode] = hp.median_runs(request, args.runs, warmup)
-        if blocks and not missing:  # the random drafter's blocks repeat tokens: fewer experts than verify's
+        res["k15"][mode] = hp.median_runs(request, runs, warmup)
+        if count_experts:  # the random drafter's blocks repeat tokens: fewer experts than verify's
             res["routing"].setdefault(mode, {})["k15_blocks"] = touched(mode)
         save(res)
     if "correlated" in modes:
@@ -458,7 +465,7 @@ def task_model(args: argparse.Namespace, key: str, res: dict[str, Any], save: Ca
         res["profile"] = [{"k": 15} | kernel_table(engine, name) for name in ("target", "draft")]
     # 2. AR (k = 0), and aggregate decode at concurrency.
     engine.set_num_speculative_tokens(0)
-    res["ar"] = hp.median_runs(request, args.runs, warmup)
+    res["ar"] = hp.median_runs(request, runs, warmup)
     if args.profile and args.device == "cuda":
         res["profile"].append({"k": 0} | kernel_table(engine, "target"))
     res["ar_fraction"] = res["ar"]["tok_s"] / res["roofline_tok_s"]
@@ -474,7 +481,7 @@ def task_model(args: argparse.Namespace, key: str, res: dict[str, Any], save: Ca
         for c in concurrency:
             prompts = hp.random_prompts(c, args.context, engine.model_config.vocab_size, seed=c)
             res["concurrency"][str(c)] = hp.median_runs(
-                lambda c=c, prompts=prompts: hp.aggregate_decode(engine, prompts, args.tokens, f"c{c}"), args.runs,
+                lambda c=c, prompts=prompts: hp.aggregate_decode(engine, prompts, tokens, f"c{c}"), runs,
                 lambda c=c, prompts=prompts: hp.aggregate_decode(engine, prompts, short, f"w{c}"))
             save(res)
     # 3. The verify step alone: synthetic drafts, always wrong (one committed token per step).
@@ -484,9 +491,9 @@ def task_model(args: argparse.Namespace, key: str, res: dict[str, Any], save: Ca
         if mode == "correlated":
             hp.set_routing(engine, args.route_share)
             hp.recapture(engine)
-        if blocks and not missing:  # random tokens in every block: the uniform router's spread
+        if count_experts:  # random tokens in every block: the uniform router's spread
             res["routing"][mode]["verify_blocks"] = touched(mode)
-        v = res["verify"][mode] = hp.median_runs(request, args.runs, warmup)
+        v = res["verify"][mode] = hp.median_runs(request, runs, warmup)
         distinct = res.get("routing", {}).get(mode, {}).get("verify_blocks", {}).get("per_layer")
         v["weight_bytes"] = hp.step_bytes(split, distinct or [min(16 * e["top_k"], e["num_experts"])
                                                               for e in split["experts"]])
@@ -593,7 +600,7 @@ def memory_line(m: dict[str, Any]) -> str:
     return (f"{m['model']}: weights {m['bytes']['total'] / gb:.1f} GB + drafter "
             f"{(m.get('drafter_weight_bytes') or 0) / gb:.1f} GB + KV {m['settings']['kv_cache_memory'] / gb:.1f} GB; "
             f"peak {fmt(peak and peak / gb, '.1f')} GB of {fmt(total and total / gb, '.1f')} GB: ran"
-            + (f"; {m['experts_path']}" if "experts_path" in m else ""))
+            + "".join(f"; {m[note]}" for note in ("experts_path", "reduced") if note in m))
 
 
 def table(results: dict[str, Any]) -> str:
