@@ -1,8 +1,9 @@
 """Quantized linear layers: one packed in-memory layout per scheme, and the dequantize reference.
 
 Every checkpoint format (compressed-tensors, ModelOpt, GPTQ, AWQ, AutoRound, MXFP4) is converted at load
-time (blockspec/loader/quant/) into one of five layouts, so the kernels know exactly five. A weight of
-logical shape [N, K] (out, in):
+time (blockspec/loader/quant/) into one of five layouts, so the kernels know exactly these (the linear
+kernels read the first four, SCHEMES; "mxfp4", GPT-OSS's experts, has only the reference so far). A weight
+of logical shape [N, K] (out, in):
 
 - "int4":  qweight uint8 [N, K/2], two unsigned nibbles per byte, element k even in the LOW nibble;
            scales [N, K/G] model dtype; zeros uint8 [N, K/G] (unsigned; symmetric formats store 8; a
