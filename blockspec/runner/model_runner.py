@@ -264,6 +264,7 @@ class ModelRunner:
             query_unpad=self._tensor(query_unpad),
             kv_slots=self._tensor([s + [0] * (lmax - len(s)) for s in kv]).view(len(items), lmax),
             mask=mask[:, None],
+            query_pos=query_pos,
             # On GPU only: the CPU path stays the single reference that the exactness tests compare.
             fresh_prefill=(self.device.type == "cuda" and len(items) == 1 and items[0].seq.num_computed == 0
                            and items[0].num_drafts == 0),

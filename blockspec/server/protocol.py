@@ -85,6 +85,8 @@ class ChatCompletionRequest(SamplingRequest):
         None, description='"none", "auto", "required" or {"type": "function", "function": {"name": ...}}; '
                           'default "auto" when tools are given')
     parallel_tool_calls: bool | None = True
+    # vLLM's values; passed to the chat template as `reasoning_effort` (GPT-OSS's harmony template reads it)
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
 
 
 class CompletionRequest(SamplingRequest):

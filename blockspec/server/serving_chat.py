@@ -75,6 +75,10 @@ def template_kwargs(req: ChatCompletionRequest, defaults: dict[str, Any], use: T
     reserved = sorted(RESERVED_TEMPLATE_ARGS & kwargs.keys())
     if reserved:
         raise bad_request(f"chat_template_kwargs may not set {', '.join(reserved)}", "chat_template_kwargs")
+    if req.reasoning_effort is not None:  # as vLLM: the field wins, and "none" also turns thinking off
+        if "enable_thinking" not in (req.chat_template_kwargs or {}):
+            kwargs["enable_thinking"] = req.reasoning_effort != "none"
+        kwargs["reasoning_effort"] = req.reasoning_effort
     if use is not None:
         kwargs["tools"] = use.tools
     return kwargs
