@@ -20,6 +20,8 @@ from blockspec.errors import ConfigError
 from blockspec.server.reasoning import PARSERS, check_parser
 from blockspec.server.served_models import check_defaults, parse_alias
 from blockspec.server.server_config import ServerConfig
+from blockspec.structured.backend import BACKEND as GRAMMAR_BACKEND
+from blockspec.structured.backend import backend_problem
 
 log = logging.getLogger("blockspec.server")
 
@@ -68,8 +70,6 @@ IGNORED_FLAGS: list[tuple[tuple[str, ...], bool, str]] = [
     (("--max-logprobs",), True, "logprobs are capped at 20"),
     (("--logprobs-mode",), True, "logprobs are the raw model's"),
     (("--chat-template-content-format",), True, "text parts are joined into one string"),
-    (("--structured-outputs-config",), True, "guided decoding is " + _NOT_YET),
-    (("--guided-decoding-backend",), True, "guided decoding is " + _NOT_YET),
     (("--enable-lora",), False, _NOT_YET),
     (("--enable-sleep-mode",), False, _NOT_YET),
     (("--disable-frontend-multiprocessing",), False, "the server and engine share one process already"),
@@ -120,6 +120,11 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "modelopt_fp4, fp8, gptq, awq, auto-round); checked against what the checkpoint declares")
     s.add_argument("--reasoning-parser", default=None, choices=sorted(PARSERS),
                    help="put <think>...</think> into reasoning_content")
+    s.add_argument("--structured-outputs-config", default=None, metavar="JSON",
+                   help=f'structured outputs (JSON schema, regex, choice, grammar), e.g. {{"backend": '
+                        f'"{GRAMMAR_BACKEND}"}}: backend {GRAMMAR_BACKEND} or auto (others are refused)')
+    s.add_argument("--structured-outputs-config.backend", "--guided-decoding-backend", dest="structured_backend",
+                   default=None, metavar="BACKEND", help=f"{GRAMMAR_BACKEND} or auto")
     s.add_argument("--generation-config", default="auto",
                    help="sampling defaults: auto (the model's generation_config.json), vllm (none), or a folder")
     s.add_argument("--override-generation-config", default=None, help='JSON, e.g. {"temperature": 0.6}')
@@ -185,8 +190,33 @@ def build_engine_config(args: argparse.Namespace) -> EngineConfig:
     return config
 
 
+def check_structured_outputs(args: argparse.Namespace) -> None:
+    """--structured-outputs-config / --guided-decoding-backend: the one grammar engine, or a clear refusal."""
+    backends = [args.structured_backend] if args.structured_backend is not None else []
+    if args.structured_outputs_config is not None:
+        try:
+            config = json.loads(args.structured_outputs_config)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"--structured-outputs-config is not valid JSON ({exc.msg}): pass e.g. "
+                              f'\'{{"backend": "{GRAMMAR_BACKEND}"}}\'') from None
+        if not isinstance(config, dict):
+            raise ConfigError("--structured-outputs-config must be a JSON object, e.g. "
+                              f'\'{{"backend": "{GRAMMAR_BACKEND}"}}\'')
+        unknown = sorted(set(config) - {"backend", "disable_fallback"})
+        if unknown:
+            raise ConfigError(f"--structured-outputs-config: {', '.join(unknown)} not supported by blockspec "
+                              "(it takes backend and disable_fallback)")
+        if "backend" in config:
+            backends.append(config["backend"])
+    for backend in backends:
+        problem = backend_problem(backend)
+        if problem is not None:
+            raise ConfigError(problem)
+
+
 def build_server_config(args: argparse.Namespace) -> ServerConfig:
     check_parser(args.reasoning_parser)
+    check_structured_outputs(args)
     names = args.served_model_name or [args.model if args.model is not None else DEFAULT_MODEL_NAME]
     aliases: dict[str, dict[str, Any]] = {}
     for text in args.alias:

@@ -30,6 +30,37 @@ class ChatMessage(_Request):
     tool_call_id: str | None = None
 
 
+class JsonSchemaFormat(_Request):
+    """OpenAI's response_format.json_schema: the schema under `schema`, with a name for the client's records."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(_Request):
+    """vLLM's structured_outputs: exactly one of json, regex, choice, grammar, json_object."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    json_schema: dict[str, Any] | str | None = Field(None, alias="json", description="a JSON schema (or its text)")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = Field(None, description="EBNF (root ::= ...) or Lark (start: ...)")
+    json_object: bool | None = None
+    disable_fallback: bool | None = Field(None, description="blockspec has one grammar engine and never falls back")
+    disable_any_whitespace: bool | None = Field(None, description="not supported (true is refused)")
+    disable_additional_properties: bool | None = Field(None, description="not supported (true is refused)")
+    whitespace_pattern: str | None = Field(None, description="not supported (refused)")
+    structural_tag: str | None = Field(None, description="not supported (refused)")
+
+
 class SamplingRequest(_Request):
     """Fields shared by chat and text completions."""
 
@@ -53,7 +84,13 @@ class SamplingRequest(_Request):
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
     logit_bias: dict[str, float] | None = None
-    response_format: dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = Field(None, description="older vLLM name of structured_outputs.json")
+    guided_regex: str | None = Field(None, description="older vLLM name of structured_outputs.regex")
+    guided_choice: list[str] | None = Field(None, description="older vLLM name of structured_outputs.choice")
+    guided_grammar: str | None = Field(None, description="older vLLM name of structured_outputs.grammar")
+    guided_decoding_backend: str | None = Field(None, description="xgrammar or auto (the server's one backend)")
     return_token_ids: bool = False
     return_meta_info: bool = Field(False, description="SGLang-style meta_info (spec_accept_length, spec_verify_ct)")
     user: str | None = None

@@ -12,6 +12,7 @@ from blockspec.engine.sampling_params import SamplingParams
 from blockspec.errors import RequestError
 from blockspec.server.errors import bad_request
 from blockspec.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
+from blockspec.server.structured import structured_spec
 
 MAX_N = 64
 MAX_TOP_LOGPROBS = 20
@@ -33,10 +34,6 @@ def check_request(req: SamplingRequest) -> None:
         raise bad_request(f"n must be between 1 and {MAX_N}, got {req.n}", "n")
     if req.logit_bias:
         raise bad_request("logit_bias is not supported by blockspec", "logit_bias")
-    fmt = (req.response_format or {}).get("type", "text")
-    if fmt != "text":
-        raise bad_request(f"response_format {fmt!r} is not supported: blockspec has no guided decoding yet",
-                          "response_format")
     if req.seed is not None and not SEED_RANGE[0] <= req.seed <= SEED_RANGE[1]:
         raise bad_request("seed must fit in 64 bits", "seed")
 
@@ -73,7 +70,7 @@ def sampling_params(req: ChatCompletionRequest | CompletionRequest, defaults: di
             if not 0 <= req.logprobs <= MAX_TOP_LOGPROBS:
                 raise bad_request(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}]", "logprobs")
             kwargs["logprobs"] = req.logprobs
-    params = SamplingParams(**kwargs)
+    params = SamplingParams(**kwargs, structured=structured_spec(req))
     try:
         params.validate()
     except RequestError as exc:

@@ -15,7 +15,6 @@ import xgrammar as xgr
 from blockspec.errors import RequestError
 from blockspec.structured.spec import StructuredSpec
 
-BACKEND = "xgrammar"
 _ENGINE_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+\.cc:\d+:\s*")  # "[12:00:00] /project/cpp/x.cc:83: "
 
 
@@ -42,6 +41,40 @@ def check_json_schema(schema: object) -> None:
         raise RequestError(f"invalid JSON schema{f' at {where}' if where else ''}: {exc.message}") from None
 
 
+# String formats xgrammar generates; any other format would be dropped silently.
+_FORMATS = {"email", "date", "time", "date-time", "duration", "ipv4", "ipv6", "hostname", "uuid", "uri",
+            "uri-reference", "uri-template", "json-pointer", "relative-json-pointer"}
+_ARRAY_UNENFORCED = ("uniqueItems", "contains", "minContains", "maxContains")
+
+
+def unenforced_keyword(schema: object) -> str | None:
+    """The first keyword (with its path) of a schema that xgrammar accepts but does not enforce, if any:
+    output could then violate the schema without an error anywhere."""
+
+    def visit(node: object, path: str) -> str | None:
+        if isinstance(node, list):
+            return next((hit for i, item in enumerate(node) if (hit := visit(item, f"{path}/{i}"))), None)
+        if not isinstance(node, dict):
+            return None
+        types = node.get("type")
+        types = {types} if isinstance(types, str) else set(types) if isinstance(types, list) else set()
+        here = None
+        if types & {"integer", "number"} and "multipleOf" in node:
+            here = "multipleOf"
+        elif "array" in types:
+            here = next((k for k in _ARRAY_UNENFORCED if k in node), None)
+        if here is None and "string" in types:
+            if "format" in node and node["format"] not in _FORMATS:
+                here = f"format {node['format']!r}"
+            elif ("pattern" in node or "format" in node) and ("minLength" in node or "maxLength" in node):
+                here = "minLength/maxLength with pattern or format"
+        if here is not None:
+            return f"{here} at {path or '/'}"
+        return next((hit for key, value in node.items() if (hit := visit(value, f"{path}/{key}"))), None)
+
+    return visit(schema, "")
+
+
 def choice_ebnf(choices: list[str]) -> str:
     """The grammar of exactly one of the strings (JSON string escapes are EBNF string escapes)."""
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
@@ -55,14 +88,18 @@ def is_ebnf(grammar: str) -> bool:
 def build_grammar(spec: StructuredSpec) -> xgr.Grammar:
     """The grammar engine's grammar for spec; RequestError naming the problem if spec is invalid."""
     kind, value = spec.kind, spec.value
-    if kind == "json_object":
-        return xgr.Grammar.builtin_json_grammar()
+    if kind == "json_object":  # OpenAI's JSON mode: any JSON object
+        return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=True)
     if kind == "json_schema":
         check_json_schema(value)
+        unsupported = unenforced_keyword(value)
+        if unsupported is not None:
+            raise RequestError(f"JSON schema keyword {unsupported} is not supported by the grammar engine (it would "
+                               "not be enforced): remove it")
         return _engine_call("JSON schema", lambda: xgr.Grammar.from_json_schema(json.dumps(value), any_whitespace=True))
     if kind == "regex":
-        if not isinstance(value, str) or not value:
-            raise RequestError("invalid regex: it must be a non-empty string")
+        if not isinstance(value, str) or not value or "\x00" in value:
+            raise RequestError("invalid regex: it must be a non-empty string without NUL characters")
         return _engine_call("regex", lambda: xgr.Grammar.from_regex(value))
     if kind == "choice":
         if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
