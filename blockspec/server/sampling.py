@@ -11,12 +11,15 @@ from typing import Any
 from blockspec.engine.sampling_params import SamplingParams
 from blockspec.errors import RequestError
 from blockspec.server.errors import bad_request
-from blockspec.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
+from blockspec.server.protocol import (
+    MAX_N,
+    MAX_TOP_LOGPROBS,
+    SEED_RANGE,
+    ChatCompletionRequest,
+    CompletionRequest,
+    SamplingRequest,
+)
 from blockspec.server.structured import structured_spec
-
-MAX_N = 64
-MAX_TOP_LOGPROBS = 20
-SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # what torch.Generator.manual_seed accepts
 
 # Request field -> SamplingParams field, for the plain one-to-one ones.
 _DIRECT = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",

@@ -9,7 +9,6 @@ follow the exact masked law (Pearson chi-square against transformers' probabilit
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 import transformers
