@@ -91,7 +91,7 @@ def test_schemathesis_finds_no_server_errors(small_server, tmp_path):
     if exe is None:
         pytest.skip("schemathesis is not installed (pip install -e '.[test]')")
     command = [exe, "run", small_server.base_url + "/openapi.json", "--phases", "examples,coverage,fuzzing",
-               "--checks", "not_a_server_error", "--max-time", "25", "--max-examples", "25", "--seed", "7",
+               "--checks", "not_a_server_error", "--max-time", "20", "--max-examples", "25", "--seed", "7",
                "--workers", "1", "--request-timeout", "30", "--no-color"]
     run = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=tmp_path)
     tail = run.stdout[-4000:] + run.stderr[-2000:]
