@@ -19,7 +19,12 @@ from blockspec.structured.bitmask import apply_bitmask, verify_bitmask
 def greedy_only(seqs: list[Sequence]) -> bool:
     """True when plain argmax acceptance is the whole rule for every row (the in-graph fast path)."""
     return all(s.params.greedy and not s.params.has_penalties and s.params.logprobs is None and s.grammar is None
-               and not (s.params.min_tokens and s.num_output < s.params.min_tokens) for s in seqs)
+               and not _min_tokens_left(s) for s in seqs)
+
+
+def _min_tokens_left(seq: Sequence) -> bool:
+    """min_tokens still masks the stop tokens of this sequence."""
+    return bool(seq.params.min_tokens and seq.num_output < seq.params.min_tokens and seq.stop_ids)
 
 
 def accept(seqs: list[Sequence], num_drafts: list[int], logits: torch.Tensor, tokens_in: torch.Tensor,
@@ -57,7 +62,7 @@ def _request_rules(logits: torch.Tensor, seqs: list[Sequence], tokens_in: torch.
     k1, vocab = logits.shape[1], logits.shape[2]
     for r, seq in enumerate(seqs):
         p = seq.params
-        if p.min_tokens and seq.num_output < p.min_tokens and seq.stop_ids:
+        if _min_tokens_left(seq):
             n_masked = min(k1, p.min_tokens - seq.num_output)
             ids = upload(sorted(i for i in seq.stop_ids if i < vocab), torch.int64, device)
             logits[r, :n_masked, ids] = float("-inf")
@@ -88,6 +93,8 @@ def _rules(logits: torch.Tensor, seqs: list[Sequence], tokens_in: torch.Tensor, 
     if masks is None:
         return _request_rules(logits, seqs, tokens_in, device)
     masked = apply_bitmask(logits, masks)
+    if not any(_min_tokens_left(s) for s in seqs):
+        return _request_rules(masked, seqs, tokens_in, device)
     ruled = _request_rules(masked.clone(), seqs, tokens_in, device)
     return torch.where(torch.isinf(ruled).all(-1, keepdim=True), masked, ruled)
 

@@ -48,6 +48,20 @@ def _from_response_format(req: SamplingRequest) -> tuple[str, StructuredSpec] | 
     return "response_format", StructuredSpec("json_schema", fmt.json_schema.json_schema)
 
 
+def _specs(sent: dict[str, tuple[str, Any]]) -> list[tuple[str, StructuredSpec]]:
+    """(request field, spec) for each constraint field that was sent: field -> (kind, value or None)."""
+    found = []
+    for param, (kind, value) in sent.items():
+        if value is None:
+            continue
+        if kind == "json_schema":
+            value = _schema(value, param)
+        elif kind == "choice":
+            value = list(value)
+        found.append((param, StructuredSpec(kind, value)))
+    return found
+
+
 def _from_structured_outputs(req: SamplingRequest) -> list[tuple[str, StructuredSpec]]:
     so = req.structured_outputs
     if so is None:
@@ -56,32 +70,18 @@ def _from_structured_outputs(req: SamplingRequest) -> list[tuple[str, Structured
         if getattr(so, option):
             raise bad_request(f"structured_outputs.{option} is not supported by blockspec: leave it out",
                               "structured_outputs")
-    found = []
-    if so.json_schema is not None:
-        found.append(("structured_outputs.json",
-                      StructuredSpec("json_schema", _schema(so.json_schema, "structured_outputs.json"))))
-    if so.regex is not None:
-        found.append(("structured_outputs.regex", StructuredSpec("regex", so.regex)))
-    if so.choice is not None:
-        found.append(("structured_outputs.choice", StructuredSpec("choice", list(so.choice))))
-    if so.grammar is not None:
-        found.append(("structured_outputs.grammar", StructuredSpec("grammar", so.grammar)))
+    found = _specs({"structured_outputs.json": ("json_schema", so.json_schema),
+                    "structured_outputs.regex": ("regex", so.regex),
+                    "structured_outputs.choice": ("choice", so.choice),
+                    "structured_outputs.grammar": ("grammar", so.grammar)})
     if so.json_object:
         found.append(("structured_outputs.json_object", StructuredSpec("json_object")))
     return found
 
 
 def _from_guided(req: SamplingRequest) -> list[tuple[str, StructuredSpec]]:
-    found = []
-    if req.guided_json is not None:
-        found.append(("guided_json", StructuredSpec("json_schema", _schema(req.guided_json, "guided_json"))))
-    if req.guided_regex is not None:
-        found.append(("guided_regex", StructuredSpec("regex", req.guided_regex)))
-    if req.guided_choice is not None:
-        found.append(("guided_choice", StructuredSpec("choice", list(req.guided_choice))))
-    if req.guided_grammar is not None:
-        found.append(("guided_grammar", StructuredSpec("grammar", req.guided_grammar)))
-    return found
+    return _specs({"guided_json": ("json_schema", req.guided_json), "guided_regex": ("regex", req.guided_regex),
+                   "guided_choice": ("choice", req.guided_choice), "guided_grammar": ("grammar", req.guided_grammar)})
 
 
 def structured_spec(req: SamplingRequest) -> StructuredSpec | None:

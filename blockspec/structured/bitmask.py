@@ -42,4 +42,4 @@ def allowed_tokens(bitmask: torch.Tensor, vocab_size: int, device: torch.device)
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     """logits [R, P, V] with the tokens the masks [R, P, words] disallow set to -inf."""
     allowed = allowed_tokens(bitmask, logits.shape[-1], logits.device)
-    return logits.masked_fill(~allowed, float("-inf"))
+    return torch.where(allowed, logits, torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device))

@@ -17,11 +17,8 @@ from blockspec.config import EngineConfig, SpeculativeConfig
 from blockspec.engine.engine import Engine
 from blockspec.engine.sampling_params import SamplingParams
 from blockspec.structured.spec import StructuredSpec
-from tests.conftest import save_tiny_drafter, save_tiny_model
-from tests.engine.test_sampling import chi2_pvalue
+from tests.engine.test_sampling import PROMPT, VOCAB, chi2_pvalue, save_small_vocab
 
-VOCAB = 12
-PROMPT = [3, 1, 4, 1, 5]
 TEMPERATURE = 0.9
 REGEX = r"""([!"][%&]|[#$]['()])[*+,]+"""  # ids: ! " # $ = 0-3, % & = 4-5, ' ( ) = 6-8, * + , = 9-11
 
@@ -37,11 +34,7 @@ def allowed(prefix: tuple[int, ...]) -> list[int]:
 
 @pytest.fixture(scope="module")
 def small_vocab(tmp_path_factory):
-    root = tmp_path_factory.mktemp("structured_vocab")
-    target = save_tiny_model(root / "target", "qwen3", seed=4, vocab_size=VOCAB, num_hidden_layers=4)
-    cfg = transformers.AutoConfig.from_pretrained(target)
-    draft = save_tiny_drafter(root / "draft", cfg, seed=9, mask_token_id=VOCAB - 1, target_layer_ids=[0, 2])
-    return target, draft
+    return save_small_vocab(tmp_path_factory.mktemp("structured_vocab"))
 
 
 def masked_joint(target_dir) -> torch.Tensor:
