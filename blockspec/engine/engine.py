@@ -185,6 +185,13 @@ class Engine:
     def encode(self, prompt: str) -> list[int]:
         return self.tokenizer.encode(prompt, add_special_tokens=False) if prompt else []
 
+    @functools.cached_property
+    def grammar_compiler(self):
+        """Structured output's compiler for this model's vocabulary, built by the first request that needs it."""
+        from blockspec.structured.compiler import GrammarCompiler
+
+        return GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_ids)
+
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
         """Queue a request; raises RequestError (with the numbers) if it cannot run."""
         if request_id in self.requests:
@@ -217,13 +224,6 @@ class Engine:
             seq.grammar = self.grammar_compiler.matcher(params.structured)
         self.requests[request_id] = seq
         self.scheduler.add(seq)
-
-    @functools.cached_property
-    def grammar_compiler(self):
-        """Structured output's compiler for this model's vocabulary, built by the first request that needs it."""
-        from blockspec.structured.compiler import GrammarCompiler
-
-        return GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_ids)
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request now and free its KV blocks; False if it is unknown or already done."""

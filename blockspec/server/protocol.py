@@ -37,14 +37,6 @@ class StreamOptions(_Request):
     continuous_usage_stats: bool | None = False
 
 
-class ChatMessage(_Request):
-    role: str = _stated(..., enum=list(ROLES))
-    content: str | list[dict[str, Any]] | None = None
-    name: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
-    tool_call_id: str | None = None
-
-
 class JsonSchemaFormat(_Request):
     """OpenAI's response_format.json_schema: the schema under `schema`, with a name for the client's records."""
 
@@ -74,6 +66,14 @@ class StructuredOutputs(_Request):
     disable_additional_properties: bool | None = Field(None, description="not supported (true is refused)")
     whitespace_pattern: str | None = Field(None, description="not supported (refused)")
     structural_tag: str | None = Field(None, description="not supported (refused)")
+
+
+class ChatMessage(_Request):
+    role: str = _stated(..., enum=list(ROLES))
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
 
 
 class SamplingRequest(_Request):

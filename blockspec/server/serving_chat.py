@@ -14,7 +14,7 @@ from fastapi.responses import Response
 from blockspec.errors import RequestError
 from blockspec.server.async_engine import RequestGroup
 from blockspec.server.errors import APIError, bad_request, error_body
-from blockspec.server.protocol import ROLES, ChatCompletionRequest, ChatMessage
+from blockspec.server.protocol import ChatCompletionRequest, ChatMessage
 from blockspec.server.reasoning import ReasoningParser
 from blockspec.server.sampling import for_choice, sampling_params
 from blockspec.server.serving import (
@@ -32,6 +32,7 @@ from blockspec.server.serving import (
     usage,
 )
 
+ROLES = {"system", "developer", "user", "assistant", "tool"}
 # apply_chat_template arguments a request may not set through chat_template_kwargs.
 RESERVED_TEMPLATE_ARGS = {"conversation", "messages", "tokenize", "add_generation_prompt", "return_dict",
                           "chat_template", "tools"}
