@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import gc
 import logging
 import time
@@ -194,6 +195,13 @@ class Engine:
     def encode(self, prompt: str) -> list[int]:
         return self.tokenizer.encode(prompt, add_special_tokens=False) if prompt else []
 
+    @functools.cached_property
+    def grammar_compiler(self):
+        """Structured output's compiler for this model's vocabulary, built by the first request that needs it."""
+        from blockspec.structured.compiler import GrammarCompiler
+
+        return GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_ids)
+
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
         """Queue a request; raises RequestError (with the numbers) if it cannot run."""
         if request_id in self.requests:
@@ -222,6 +230,8 @@ class Engine:
             generator.manual_seed(params.seed)
         detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens) if params.detokenize else None
         seq = Sequence(request_id, ids, params, detok, self.eos_ids, generator)
+        if params.structured is not None:
+            seq.grammar = self.grammar_compiler.matcher(params.structured)
         self.requests[request_id] = seq
         self.scheduler.add(seq)
 

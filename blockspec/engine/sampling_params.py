@@ -27,7 +27,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     detokenize: bool = True  # False: token ids only (no text, no stop strings), for bulk generation
-    structured: StructuredSpec | None = None
+    structured: StructuredSpec | None = None  # the grammar the output must follow (JSON schema, regex, ...)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -5,12 +5,15 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from blockspec.engine.detokenizer import IncrementalDetokenizer
 from blockspec.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from blockspec.structured.matcher import GrammarMatcher
 
 
 class SequenceStatus(enum.Enum):
@@ -115,6 +118,7 @@ class Sequence:
         self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))
         self.eos_ids = set(eos_ids)
         self.generator = generator
+        self.grammar: GrammarMatcher | None = None  # structured output: the grammar state after output_ids
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.logprobs: list[TokenLogprob] = []
@@ -160,6 +164,8 @@ class Sequence:
     def append_token(self, token_id: int) -> str:
         """Commit one generated token, apply the stop rules, and return its text delta."""
         self.output_ids.append(token_id)
+        if self.grammar is not None:
+            self.grammar.advance(token_id)
         self.stats.completion_tokens = len(self.output_ids)
         delta = self.detokenizer.add(token_id) if self.detokenizer else ""
         p = self.params

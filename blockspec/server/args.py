@@ -68,8 +68,6 @@ IGNORED_FLAGS: list[tuple[tuple[str, ...], bool, str]] = [
     (("--max-logprobs",), True, "logprobs are capped at 20"),
     (("--logprobs-mode",), True, "logprobs are the raw model's"),
     (("--chat-template-content-format",), True, "text parts are joined into one string"),
-    (("--structured-outputs-config",), True, "guided decoding is " + _NOT_YET),
-    (("--guided-decoding-backend",), True, "guided decoding is " + _NOT_YET),
     (("--enable-lora",), False, _NOT_YET),
     (("--enable-sleep-mode",), False, _NOT_YET),
     (("--disable-frontend-multiprocessing",), False, "the server and engine share one process already"),
@@ -95,6 +93,8 @@ def _dest(flags: tuple[str, ...]) -> str:
 
 
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
+    from blockspec.structured.backend import BACKEND
+
     p = subparsers.add_parser(
         "serve", help="OpenAI-compatible HTTP server (vLLM's flags)",
         description="Serve MODEL (default: the embedded SmolLM2-135M-Instruct) over an OpenAI-compatible API. "
@@ -130,6 +130,11 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="sampling defaults: auto (the model's generation_config.json), vllm (none), or a folder")
     s.add_argument("--override-generation-config", default=None, help='JSON, e.g. {"temperature": 0.6}')
     s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--structured-outputs-config", default=None, metavar="JSON",
+                   help=f'structured outputs (JSON schema, regex, choice, grammar), e.g. {{"backend": '
+                        f'"{BACKEND}"}}: backend {BACKEND} or auto (others are refused)')
+    s.add_argument("--structured-outputs-config.backend", "--guided-decoding-backend", dest="structured_backend",
+                   default=None, metavar="BACKEND", help=f"{BACKEND} or auto")
     s.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     s.add_argument("--disable-uvicorn-access-log", action="store_true")
@@ -191,6 +196,32 @@ def build_engine_config(args: argparse.Namespace) -> EngineConfig:
     return config
 
 
+def check_structured_outputs(args: argparse.Namespace) -> None:
+    """--structured-outputs-config / --guided-decoding-backend: the one grammar engine, or a clear refusal."""
+    from blockspec.structured.backend import BACKEND, backend_problem
+
+    backends = [args.structured_backend] if args.structured_backend is not None else []
+    if args.structured_outputs_config is not None:
+        try:
+            config = json.loads(args.structured_outputs_config)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"--structured-outputs-config is not valid JSON ({exc.msg}): pass e.g. "
+                              f'\'{{"backend": "{BACKEND}"}}\'') from None
+        if not isinstance(config, dict):
+            raise ConfigError("--structured-outputs-config must be a JSON object, e.g. "
+                              f'\'{{"backend": "{BACKEND}"}}\'')
+        unknown = sorted(set(config) - {"backend", "disable_fallback"})
+        if unknown:
+            raise ConfigError(f"--structured-outputs-config: {', '.join(unknown)} not supported by blockspec "
+                              "(it takes backend and disable_fallback)")
+        if "backend" in config:
+            backends.append(config["backend"])
+    for backend in backends:
+        problem = backend_problem(backend)
+        if problem is not None:
+            raise ConfigError(problem)
+
+
 def build_server_config(args: argparse.Namespace) -> ServerConfig:
     check_parser(args.reasoning_parser)
     check_tool_parser(args.tool_call_parser)
@@ -216,6 +247,7 @@ def build_server_config(args: argparse.Namespace) -> ServerConfig:
         override = check_defaults(override, "--override-generation-config")
     if args.generation_config not in ("auto", "vllm") and not os.path.isdir(args.generation_config):
         raise ConfigError(f"--generation-config {args.generation_config}: not auto, vllm or a folder")
+    check_structured_outputs(args)
     key = args.api_key if args.api_key is not None else os.environ.get("VLLM_API_KEY") or None
     return ServerConfig(
         served_model_names=names, model_root=args.model or DEFAULT_MODEL_NAME, host=args.host, port=args.port,

@@ -16,7 +16,7 @@ from fastapi.responses import Response
 
 from blockspec.server.async_engine import RequestGroup
 from blockspec.server.errors import APIError, bad_request, error_body
-from blockspec.server.protocol import CompletionRequest
+from blockspec.server.protocol import MAX_PROMPTS, CompletionRequest
 from blockspec.server.sampling import for_choice, sampling_params
 from blockspec.server.serving import (
     DONE,
@@ -32,8 +32,6 @@ from blockspec.server.serving import (
     submit,
     usage,
 )
-
-MAX_PROMPTS = 64
 
 
 def split_prompts(prompt: str | list[int] | list[str] | list[list[int]]) -> list[str | list[int]]:
