@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import glob
 import json
+import math
 import os
 import platform
 import statistics
@@ -227,6 +228,23 @@ def measure(engine, tok, k: int) -> dict:
     return out
 
 
+def summarize(results: dict, k: int) -> dict:
+    """Per engine, the geometric means over vocabularies and schemas; the choice is the faster mask."""
+    out = {}
+    for engine in ("xgrammar", "llguidance"):
+        rows = [r for entry in results["vocabularies"].values() for r in entry[engine]["schemas"].values()]
+
+        def gmean(values: list[float]) -> float:
+            return round(math.exp(statistics.fmean(math.log(v) for v in values)), 1)
+
+        out[engine] = {"mask_per_token_mean_us": gmean([r["mask_per_token"]["mean_us"] for r in rows]),
+                       f"verify_masks_per_step_k{k}_mean_us": gmean(
+                           [r[f"verify_masks_per_step_k{k}"]["mean_us"] for r in rows]),
+                       "compile_ms": gmean([r["compile_s"] * 1e3 for r in rows])}
+    out["choice"] = min(("xgrammar", "llguidance"), key=lambda e: out[e]["mask_per_token_mean_us"])
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="bench/results/grammar_mask_cpu.json")
@@ -242,6 +260,7 @@ def main() -> None:
         for cls in (XGrammar, LLGuidance):
             entry[cls.name] = measure(cls(tok, width), tok, args.k)
         results["vocabularies"][vocab_name] = entry
+    results["summary"] = summarize(results, args.k)
     for vocab_name, entry in results["vocabularies"].items():
         for engine in ("xgrammar", "llguidance"):
             for schema, r in entry[engine]["schemas"].items():

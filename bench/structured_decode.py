@@ -91,6 +91,7 @@ def run_mode(engine: Engine, mode: str, max_tokens: int) -> dict:
     return {"tau": round(decode_tokens / steps, 3) if steps else 0.0,
             "decode_tok_s_median": round(statistics.median(r["decode_tok_s"] for r in rows), 2),
             "tokens": sum(r["tokens"] for r in rows),
+            "stopped": sum(r["finish_reason"] == "stop" for r in rows),  # the rest ran into max_tokens
             "valid": sum(bool(r["valid"]) for r in rows) if mode != "free" else None,
             "prompts": rows}
 
@@ -121,7 +122,7 @@ def main() -> None:
             r = run_mode(engine, mode, args.max_tokens)
             results["runs"][f"k{k}_{mode}"] = r
             print(f"k={k:2d} {mode:12s} tau {r['tau']:5.2f}  decode {r['decode_tok_s_median']:7.1f} tok/s  "
-                  f"tokens {r['tokens']:4d}  valid {r['valid']}", flush=True)
+                  f"tokens {r['tokens']:4d}  stopped {r['stopped']}  valid {r['valid']}", flush=True)
     for mode in ("free", "json_object", "json_schema"):
         spec_r, ar_r = results["runs"][f"k{args.k}_{mode}"], results["runs"][f"k0_{mode}"]
         results["runs"][f"k{args.k}_{mode}"]["speedup_vs_ar"] = round(
