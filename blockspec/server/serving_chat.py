@@ -16,7 +16,7 @@ from blockspec.errors import RequestError
 from blockspec.server.async_engine import RequestGroup
 from blockspec.server.choice_output import ChoiceOutput
 from blockspec.server.errors import APIError, bad_request, error_body
-from blockspec.server.protocol import ChatCompletionRequest, ChatMessage
+from blockspec.server.protocol import ROLES, ChatCompletionRequest, ChatMessage
 from blockspec.server.sampling import for_choice, sampling_params
 from blockspec.server.serving import (
     DONE,
@@ -36,7 +36,6 @@ from blockspec.server.tools import ToolUse, history_arguments_as_dicts, tool_use
 
 log = logging.getLogger("blockspec.server")
 
-ROLES = {"system", "developer", "user", "assistant", "tool"}
 # apply_chat_template arguments a request may not set through chat_template_kwargs.
 RESERVED_TEMPLATE_ARGS = {"conversation", "messages", "tokenize", "add_generation_prompt", "return_dict",
                           "chat_template", "tools"}
