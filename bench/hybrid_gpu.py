@@ -399,7 +399,6 @@ def task_model(args: argparse.Namespace, key: str, res: dict[str, Any], save: Ca
 
     cfg = model_config(key, args.tiny, args.quant)
     draft, draft_assumed = hp.drafter_config(cfg, mask_token(key, args.tiny), layers=2 if args.tiny else 5)
-    draft.pop("quantization_config", None)  # the drafter stays bf16
     draft.update(drafter_shape(key, args.tiny))
     dtype = hp.torch_dtype(args.dtype)
     res.update(key=key, model=CONFIGS[key]["name"] + (f" {args.quant}" if args.quant else "")
@@ -408,9 +407,7 @@ def task_model(args: argparse.Namespace, key: str, res: dict[str, Any], save: Ca
     concurrency = [c for c in args.concurrency if c > 1] if key in args.concurrency_models else []
     max_num_seqs = max([1, *concurrency])
     max_len = args.context + max(args.tokens, ROUTING_TOKENS) + 64
-    weights = hp.param_bytes_estimate(cfg, draft, dtype)
-    if args.quant:  # ~4.5 bits a quantized weight: a bound for the fit check, not a figure
-        weights = weights // 3
+    weights = hp.param_bytes_estimate(cfg, draft, dtype)  # quantized layers as held (packed + scales)
     res["weights_estimate_bytes"] = weights
     if args.device == "cuda":
         free = torch.cuda.mem_get_info()[0]
