@@ -3,7 +3,9 @@ projection shapes, 1 and 16 rows, every scheme, against bf16 skinny_linear and c
 GPU only. Prints a table last and writes quant_gemm.json to $OUT (else bench/results/).
 
 Each timing is a CUDA-graph replay of one call (triton.testing.do_bench_cudagraph): launch overhead is not
-counted, as inside the decode graphs. "bytes" is what the kernel must read: the packed weight plus its scales
+counted, as inside the decode graphs. Successive calls read successive copies of the weight (ROTATE_BYTES in
+all, > 3x the L2), so no call finds its weight in L2, as in a decode step.
+"bytes" is what the kernel must read: the packed weight plus its scales
 and zeros (activations and output are ~0.1% of it); GB/s = bytes / time, and "%copy" compares that with the
 device-to-device copy bandwidth measured in the same run (read + write bytes per second, first_gpu.py). The
 decode target is >= 80% for int4 g128 and NVFP4 at 1 row, and 16 rows not much slower than 1.
@@ -83,29 +85,45 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
-def quant_fn(x, layer, epilogue, res, cfg=None, fast=None):
-    meta = ql.quant_meta(layer)
+ROTATE_BYTES = 160 * 2**20  # > 3x the H100 / H200 L2 (50 MB): each timed call reads its weight from HBM
+
+
+def rotation(layer: ql.QuantWeights) -> list[ql.QuantWeights]:
+    """The layer and copies of it, ROTATE_BYTES in all: a graph replaying one weight would find it in L2
+    (a 13 MB int4 projection fits), while the decode step streams every weight once."""
+    copies = max(1, -(-ROTATE_BYTES // bytes_read(layer))) if DEVICE == "cuda" else 1
+    return [layer] + [ql.QuantWeights(**{k: (v.clone() if isinstance(v, torch.Tensor) else v)
+                                        for k, v in vars(layer).items()}) for _ in range(copies - 1)]
+
+
+def quant_fn(x, layers, epilogue, res, cfg=None, fast=None):
+    """One call per invocation, each on the next weight of the rotation (fixed per call once graph-captured)."""
+    meta = ql.quant_meta(layers[0])
+    turn = itertools.cycle(layers)
 
     def fn():
-        return ql._gemm_triton(x, layer, meta, res if epilogue == "residual" else None, cfg, fast)
+        return ql._gemm_triton(x, next(turn), meta, res if epilogue == "residual" else None, cfg, fast)
     return fn
 
 
 def check(x, layer, epilogue, cfg=None, fast=None) -> float:
     """Relative error of one launch against quant_linear_ref (a fresh residual, so in-place adds do not pile up)."""
     res = torch.zeros(x.shape[0], layer.out_features, dtype=x.dtype, device=x.device)
-    got = quant_fn(x, layer, epilogue, res, cfg, fast)()
+    got = quant_fn(x, [layer], epilogue, res, cfg, fast)()
     return rel_err(got, ql.quant_linear_ref(x, layer))
 
 
 def baselines(x, w, epilogue, res) -> tuple[float, float]:
-    """(bf16 skinny_linear us, cuBLAS us) for the bf16 weight of the same shape."""
+    """(bf16 skinny_linear us, cuBLAS us) for the bf16 weight of the same shape (rotated like the quantized
+    ones when it would fit in L2)."""
+    ws = itertools.cycle([w] + [w.clone() for _ in range(max(0, -(-ROTATE_BYTES // (w.numel() * 2)) - 1))]
+                         if DEVICE == "cuda" else [w])
     if epilogue == "residual":
-        skinny = bench(lambda: skinny_linear(x, w, residual=res))
-        cublas = bench(lambda: res.addmm_(x, w.t()))
+        skinny = bench(lambda: skinny_linear(x, next(ws), residual=res))
+        cublas = bench(lambda: res.addmm_(x, next(ws).t()))
     else:
-        skinny = bench(lambda: skinny_linear(x, w))
-        cublas = bench(lambda: F.linear(x, w))
+        skinny = bench(lambda: skinny_linear(x, next(ws)))
+        cublas = bench(lambda: F.linear(x, next(ws)))
     return skinny, cublas
 
 
@@ -130,28 +148,30 @@ def pct(nbytes: int, us: float, bw: float) -> float:
     return round(100 * nbytes / (us * 1e-6) / bw, 1)
 
 
-def measure(name, n, k, epilogue, m, scheme, x, res, bf16, bw) -> tuple[dict, ql.QuantWeights]:
+def measure(name, n, k, epilogue, m, scheme, x, res, bf16, bw) -> tuple[dict, list[ql.QuantWeights]]:
     """One table row: the default launch config, the plain-Triton dequantizer beside the PTX one, bf16 baselines."""
     layer = random_layer(scheme, n, k)
     nbytes, meta = bytes_read(layer), ql.quant_meta(layer)
     cfg, fast = ql.launch_config(meta, m), ql.fast_unpack(meta, x.dtype)
     err = check(x, layer, epilogue)
-    us = bench(quant_fn(x, layer, epilogue, res))
-    plain_us = bench(quant_fn(x, layer, epilogue, res, fast=False)) if fast else us
+    layers = rotation(layer)
+    us = bench(quant_fn(x, layers, epilogue, res))
+    plain_us = bench(quant_fn(x, layers, epilogue, res, fast=False)) if fast else us
     skinny_us, cublas_us = bf16
     row = {"shape": name, "n": n, "k": k, "rows": m, "scheme": scheme, "us": round(us, 2), "bytes": nbytes,
            "GBs": round(nbytes / us / 1e3, 1), "pct_copy": pct(nbytes, us, bw), "plain_dequant_us": round(plain_us, 2),
            "bf16_skinny_us": round(skinny_us, 2), "cublas_us": round(cublas_us, 2),
            "bf16_pct_copy": pct(n * k * 2, skinny_us, bw), "fast_unpack": fast, "config": asdict(cfg),
-           "rel_err": round(err, 5)}
+           "rel_err": round(err, 5), "weight_copies": len(layers)}
     print(f"{name:8s} m={m:<3d} {scheme:6s} {us:8.1f} us {row['GBs']:7.1f} GB/s {row['pct_copy']:5.1f}% (plain "
           f"dequant {plain_us:7.1f}; bf16 skinny {skinny_us:7.1f}, cuBLAS {cublas_us:7.1f}) err {err:.1e} {cfg}",
           flush=True)
-    return row, layer
+    return row, layers
 
 
-def sweep(row: dict, layer: ql.QuantWeights, x, res, epilogue, bw, deadline: float) -> dict | None:
+def sweep(row: dict, layers: list[ql.QuantWeights], x, res, epilogue, bw, deadline: float) -> dict | None:
     """Time every sweep config on this shape (until the deadline); the best and the full list."""
+    layer = layers[0]
     fast = ql.fast_unpack(ql.quant_meta(layer), x.dtype)
     results = []
     for c in sweep_configs(x.shape[0]):
@@ -160,7 +180,7 @@ def sweep(row: dict, layer: ql.QuantWeights, x, res, epilogue, bw, deadline: flo
             break
         try:
             e = check(x, layer, epilogue, c, fast)
-            t = bench(quant_fn(x, layer, epilogue, res, c, fast))
+            t = bench(quant_fn(x, layers, epilogue, res, c, fast))
         except (triton.runtime.errors.OutOfResources, RuntimeError) as exc:
             print(f"   skip {c}: {type(exc).__name__}", flush=True)
             continue
@@ -217,10 +237,10 @@ def main() -> None:
                 res = torch.zeros(m, n, dtype=torch.bfloat16, device=DEVICE)
                 bf16 = baselines(x, w, epilogue, res)
                 for scheme in schemes:
-                    row, layer = measure(name, n, k, epilogue, m, scheme, x, res, bf16, bw)
+                    row, layers = measure(name, n, k, epilogue, m, scheme, x, res, bf16, bw)
                     table.append(row)
                     if args.sweep and scheme in sweep_schemes:
-                        result = sweep(row, layer, x, res, epilogue, bw, deadline)
+                        result = sweep(row, layers, x, res, epilogue, bw, deadline)
                         if result:
                             sweeps.append(result)
             del w

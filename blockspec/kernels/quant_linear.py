@@ -243,16 +243,30 @@ if HAVE_TRITON:
         return tl.where((c & 8) != 0, -mag, mag)
 
     @triton.jit
-    def _group_scales(S, Z, rows, n_mask, kk, K: tl.constexpr, G: tl.constexpr, NG: tl.constexpr,
-                      NGT: tl.constexpr, GT: tl.constexpr, SCALE_ROW_DIV: tl.constexpr, HAS_ZERO: tl.constexpr):
-        """Scales (and zeros) of the groups a tile covers: [SPLIT, BLOCK_N, NGT], group g of slice s starting at
-        kk[s] + g * GT. Out-of-range groups and rows read scale 0, so their weights come out 0."""
-        g = (kk[:, None] + tl.arange(0, NGT)[None, :] * GT) // G  # [S, NGT]
-        srow = (rows // SCALE_ROW_DIV)[None, :, None]
-        gmask = n_mask[None, :, None] & (g < NG)[:, None, :]
-        s = tl.load(S + srow * NG + g[:, None, :], mask=gmask, other=0)
+    def _group_scales(S, Z, rows, n_mask, k0, SPLIT: tl.constexpr, BLOCK_K: tl.constexpr, G: tl.constexpr,
+                      NG: tl.constexpr, NGT: tl.constexpr, SCALE_ROW_DIV: tl.constexpr, HAS_ZERO: tl.constexpr,
+                      PACKED: tl.constexpr = False):
+        """Scales (and zeros) of the groups a step of SPLIT slices of BLOCK_K columns from k0 covers:
+        [SPLIT, BLOCK_N, NGT], NGT groups a slice (one when a group spans more than a slice). Out-of-range
+        groups and rows read scale 0, so their weights come out 0. Loaded as one contiguous run of groups a
+        row (the slices are adjacent), >= 4 bytes a thread where the tile is large enough, so that the
+        pipeliner streams them with cp.async ahead of their step like the weights instead of a synchronous
+        load that stalls every step (int4's 2 + 1 bytes a group arrive PACKED as one int32 for that)."""
+        if G <= BLOCK_K:
+            g = k0 // G + tl.arange(0, SPLIT * NGT)
+        else:
+            g = (k0 + tl.arange(0, SPLIT) * BLOCK_K) // G
+        srow = (rows // SCALE_ROW_DIV)[:, None]
+        gmask = n_mask[:, None] & (g < NG)[None, :]
+        if PACKED:  # int32 scale bits | zero << 16 in Z (see _kernel_operands); S only gives the scales' dtype
+            v = tl.load(Z + srow * NG + g[None, :], mask=gmask, other=0)
+            v = tl.permute(tl.reshape(v, [v.shape[0], SPLIT, NGT]), [1, 0, 2])
+            return (v & 0xFFFF).to(tl.int16).to(S.dtype.element_ty, bitcast=True), v >> 16
+        s = tl.load(S + srow * NG + g[None, :], mask=gmask, other=0)
+        s = tl.permute(tl.reshape(s, [s.shape[0], SPLIT, NGT]), [1, 0, 2])
         if HAS_ZERO:
-            z = tl.load(Z + srow * NG + g[:, None, :], mask=gmask, other=0)
+            z = tl.load(Z + srow * NG + g[None, :], mask=gmask, other=0)
+            z = tl.permute(tl.reshape(z, [z.shape[0], SPLIT, NGT]), [1, 0, 2])
         else:
             z = tl.zeros(s.shape, dtype=tl.int32)
         return s, z
@@ -274,13 +288,13 @@ if HAVE_TRITON:
         return tl.load(QW + rows[None, :, None, None] * (K // 2) + kb[:, None, :, :], mask=mask, other=0)
 
     @triton.jit
-    def _int4_tile(QW, S, Z, rows, n_mask, kk, K: tl.constexpr, G: tl.constexpr, NG: tl.constexpr,
-                   BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, FAST: tl.constexpr, OUT: tl.constexpr):
-        """int4 weights [SPLIT, BLOCK_N, BLOCK_K] starting at columns kk (one per slice), as OUT."""
+    def _int4_tile(QW, s, z, rows, n_mask, kk, K: tl.constexpr, G: tl.constexpr, BLOCK_K: tl.constexpr,
+                   EVEN_K: tl.constexpr, FAST: tl.constexpr, OUT: tl.constexpr):
+        """int4 weights [SPLIT, BLOCK_N, BLOCK_K] starting at columns kk (one per slice), as OUT; s, z are the
+        tile's group scales and zeros (_tile_scales)."""
         GT: tl.constexpr = G if G < BLOCK_K else BLOCK_K
         NGT: tl.constexpr = BLOCK_K // GT
         b = _packed_bytes(QW, rows, n_mask, kk, K, NGT, GT, EVEN_K)
-        s, z = _group_scales(S, Z, rows, n_mask, kk, K, G, NG, NGT, GT, 1, True)
         if FAST:  # bf16 / fp16 pairs straight from the bytes (PTX)
             IS_BF16: tl.constexpr = tl.bfloat16 == OUT
             NEG_MAGIC: tl.constexpr = 0xC300 if IS_BF16 else 0xE400  # sign bit | magic
@@ -298,15 +312,13 @@ if HAVE_TRITON:
         return tl.reshape(w, [w.shape[0], w.shape[1], BLOCK_K])
 
     @triton.jit
-    def _nvfp4_tile(QW, S, rows, n_mask, kk, K: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    def _nvfp4_tile(QW, s, rows, n_mask, kk, K: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                     FAST: tl.constexpr, OUT: tl.constexpr):
-        """NVFP4 weights [SPLIT, BLOCK_N, BLOCK_K] * e4m3 group scale, without the global scale (applied to the
-        accumulator); FAST tiles are also scaled by 2^-26 (bf16 only)."""
+        """NVFP4 weights [SPLIT, BLOCK_N, BLOCK_K] * e4m3 group scale (s: the tile's scale bytes), without the
+        global scale (applied to the accumulator); FAST tiles are also scaled by 2^-26 (bf16 only)."""
         GT: tl.constexpr = 16
         NGT: tl.constexpr = BLOCK_K // GT
-        NG: tl.constexpr = K // GT
         b = _packed_bytes(QW, rows, n_mask, kk, K, NGT, GT, EVEN_K)
-        s, z = _group_scales(S, S, rows, n_mask, kk, K, GT, NG, NGT, GT, 1, False)
         sf = s.to(tl.float8e4nv, bitcast=True).to(tl.float32)  # e4m3 scales passed as a uint8 view
         if FAST:
             sb = (sf * 1.2676506002282294e30).to(tl.bfloat16)  # s * 2^100, exact (4 significant bits)
@@ -320,8 +332,7 @@ if HAVE_TRITON:
         return tl.reshape(w, [w.shape[0], w.shape[1], BLOCK_K])
 
     @triton.jit
-    def _byte_tile(QW, S, Z, rows, n_mask, kk, z_row, K: tl.constexpr, G: tl.constexpr, NG: tl.constexpr,
-                   SCALE_ROW_DIV: tl.constexpr, IS_FP8: tl.constexpr, HAS_ZERO: tl.constexpr,
+    def _byte_tile(QW, s, z, rows, n_mask, kk, z_row, K: tl.constexpr, G: tl.constexpr, IS_FP8: tl.constexpr,
                    PER_ROW: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, OUT: tl.constexpr):
         """int8 or fp8 weights [SPLIT, BLOCK_N, BLOCK_K]. PER_ROW (one scale per row): the tile is q - z (int8)
         or q (fp8) and the scale is applied to the accumulator; else each group's scale is applied here
@@ -340,7 +351,6 @@ if HAVE_TRITON:
         else:
             v = q.to(tl.int32)
         if not PER_ROW:
-            s, z = _group_scales(S, Z, rows, n_mask, kk, K, G, NG, NGT, GT, SCALE_ROW_DIV, HAS_ZERO and not IS_FP8)
             if not IS_FP8:
                 v = _int_to_float(v - z.to(tl.int32)[:, :, :, None])
             v = v * s.to(tl.float32)[:, :, :, None]
@@ -348,18 +358,46 @@ if HAVE_TRITON:
         return tl.reshape(w, [w.shape[0], w.shape[1], BLOCK_K])
 
     @triton.jit
-    def _dequant_tile(QW, S, Z, rows, n_mask, kk, z_row, SCHEME: tl.constexpr, K: tl.constexpr, G: tl.constexpr,
-                      NG: tl.constexpr, SCALE_ROW_DIV: tl.constexpr, HAS_ZERO: tl.constexpr, PER_ROW: tl.constexpr,
-                      BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, FAST: tl.constexpr, OUT: tl.constexpr):
-        """The per-scheme tile dequantizer shared by the GEMM and the whole-weight kernel (and, later, a grouped
-        MoE kernel: pass the expert's QW / S / Z base pointers). Returns [SPLIT, BLOCK_N, BLOCK_K] as OUT."""
-        if SCHEME == "int4":
-            return _int4_tile(QW, S, Z, rows, n_mask, kk, K, G, NG, BLOCK_K, EVEN_K, FAST, OUT)
-        elif SCHEME == "nvfp4":
-            return _nvfp4_tile(QW, S, rows, n_mask, kk, K, BLOCK_K, EVEN_K, FAST, OUT)
+    def _tile_scales(S, Z, rows, n_mask, k0, SPLIT: tl.constexpr, SCHEME: tl.constexpr, K: tl.constexpr,
+                     G: tl.constexpr, NG: tl.constexpr, SCALE_ROW_DIV: tl.constexpr, HAS_ZERO: tl.constexpr,
+                     PER_ROW: tl.constexpr, BLOCK_K: tl.constexpr):
+        """The scales and zeros the tiles of a step from k0 need ([SPLIT, BLOCK_N, groups a slice]; zeros as
+        int32 0 where the scheme has none)."""
+        if SCHEME == "nvfp4":
+            return _group_scales(S, S, rows, n_mask, k0, SPLIT, BLOCK_K, 16, NG, BLOCK_K // 16, 1, False)
+        elif PER_ROW:  # int8 / fp8 with one scale per row: applied to the accumulator instead
+            none = tl.zeros([SPLIT, rows.shape[0], 1], dtype=tl.int32)
+            return none, none
         else:
-            return _byte_tile(QW, S, Z, rows, n_mask, kk, z_row, K, G, NG, SCALE_ROW_DIV, SCHEME == "fp8",
-                              HAS_ZERO, PER_ROW, BLOCK_K, EVEN_K, OUT)
+            GT: tl.constexpr = G if G < BLOCK_K else BLOCK_K
+            return _group_scales(S, Z, rows, n_mask, k0, SPLIT, BLOCK_K, G, NG, BLOCK_K // GT, SCALE_ROW_DIV,
+                                 HAS_ZERO and SCHEME != "fp8", SCHEME == "int4" and Z.dtype.element_ty == tl.int32)
+
+    @triton.jit
+    def _dequant_scaled(QW, s, z, rows, n_mask, kk, z_row, SCHEME: tl.constexpr, K: tl.constexpr,
+                        G: tl.constexpr, PER_ROW: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                        FAST: tl.constexpr, OUT: tl.constexpr):
+        """The per-scheme tile dequantizer given the tile's scales (_tile_scales): [SPLIT, BLOCK_N, BLOCK_K]."""
+        if SCHEME == "int4":
+            return _int4_tile(QW, s, z, rows, n_mask, kk, K, G, BLOCK_K, EVEN_K, FAST, OUT)
+        elif SCHEME == "nvfp4":
+            return _nvfp4_tile(QW, s, rows, n_mask, kk, K, BLOCK_K, EVEN_K, FAST, OUT)
+        else:
+            return _byte_tile(QW, s, z, rows, n_mask, kk, z_row, K, G, SCHEME == "fp8", PER_ROW, BLOCK_K, EVEN_K,
+                              OUT)
+
+    @triton.jit
+    def _dequant_tile(QW, S, Z, rows, n_mask, k0, z_row, SPLIT: tl.constexpr, SCHEME: tl.constexpr,
+                      K: tl.constexpr, G: tl.constexpr, NG: tl.constexpr, SCALE_ROW_DIV: tl.constexpr,
+                      HAS_ZERO: tl.constexpr, PER_ROW: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                      FAST: tl.constexpr, OUT: tl.constexpr):
+        """Scales + dequantization of the SPLIT slices of BLOCK_K columns from k0 (the GEMM's K step; the
+        whole-weight kernel's block with SPLIT = 1; a grouped MoE kernel passes the expert's QW / S / Z base
+        pointers). Returns [SPLIT, BLOCK_N, BLOCK_K] as OUT."""
+        kk = k0 + tl.arange(0, SPLIT) * BLOCK_K
+        s, z = _tile_scales(S, Z, rows, n_mask, k0, SPLIT, SCHEME, K, G, NG, SCALE_ROW_DIV, HAS_ZERO, PER_ROW,
+                            BLOCK_K)
+        return _dequant_scaled(QW, s, z, rows, n_mask, kk, z_row, SCHEME, K, G, PER_ROW, BLOCK_K, EVEN_K, FAST, OUT)
 
     @triton.jit
     def _quant_linear_kernel(X, QW, S, Z, GS, B, Y, M, N, SCHEME: tl.constexpr, K: tl.constexpr, G: tl.constexpr,
@@ -396,8 +434,8 @@ if HAVE_TRITON:
             acc3 = tl.zeros([SPLIT, BLOCK_N, BLOCK_K], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K * SPLIT):
             kk = k0 + tl.arange(0, SPLIT) * BLOCK_K
-            w = _dequant_tile(QW, S, Z, rows, n_mask, kk, z_row, SCHEME, K, G, NG, SCALE_ROW_DIV, HAS_ZERO, PER_ROW,
-                              BLOCK_K, EVEN_K, FAST, TILE)
+            w = _dequant_tile(QW, S, Z, rows, n_mask, k0, z_row, SPLIT, SCHEME, K, G, NG, SCALE_ROW_DIV, HAS_ZERO,
+                              PER_ROW, BLOCK_K, EVEN_K, FAST, TILE)
             ks = kk[:, None] + tl.arange(0, BLOCK_K)[None, :]  # [S, BK]
             if USE_DOT:
                 x_mask = m_mask[None, :, None]
@@ -448,12 +486,11 @@ if HAVE_TRITON:
         offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < N
         rows = offs_n.to(tl.int64)
-        kk = tl.program_id(1) * BLOCK_K + tl.arange(0, 1)
         z_row = tl.zeros([BLOCK_N], dtype=tl.int32)
         if PER_ROW and HAS_ZERO and SCHEME == "int8":
             z_row = tl.load(Z + rows, mask=n_mask, other=0).to(tl.int32)
-        w = _dequant_tile(QW, S, Z, rows, n_mask, kk, z_row, SCHEME, K, G, NG, SCALE_ROW_DIV, HAS_ZERO, PER_ROW,
-                          BLOCK_K, K % BLOCK_K == 0, False, tl.float32)
+        w = _dequant_tile(QW, S, Z, rows, n_mask, tl.program_id(1) * BLOCK_K, z_row, 1, SCHEME, K, G, NG,
+                          SCALE_ROW_DIV, HAS_ZERO, PER_ROW, BLOCK_K, K % BLOCK_K == 0, False, tl.float32)
         w = tl.reshape(w, [BLOCK_N, BLOCK_K])
         if PER_ROW:
             w = w * tl.load(S + rows, mask=n_mask, other=0.0).to(tl.float32)[:, None]
@@ -629,11 +666,31 @@ def quant_supported(x: torch.Tensor, layer) -> bool:
     return _supported_meta(x, layer) is not None
 
 
+def packed_scale_zero(scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+    """int4 16-bit scales and uint8 zeros as one int32 a group (scale bits | zero << 16): one 4-byte load a
+    group, wide enough for cp.async (see _group_scales)."""
+    bits = scales.contiguous().view(torch.int16).to(torch.int32) & 0xFFFF
+    return bits | (zeros.to(torch.int32) << 16)
+
+
+def _packed_int4_groups(layer) -> torch.Tensor:
+    """The layer's packed_scale_zero, built once and kept beside its scales (a plain attribute: not in the
+    state dict; ~4 bytes a group, 1/32 byte a weight at g128), rebuilt if the scales were replaced."""
+    cached = getattr(layer, "_scale_zero", None)
+    if cached is None or cached[0] is not layer.scales or cached[1] is not layer.zeros:
+        cached = (layer.scales, layer.zeros, packed_scale_zero(layer.scales, layer.zeros))
+        object.__setattr__(layer, "_scale_zero", cached)
+    return cached[2]
+
+
 def _kernel_operands(layer, meta: QuantMeta) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(qweight, scales, zeros) as the kernels take them: float8 tensors as uint8 views (decoded by bitcast),
-    a missing zeros tensor replaced by the scales (never read)."""
+    a missing zeros tensor replaced by the scales (never read), int4 with 16-bit scales reading its scales
+    and zeros from one int32 tensor in place of the zeros (the scales then only give their dtype)."""
     qw = layer.qweight.view(torch.uint8) if meta.scheme == "fp8" else layer.qweight
     s = layer.scales.view(torch.uint8) if meta.scheme == "nvfp4" else layer.scales
+    if meta.scheme == "int4" and s.dtype in (torch.bfloat16, torch.float16):
+        return qw, s, _packed_int4_groups(layer)
     return qw, s, layer.zeros if layer.zeros is not None else s
 
 
