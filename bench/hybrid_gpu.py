@@ -418,7 +418,9 @@ def task_model(args: argparse.Namespace, key: str, res: dict[str, Any], save: Ca
             return
     kv = args.kv_cache_memory or hp.kv_cache_bytes(cfg, draft, dtype, max_num_seqs, max_len)
     eager = args.enforce_eager
-    if "quantization_config" in cfg.get("text_config", cfg) and args.quantized_experts_eager:
+    text = cfg.get("text_config", cfg)
+    has_experts = bool(text.get("num_experts") or text.get("num_local_experts"))
+    if "quantization_config" in text and has_experts and args.quantized_experts_eager:
         eager = True
         res["experts_path"] = ("quantized experts: the dequantize-then-matmul reference (no in-register kernel for "
                                "this scheme yet); it reads the routed ids back to the host, so enforce_eager")

@@ -19,6 +19,7 @@ decode target is >= 80% for int4 g128 and NVFP4 at 1 row, and 16 rows not much s
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import os
@@ -92,8 +93,10 @@ def rotation(layer: ql.QuantWeights) -> list[ql.QuantWeights]:
     """The layer and copies of it, ROTATE_BYTES in all: a graph replaying one weight would find it in L2
     (a 13 MB int4 projection fits), while the decode step streams every weight once."""
     copies = max(1, -(-ROTATE_BYTES // bytes_read(layer))) if DEVICE == "cuda" else 1
+    fields = [f.name for f in dataclasses.fields(layer)]
     return [layer] + [ql.QuantWeights(**{k: (v.clone() if isinstance(v, torch.Tensor) else v)
-                                        for k, v in vars(layer).items()}) for _ in range(copies - 1)]
+                                        for k, v in ((k, getattr(layer, k)) for k in fields)})
+                      for _ in range(copies - 1)]
 
 
 def quant_fn(x, layers, epilogue, res, cfg=None, fast=None):
