@@ -136,7 +136,7 @@ def sweep_configs(m: int) -> list[ql.LaunchConfig]:
     reduction path around skinny_linear's one-row configs."""
     cfgs = []
     bm = 8 if m <= 8 else 16
-    for (bn, split), bk, stages in itertools.product(((16, 4), (16, 8), (32, 2), (32, 4), (32, 8), (64, 2)),
+    for (bn, split), bk, stages in itertools.product(((16, 2), (16, 4), (16, 8), (32, 2), (32, 4), (32, 8), (64, 2)),
                                                      (128, 256), (3, 4)):
         smem = (stages - 1) * split * bk * (2 * bm + bn)  # x tiles + weight bytes (<= 1 per weight) in flight
         if smem <= 200 * 1024:

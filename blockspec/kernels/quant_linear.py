@@ -321,8 +321,10 @@ if HAVE_TRITON:
         b = _packed_bytes(QW, rows, n_mask, kk, K, NGT, GT, EVEN_K)
         sf = s.to(tl.float8e4nv, bitcast=True).to(tl.float32)  # e4m3 scales passed as a uint8 view
         if FAST:
-            sb = (sf * 1.2676506002282294e30).to(tl.bfloat16)  # s * 2^100, exact (4 significant bits)
-            pair = _unpack_e2m1_fast(b, tl.broadcast_to(_pair16(sb)[:, :, :, None], b.shape))
+            # s * 2^100 is exact in bf16 (4 significant bits): its float32 bits' top half, duplicated into both
+            # halves of the operand (a byte shuffle), not a rounding conversion (F2F: quarter rate)
+            top = (sf * 1.2676506002282294e30).to(tl.int32, bitcast=True) & -65536
+            pair = _unpack_e2m1_fast(b, tl.broadcast_to((top | ((top >> 16) & 0xFFFF))[:, :, :, None], b.shape))
             lo, hi = _split_pairs(pair, tl.bfloat16)
         else:
             bi = b.to(tl.int32)
