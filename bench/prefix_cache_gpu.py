@@ -108,6 +108,31 @@ def shared_prefix(engine: Engine, args: argparse.Namespace, vocab: int) -> dict[
     return med
 
 
+def profile_hit(engine: Engine, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
+    """Where a hit's TTFT goes: GPU kernels (torch.profiler) from add_request to the first token of a request
+    whose prefix is cached, top kernels by total time, and the host wall time beside their sum."""
+    from torch.profiler import ProfilerActivity, profile
+    prefix = random_prompts(1, args.prefix_tokens, vocab, seed=999)[0]
+    turns = random_prompts(2, args.turn_tokens, vocab, seed=998)
+    timed_request(engine, prefix + turns[0], 2, "prof-a")
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        engine.add_request("prof-b", prefix + turns[1], greedy(2))
+        while not any(out.new_token_ids for out in engine.step()):
+            pass
+        wall = time.perf_counter() - t0
+    while engine.has_unfinished_requests():
+        engine.step()
+    rows = [(e.key, e.device_time_total, e.count) for e in prof.key_averages() if e.device_time_total > 0]
+    rows.sort(key=lambda r: -r[1])
+    total = sum(r[1] for r in rows)
+    top = [{"kernel": k[:90], "ms": round(t / 1000, 3), "calls": n} for k, t, n in rows[:15]]
+    print(f"hit TTFT profile: wall {1000 * wall:.1f} ms, GPU kernels {total / 1000:.1f} ms", flush=True)
+    for row in top:
+        print(f"  {row['ms']:8.3f} ms {row['calls']:5d}x {row['kernel']}", flush=True)
+    return {"wall_ms": round(1000 * wall, 2), "gpu_kernel_ms": round(total / 1000, 2), "top": top}
+
+
 def conversation(engine: Engine, args: argparse.Namespace, vocab: int, prompts: list[list[int]] | None
                  ) -> tuple[list[dict[str, Any]], list[list[int]]]:
     """The agent conversation (prompts=None: built from the engine's own replies), or a replay of `prompts`."""
@@ -145,6 +170,8 @@ def measure_model(key: str, args: argparse.Namespace, save) -> dict[str, Any]:
         res[label] = part
         vocab = engine.model_config.vocab_size
         part["shared_prefix"] = shared_prefix(engine, args, vocab)
+        if args.profile and cache:
+            part["hit_profile"] = profile_hit(engine, args, vocab)
         save(res)
         rows, played = conversation(engine, args, vocab, replay)
         replay = played  # the uncached engine replays exactly the cached engine's prompts
@@ -200,6 +227,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--mamba-block-size", type=int, default=None, help="hybrids: tokens between state snapshots")
+    p.add_argument("--profile", action="store_true", help="profile one hit's TTFT (top GPU kernels)")
     p.add_argument("--dry-run", action="store_true", help="tiny configs on the CPU (float32), a few tokens")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
