@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import torch
 
-from blockspec.models.layers.attention import AttentionMetadata, DecodeMetadata, PagedAttention, forward_context
+from blockspec.models.layers.attention import (
+    AttentionMetadata,
+    DecodeMetadata,
+    PagedAttention,
+    forward_context,
+    paged_attention_reference,
+    tail_prefill_attention,
+)
 
 
 def _layer(num_blocks=8, page=16, heads=4, kv_heads=2, d=16):
@@ -54,3 +61,23 @@ def test_decode_metadata_equals_masked_gather():
         with forward_context(meta):
             outs.append(layer(q, k, v))
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
+
+
+def test_tail_prefill_equals_masked_gather():
+    """A sequence's last T tokens over its cached context (prefix hit, later chunk): the bottom-right causal
+    SDPA the GPU takes equals the masked gather (the CPU path), including one query and a whole-sequence tail."""
+    g = torch.Generator().manual_seed(2)
+    heads, kv_heads, d, page = 4, 2, 16, 16
+    blocks = [3, 0, 5, 2]
+    for ctx, t in ((40, 9), (40, 1), (0, 23)):
+        n = ctx + t
+        kc, vc = torch.randn(8, page, kv_heads, d, generator=g), torch.randn(8, page, kv_heads, d, generator=g)
+        q = torch.randn(t, heads, d, generator=g)
+        slots = torch.tensor([blocks[i // page] * page + i % page for i in range(n)])
+        pos = torch.arange(ctx, n)
+        meta = AttentionMetadata(slot_mapping=slots[ctx:], query_index=torch.arange(t)[None],
+                                 query_unpad=torch.arange(t), kv_slots=slots[None],
+                                 mask=(torch.arange(n)[None, :] <= pos[:, None])[None, None])
+        want = paged_attention_reference(q, kc, vc, meta, d**-0.5)
+        got = tail_prefill_attention(q, kc, vc, slots[None], d**-0.5)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
