@@ -82,7 +82,6 @@ class EngineSweep:
         if s.synthetic_accept is not None and k:
             eng.enable_synthetic_drafts({}, s.synthetic_accept, k)
         else:
-            eng.runner.synthetic = None
             eng.set_num_speculative_tokens(k)
 
     def run(self, prompt: Prompt) -> dict[str, Any]:
@@ -91,8 +90,8 @@ class EngineSweep:
         eng, s = self.engine, self.settings
         self.counter += 1
         rid = f"tune-{self.counter}"
-        if eng.runner.synthetic is not None:
-            eng.runner.synthetic.references[rid] = self.references.get(prompt.id, [])
+        if eng.synthetic is not None:
+            eng.synthetic.references[rid] = self.references.get(prompt.id, [])
         params = SamplingParams(max_tokens=prompt.max_tokens or s.max_tokens, temperature=s.temperature, seed=0)
         eng.add_request(rid, self.text(prompt), params)
         final = None

@@ -177,10 +177,10 @@ def build_engine_config(args: argparse.Namespace) -> EngineConfig:
                               "same thing: use one")
         config.speculative = SpeculativeConfig.from_json(args.speculative_config)
         if args.no_draft:
-            config.speculative.model = None
-        elif config.speculative.model is None:
+            config.speculative = SpeculativeConfig()
+        elif not config.speculative.enabled:
             log.warning("warning: --speculative-config names no draft \"model\": decoding without speculation")
-    if args.model is None and config.speculative.model is None and not args.no_draft:
+    if args.model is None and not config.speculative.enabled and not args.no_draft:
         log.info("note: no drafter found for the embedded model; decoding without speculation")
     return config
 

@@ -188,7 +188,7 @@ def test_plan_agrees_with_the_engine(tiny_models, tiny_drafter):
     per_block = engine.runner.kv_bytes_per_block()
     assert (target.kv_bytes_per_token + drafter.kv_bytes_per_token) * engine.config.block_size == per_block
     assert target.total_params == sum(p.numel() for p in engine.runner.target.parameters())
-    assert drafter.total_params == sum(p.numel() for p in engine.runner.drafter.parameters())
+    assert drafter.total_params == sum(p.numel() for p in engine.runner.proposer.parameters())
 
 
 def test_plan_cli_json_and_table(tmp_path, capsys):

@@ -42,7 +42,7 @@ def test_tune_picks_k_and_serve_accepts_the_config(tiny_models, tiny_drafter, tm
     args = build_parser().parse_args(["serve", model, "--speculative-config", config, "--device", "cpu",
                                       "--max-model-len", "256"])
     engine = Engine(build_engine_config(args))
-    assert engine.num_speculative_tokens == k and engine.runner.drafter is not None
+    assert engine.num_speculative_tokens == k and engine.runner.proposer is not None
 
 
 def test_tune_without_drafter_reports_the_baseline_only(tiny_models, tmp_path, capsys):
@@ -63,7 +63,7 @@ def test_switching_k_keeps_greedy_output_identical(tiny_models, tiny_drafter):
     outputs = {}
     for k in (0, 6, 3, 0):
         sweep.use_k(k)
-        assert (sweep.engine.runner.drafter is None) == (k == 0)
+        assert (sweep.engine.runner.proposer is None) == (k == 0)
         sweep.engine.add_request(f"r{k}", sweep.text(prompt), SamplingParams(max_tokens=20, temperature=0))
         while sweep.engine.has_unfinished_requests():
             for out in sweep.engine.step():

@@ -50,10 +50,11 @@ def test_drafter_matches_reference(tiny_models, tiny_drafter):
     seq.output_ids.append(anchor)
     features = seq.pending_features
     torch.testing.assert_close(features, ctx[0], rtol=1e-5, atol=1e-5)
+    drafter = runner.proposer
     with torch.inference_mode():
-        feats, embeds, meta, rows = runner.draft_inputs([ScheduledSeq(seq, 1, k)])
-        hidden = runner.drafter(feats, embeds, meta)
-        logits = runner.drafter.compute_logits(hidden[rows], runner.target.lm_head_weight)
+        feats, embeds, meta, rows = drafter.general_inputs([ScheduledSeq(seq, 1, k)], runner.step_context())
+        hidden = drafter(feats, embeds, meta)
+        logits = drafter.compute_logits(hidden[rows[0]], runner.target.lm_head_weight)
     torch.testing.assert_close(hidden, ref_hidden, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
 
@@ -90,6 +91,7 @@ def test_draft_window_limits_context_like_a_truncated_reference(tiny_models, tin
     engine.runner.execute(SchedulerOutput([ScheduledSeq(seq, len(ids), 0)]))
     seq.output_ids.append(anchor)
     with torch.inference_mode():
-        feats, embeds, meta, _ = engine.runner.draft_inputs([ScheduledSeq(seq, 1, k)])
-        hidden = engine.runner.drafter(feats, embeds, meta)
+        drafter = engine.runner.proposer
+        feats, embeds, meta, _ = drafter.general_inputs([ScheduledSeq(seq, 1, k)], engine.runner.step_context())
+        hidden = drafter(feats, embeds, meta)
     torch.testing.assert_close(hidden, ref_hidden, rtol=1e-4, atol=1e-4)
