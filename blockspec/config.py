@@ -49,10 +49,9 @@ class SpeculativeConfig:
         k = raw.get("num_speculative_tokens")
         window = raw.get("max_model_len", raw.get("draft_window"))
         model = raw.get("model")
-        if method == "mtp":
-            if window is not None:
-                raise ConfigError("\"max_model_len\" (the drafter context window) applies to DFlash drafters, "
-                                  "not to method \"mtp\": drop it")
+        if method == "mtp" and window is not None:
+            raise ConfigError("\"max_model_len\" (the drafter context window) applies to DFlash drafters, "
+                              "not to method \"mtp\": drop it")
         return cls(model=model, num_speculative_tokens=None if k is None else int(k),
                    draft_window=None if window is None else int(window), method=method)
 

@@ -1,8 +1,9 @@
 """Find a model's files and load its weights into a blockspec model.
 
 Checkpoint names are normalised here (VLM wrapper prefixes removed, vision and MTP weights not read
-into the target; the MTP head loads them on its own, spec/mtp.py) so model code only knows plain Hugging Face causal-LM names; the model's own
-``load_weight(name, tensor) -> bool`` does the copy, because only it knows fused or sharded layouts.
+into the target; the MTP head loads them on its own, spec/mtp.py) so model code only knows plain Hugging
+Face causal-LM names; the model's own ``load_weight(name, tensor) -> bool`` does the copy, because only it
+knows fused or sharded layouts.
 """
 
 import hashlib

@@ -295,7 +295,6 @@ class DecodeStep:
         return True
 
     def _launch_fresh(self, items: list[ScheduledSeq]) -> _Launch:
-        r = self.r
         bp = self.graphs.bucket(len(items))
         self.release_features(keep={id(i.seq) for i in items})
         if self.uses_drafter:

@@ -2,8 +2,8 @@
 
 The runner turns a `SchedulerOutput` into tensors, asks the proposer (spec/proposer.py: a DFlash drafter,
 the target's MTP head, synthetic drafts) for drafts from the new context, runs the target over prefill
-chunks and verify blocks together, and decides acceptance on the device. The only device-to-host copy of a step is the accepted
-counts and tokens (plus log-probabilities when a request asks for them).
+chunks and verify blocks together, and decides acceptance on the device. The only device-to-host copy of
+a step is the accepted counts and tokens (plus log-probabilities when a request asks for them).
 """
 
 from __future__ import annotations

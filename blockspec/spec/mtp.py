@@ -69,8 +69,9 @@ def head_name(checkpoint_name: str) -> str | None:
 def check_target(cfg: ModelConfig, target: nn.Module, tensor_names: list[str] | None) -> None:
     """Refuse, with the reason, a target whose checkpoint has no MTP head this proposer can run."""
     if not getattr(target, "has_recurrent_state", False) or not hasattr(target, "packed_projections"):
-        raise ConfigError(f"speculative method \"mtp\" runs the MTP head of Qwen3-Next and Qwen3.5/3.6 checkpoints; "
-                          f"{cfg.architecture or cfg.model_type} has none: use a DFlash drafter (\"method\": \"dflash\")")
+        raise ConfigError(f"speculative method \"mtp\" runs the MTP head of Qwen3-Next and Qwen3.5/3.6 "
+                          f"checkpoints; {cfg.architecture or cfg.model_type} has none: use a DFlash drafter "
+                          "(\"method\": \"dflash\")")
     layers = mtp_layer_count(cfg)
     if tensor_names is not None and not any(head_name(n) is not None for n in tensor_names):
         raise ConfigError("this checkpoint has no MTP weights (no mtp.* tensors: some quantized or re-packaged "

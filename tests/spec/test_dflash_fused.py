@@ -59,7 +59,8 @@ def _step(device: str, bias: bool, sliding: bool = False):
     meta = DraftMetadata(
         ctx_positions=t(ctx_pos, device=device), ctx_slots=t(ctx_slots, device=device),
         block_positions=t(block_pos, device=device), block_slots=t(block_slots, device=device),
-        block_start=t(ANCHORS, device=device), decode=DecodeMetadata(t(TABLES, device=device), t([a + Q for a in ANCHORS], device=device),
+        block_start=t(ANCHORS, device=device),
+        decode=DecodeMetadata(t(TABLES, device=device), t([a + Q for a in ANCHORS], device=device),
                               t(KV_START, device=device), Q))
     features = torch.randn(len(ctx_pos), 2 * m.hidden_size, generator=g).to(device)
     embeds = torch.randn(len(block_pos), m.hidden_size, generator=g).to(device)
