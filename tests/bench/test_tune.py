@@ -70,3 +70,21 @@ def test_switching_k_keeps_greedy_output_identical(tiny_models, tiny_drafter):
                 if out.finished:
                     outputs.setdefault(k, []).append(out.token_ids)
     assert outputs[0][0] == outputs[6][0] == outputs[3][0] == outputs[0][1]
+
+
+def test_tune_sweeps_mtp_n_and_prints_an_mtp_config(tmp_path, capsys):
+    """--method mtp: the target's own MTP head, its N swept as k beside the k = 0 baseline."""
+    from tests.tiny_hybrid import save_tiny_hybrid
+    from tests.tiny_mtp import add_mtp_head
+
+    model = save_tiny_hybrid(tmp_path / "qwen3_5", "qwen3_5", num_layers=2)
+    add_mtp_head(model, "qwen3_5")
+    rc = main(["tune", "--model", str(model), "--method", "mtp", "--k", "1,3", "--prompts", "code:1",
+               "--max-tokens", "8", "--runs", "1", "--warmup", "0", "--device", "cpu", "--out", str(tmp_path / "out"),
+               "--json"])
+    assert rc == 0
+    data = json.loads(capsys.readouterr().out)
+    assert sorted({p["k"] for p in data["points"]}) == [0, 1, 3]
+    assert all(len(p["acceptance_per_position"]) == p["k"] for p in data["points"])
+    config = json.loads(data["speculative_config"])
+    assert config == {"method": "mtp", "num_speculative_tokens": data["best_k"] or data["best_speculative_k"]}
