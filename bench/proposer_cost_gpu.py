@@ -144,7 +144,8 @@ def table(res: dict[str, Any]) -> str:
     s = res["settings"]
     lines = [f"{res['model']} on {res['device']}, {s['dtype']}, batch 1, context {s['context']}, {s['tokens']} "
              f"tokens, median of {s['runs']}, commit {res['commit']}",
-             "| proposer | k | AR step ms | k-step ms | k-step / AR step | proposer weights |", "|---|---|---|---|---|---|"]
+             "| proposer | k | AR step ms | k-step ms | k-step / AR step | proposer weights |",
+             "|---|---|---|---|---|---|"]
     for name, r in res["proposers"].items():
         if "ar" not in r:
             lines.append(f"| {name} | - | {r.get('error', 'not measured')} | | | |")
