@@ -13,10 +13,12 @@ import pytest
 import torch
 import transformers
 
+from blockspec.cli import build_parser
 from blockspec.config import EngineConfig, SpeculativeConfig
 from blockspec.engine.engine import Engine
 from blockspec.engine.sampling_params import SamplingParams
 from blockspec.errors import ConfigError
+from blockspec.server.args import build_engine_config
 from tests.tiny_hybrid import save_tiny_hybrid
 from tests.tiny_mtp import add_mtp_head, reference_drafts
 
@@ -132,3 +134,6 @@ def test_method_spellings_and_refusals(mtp_models, tiny_models, tmp_path):
         Engine(EngineConfig(model=str(path), device="cpu", speculative=spec))
     with pytest.raises(ConfigError, match="exceeds the MTP maximum"):
         mtp_engine(path, 16)
+    args = build_parser().parse_args(["serve", str(path), "--speculative-config",
+                                      '{"method": "qwen3_5_mtp", "num_speculative_tokens": 2}'])
+    assert build_engine_config(args).speculative.method == "mtp"
