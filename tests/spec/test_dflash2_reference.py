@@ -13,10 +13,10 @@ import transformers
 
 from blockspec.config import EngineConfig, SpeculativeConfig
 from blockspec.engine.engine import Engine
-from blockspec.engine.sampling_params import SamplingParams
-from blockspec.engine.scheduler import ScheduledSeq, SchedulerOutput
+from blockspec.engine.scheduler import ScheduledSeq
 from blockspec.errors import ConfigError
 from blockspec.spec.dflash import DrafterConfig
+from tests.spec.proposer_helpers import decode_drafts, prefill
 
 dflash_model = pytest.importorskip("dflash.model", reason="test-only oracle: pip install --no-deps dflash")
 
@@ -52,16 +52,6 @@ def _reference_pass(reference, ids: list[int], anchor: int, k: int):
     return drafter(target_hidden=ctx, noise_embedding=noise, position_ids=positions)[0]
 
 
-def _prefill(engine: Engine, ids: list[int], anchor: int, k: int):
-    runner = engine.runner
-    engine.add_request("r", ids, SamplingParams(temperature=0, max_tokens=k + 1))
-    seq = engine.requests["r"]
-    engine.allocator.ensure(seq, len(ids) + k + 1)
-    runner.execute(SchedulerOutput([ScheduledSeq(seq, len(ids), 0)]))
-    seq.output_ids.append(anchor)
-    return seq
-
-
 def test_outputs_and_selected_paths_match_reference(tiny_models, drafter2, reference):
     ids = torch.randint(0, 256, (23,), generator=torch.Generator().manual_seed(3)).tolist()
     anchor = 97
@@ -76,7 +66,7 @@ def test_outputs_and_selected_paths_match_reference(tiny_models, drafter2, refer
     engine = _engine(tiny_models["qwen3"], drafter2)
     drafter = engine.runner.proposer
     assert drafter.method == "dflash2" and drafter.max_drafts == K
-    seq = _prefill(engine, ids, anchor, K)
+    seq = prefill(engine, ids, anchor, K)
     with torch.inference_mode():
         feats, embeds, meta, rows = drafter.general_inputs([ScheduledSeq(seq, 1, K)], engine.runner.step_context())
         hidden = drafter(feats, embeds, meta)
@@ -117,27 +107,15 @@ def test_decode_path_drafts_match_reference(tiny_models, drafter2, reference, mo
     """The in-graph decode path (DecodeStep: carry row, sliding window over the paged cache, blocks that
     shrink at the end) proposes, at every step, the path the reference proposes for the same prefix."""
     engine = _engine(tiny_models["qwen3"], drafter2)
-    decode = engine.runner.decode
-    seen = []
-    original = decode._draft_fn
-
-    def recording(v):
-        drafts = original(v)
-        seen.append((int(v.anchor[0]), int(v.num_drafts[0]), drafts.tokens[0].clone()))
-        return drafts
-
-    monkeypatch.setattr(decode, "_draft_fn", recording)
     prompt = torch.randint(0, 256, (15,), generator=torch.Generator().manual_seed(8)).tolist()
-    out = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))[0]
-    full = prompt + out.token_ids
+    full, seen = decode_drafts(engine, monkeypatch, prompt, 20)
     target, ref_drafter = reference
-    seen = [step for step in seen if step[1]]  # the last step may verify no drafts
     assert len(seen) >= 4 and min(n for _, n, _ in seen) < K  # the last blocks are shorter
     for anchor, n, drafts in seen:
         hidden = _reference_pass(reference, full[:anchor], full[anchor], n)
         with torch.no_grad():
             path, _, _ = ref_drafter.propose(hidden[None, 1:], torch.tensor([full[anchor]]), target.lm_head, 0.0)
-        assert drafts[:n].tolist() == path[0].tolist(), anchor
+        assert drafts == path[0].tolist(), anchor
 
 
 def test_incomplete_dflash2_config_is_refused(drafter2):

@@ -19,6 +19,8 @@ from blockspec.engine.engine import Engine
 from blockspec.engine.sampling_params import SamplingParams
 from blockspec.errors import ConfigError
 from blockspec.server.args import build_engine_config
+from tests.engine.test_lossless import run_all as run_greedy
+from tests.spec.proposer_helpers import decode_drafts
 from tests.tiny_hybrid import save_tiny_hybrid
 from tests.tiny_mtp import add_mtp_head, reference_drafts
 
@@ -44,14 +46,7 @@ def mtp_engine(path, n: int, **kwargs) -> Engine:
 
 
 def run_all(engine: Engine, prompts: list[str], max_tokens: int = 24) -> dict[str, list[int]]:
-    for i, p in enumerate(prompts):
-        engine.add_request(f"r{i}", p, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.token_ids
-    return done
+    return run_greedy(engine, prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
 
 
 @pytest.mark.parametrize("family", list(LAYOUTS))
@@ -61,22 +56,10 @@ def test_decode_path_drafts_match_reference(mtp_models, family, monkeypatch):
     path, head, hf = mtp_models[family]
     engine = mtp_engine(path, 3)
     assert engine.runner.proposer.method == "mtp" and engine.num_speculative_tokens == 3
-    decode, seen = engine.runner.decode, []
-    original = decode._draft_fn
-
-    def recording(v):
-        drafts = original(v)
-        seen.append((int(v.anchor[0]), int(v.num_drafts[0]), drafts.tokens[0].tolist()))
-        return drafts
-
-    monkeypatch.setattr(decode, "_draft_fn", recording)
-    prompt = engine.encode(PROMPTS[1])
-    out = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=14, ignore_eos=True))[0]
-    full = prompt + out.token_ids
-    seen = [s for s in seen if s[1]]
+    full, seen = decode_drafts(engine, monkeypatch, engine.encode(PROMPTS[1]), 14)
     assert len(seen) >= 4
     for anchor, n, drafts in seen:
-        assert drafts[:n] == reference_drafts(hf, head, full[:anchor + 1], n), anchor
+        assert drafts == reference_drafts(hf, head, full[:anchor + 1], n), anchor
 
 
 def test_general_path_drafts_match_reference(mtp_models, monkeypatch):
