@@ -34,8 +34,9 @@ def mtp_target(tmp_path_factory):
 
 
 def setups(tiny_models, tiny_drafter2, mtp_target) -> dict:
+    mtp = SpeculativeConfig.from_json(json.dumps({"method": "mtp", "num_speculative_tokens": 3}))
     return {"dflash2": (tiny_models["qwen3"], SpeculativeConfig(model=str(tiny_drafter2), num_speculative_tokens=7)),
-            "mtp": (mtp_target, SpeculativeConfig.from_json(json.dumps({"method": "mtp", "num_speculative_tokens": 3})))}
+            "mtp": (mtp_target, mtp)}
 
 
 def generate(target, spec, dtype: str, eager: bool, general: bool = False, sampled: bool = False) -> list[list[int]]:
