@@ -52,7 +52,9 @@ class GroupedDynamicConv(nn.Module):
         super().__init__()
         self.kernel_size, self.group_size = kernel_size, group_size
         self.groups = hidden_size // group_size
-        self.base_kernel = nn.Parameter(torch.empty(2, kernel_size, hidden_size))
+        base = torch.zeros(2, kernel_size, hidden_size)
+        base[:, 0] = 1.0  # the identity until weights load (random-weight benchmarks run it as is)
+        self.base_kernel = nn.Parameter(base)
         self.kernel_projection = Linear(hidden_size, 2 * kernel_size * self.groups, bias=False)
 
     def prepare(self, x: torch.Tensor, block_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -66,16 +66,26 @@ def head_name(checkpoint_name: str) -> str | None:
     return None
 
 
-def check_target(cfg: ModelConfig, target: nn.Module, tensor_names: list[str] | None) -> None:
-    """Refuse, with the reason, a target whose checkpoint has no MTP head this proposer can run."""
+FLOAT_DTYPES = ("F32", "F16", "BF16")
+
+
+def check_target(cfg: ModelConfig, target: nn.Module, tensors: dict[str, tuple[str, tuple[int, ...]]] | None) -> None:
+    """Refuse, with the reason, a target whose checkpoint has no MTP head this proposer can run (`tensors`: the
+    checkpoint's {name: (dtype, shape)}, None for random weights)."""
     if not getattr(target, "has_recurrent_state", False) or not hasattr(target, "packed_projections"):
         raise ConfigError(f"speculative method \"mtp\" runs the MTP head of Qwen3-Next and Qwen3.5/3.6 "
                           f"checkpoints; {cfg.architecture or cfg.model_type} has none: use a DFlash drafter "
                           "(\"method\": \"dflash\")")
     layers = mtp_layer_count(cfg)
-    if tensor_names is not None and not any(head_name(n) is not None for n in tensor_names):
+    head = {} if tensors is None else {n: dtype for n, (dtype, _) in tensors.items() if head_name(n) is not None}
+    if tensors is not None and not head:
         raise ConfigError("this checkpoint has no MTP weights (no mtp.* tensors: some quantized or re-packaged "
                           "uploads drop them): use the original checkpoint, or a DFlash drafter")
+    packed = sorted(n for n, dtype in head.items() if dtype not in FLOAT_DTYPES)
+    if packed:
+        raise ConfigError(f"this checkpoint stores its MTP head quantized ({packed[0]} is {head[packed[0]]}); "
+                          "blockspec runs MTP heads kept in bf16/fp16/fp32 (as NVFP4 uploads keep them): use such a "
+                          "checkpoint, or a DFlash drafter")
     if layers > 1:
         raise ConfigError(f"the checkpoint declares {layers} MTP layers; blockspec runs heads of one layer (every "
                           "published Qwen3-Next / Qwen3.5 / 3.6 checkpoint)")
@@ -212,7 +222,7 @@ def build_mtp(cfg: ModelConfig, target: nn.Module, model_dir: Path, max_position
     from blockspec.loader.safetensors_loader import read_tensor_headers
     from blockspec.loader.weights import load_weights
 
-    check_target(cfg, target, list(read_tensor_headers(model_dir)) if load else None)
+    check_target(cfg, target, read_tensor_headers(model_dir) if load else None)
     head = build_module(lambda: MTPHead(cfg, max_positions, target.packed_projections), device, dtype)
     if load:
         load_weights(head, model_dir, device, dtype, names=head_name)

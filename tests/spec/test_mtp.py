@@ -8,10 +8,12 @@ Qwen3-Next with it under `mtp.`, its layer a sparse MoE block.
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
 import transformers
+from safetensors.torch import load_file, save_file
 
 from blockspec.cli import build_parser
 from blockspec.config import EngineConfig, SpeculativeConfig
@@ -112,6 +114,13 @@ def test_method_spellings_and_refusals(mtp_models, tiny_models, tmp_path):
     with pytest.raises(ConfigError, match="no MTP weights"):
         mtp_engine(bare, 2)
     path = mtp_models["qwen3_5"][0]
+    packed = shutil.copytree(path, tmp_path / "packed")
+    tensors = load_file(packed / "model.safetensors")
+    tensors["model.language_model.mtp.fc.weight"] = tensors["model.language_model.mtp.fc.weight"].to(
+        torch.float8_e4m3fn)
+    save_file(tensors, packed / "model.safetensors")
+    with pytest.raises(ConfigError, match="MTP head quantized"):
+        mtp_engine(packed, 2)
     spec = SpeculativeConfig.from_json(json.dumps({"method": "mtp", "model": str(tmp_path)}))
     with pytest.raises(ConfigError, match="drop \"model\""):
         Engine(EngineConfig(model=str(path), device="cpu", speculative=spec))
