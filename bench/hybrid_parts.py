@@ -7,6 +7,7 @@ hooks of `SparseMoeBlock` (`route_override`, `record_routing`), found with getat
 
 from __future__ import annotations
 
+import contextlib
 import json
 import statistics
 import time
@@ -19,7 +20,10 @@ import torch
 from blockspec.config import EngineConfig, SpeculativeConfig
 from blockspec.engine.engine import Engine, build_module
 from blockspec.engine.sampling_params import SamplingParams
+from blockspec.loader.quant import deferred_linears, quantize_model
+from blockspec.loader.quant.config import parse_quantization
 from blockspec.models.layers.moe import SparseMoeBlock
+from blockspec.models.layers.quant_linear import QuantExperts, quantized_tensor_bytes
 from blockspec.models.model_config import ModelConfig
 from blockspec.models.registry import model_class
 from blockspec.spec.dflash import DFlashDrafter, DrafterConfig, default_target_layer_ids
@@ -78,15 +82,21 @@ def drafter_config(target: dict[str, Any], mask_token_id: int, layers: int = 5) 
 
 
 def param_bytes_estimate(target: dict[str, Any], drafter: dict[str, Any] | None, dtype: torch.dtype) -> int:
-    """Weight bytes of target + drafter, counted on the meta device (nothing allocated)."""
+    """Weight bytes of target + drafter, counted on the meta device (nothing allocated); a quantized config's
+    layers as the loader holds them (packed weights + scales)."""
     meta = torch.device("meta")
     cfg = ModelConfig.from_dict(target)
-    modules = [build_module(lambda: model_class(cfg)(cfg, max_positions=64), meta, dtype)]
+    qcfg = cfg.raw.get("quantization_config")
+    quant = parse_quantization(qcfg) if qcfg else None
+    with deferred_linears() if quant is not None else contextlib.nullcontext():
+        model = build_module(lambda: model_class(cfg)(cfg, max_positions=64), meta, dtype)
+    if quant is not None:
+        quantize_model(model, quant, meta, dtype)
+    modules = [model]
     if drafter is not None:
         dcfg = DrafterConfig.from_dict(drafter)
         modules.append(build_module(lambda: DFlashDrafter(dcfg, 64), meta, dtype))
-    size = torch.tensor([], dtype=dtype).element_size()
-    return sum(p.numel() for m in modules for p in m.parameters()) * size
+    return sum(p.numel() * p.element_size() for m in modules for p in m.parameters()) + quantized_tensor_bytes(model)
 
 
 def kv_cache_bytes(target: dict[str, Any], drafter: dict[str, Any] | None, dtype: torch.dtype, max_num_seqs: int,
@@ -121,15 +131,23 @@ def weight_split(target: torch.nn.Module) -> dict[str, Any]:
     """Weight bytes by role. dense: every matrix a decode token reads whole except the LM head (attention,
     DeltaNet, dense MLPs, routers, shared experts, norms); lm_head: the output matrix (the embedding table
     when tied); embedding: an untied table (one row per token: left out of the rooflines); experts: bytes of
-    one expert per MoE layer, with that layer's top-k."""
+    one expert per MoE layer, with that layer's top-k. Quantized layers count as held (packed + scales)."""
     blocks = [m for m in target.modules() if isinstance(m, SparseMoeBlock)]
     expert_params = {id(p) for b in blocks for p in b.experts.parameters()}
     lm = target.lm_head_weight
     embeds = {id(m.weight) for m in target.modules() if isinstance(m, torch.nn.Embedding)}
+
+    def expert_bytes(experts: torch.nn.Module) -> int:
+        return sum(p.numel() * p.element_size() for p in experts.parameters()) + quantized_tensor_bytes(experts)
+
     out = {"total": 0, "dense": 0, "lm_head": 0, "embedding": 0,
-           "experts": [{"bytes_per_expert": sum(p.numel() * p.element_size() for p in b.experts.parameters())
-                        // b.experts.num_experts, "num_experts": b.experts.num_experts, "top_k": b.top_k}
-                       for b in blocks]}
+           "experts": [{"bytes_per_expert": expert_bytes(b.experts) // b.experts.num_experts,
+                        "num_experts": b.experts.num_experts, "top_k": b.top_k,
+                        "scheme": getattr(b.experts, "scheme", None)} for b in blocks]}
+    quantized = quantized_tensor_bytes(target)
+    quantized_dense = quantized - sum(quantized_tensor_bytes(b.experts) for b in blocks)
+    out["total"] += quantized
+    out["dense"] += quantized_dense
     for p in target.parameters():  # shared (tied) parameters come once
         n = p.numel() * p.element_size()
         out["total"] += n
@@ -144,6 +162,26 @@ def step_bytes(split: dict[str, Any], experts_per_layer: list[float] | None = No
     """Weight bytes one step reads: dense + LM head + the experts it touches (top-k each when not given)."""
     touched = experts_per_layer if experts_per_layer is not None else [e["top_k"] for e in split["experts"]]
     return split["dense"] + split["lm_head"] + sum(n * e["bytes_per_expert"] for n, e in zip(touched, split["experts"]))
+
+
+def quantized_experts_capturable(device: str) -> dict[str, Any]:
+    """Whether quantized MoE experts run inside a CUDA graph (a kernel that dequantizes in registers, no host
+    sync) or only eagerly (the dequantize-then-matmul reference reads the routed ids back to the host)."""
+    if device != "cuda":
+        return {"capturable": True, "note": "no CUDA graphs off the GPU"}
+    experts = QuantExperts("mxfp4", 4, 64, 64, 32, 32, dtype=torch.bfloat16, device=device)
+    x = torch.randn(2, 64, device=device, dtype=torch.bfloat16)
+    weights = torch.full((2, 2), 0.5, device=device, dtype=torch.bfloat16)
+    ids = torch.tensor([[0, 1], [2, 3]], device=device)
+    experts(x, weights, ids)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            experts(x, weights, ids)
+    except Exception as exc:  # a host sync inside the capture
+        torch.cuda.synchronize()
+        return {"capturable": False, "error": f"{type(exc).__name__}: {exc}"[:300]}
+    return {"capturable": True}
 
 
 # ---- timed runs -------------------------------------------------------------------------------

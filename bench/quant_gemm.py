@@ -22,7 +22,7 @@ import json
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -48,41 +48,28 @@ SCHEME_VARIANTS = {  # scheme: the format as Qwen3-8B checkpoints of that kind s
 }
 
 
-@dataclass
-class QuantLayer:
-    scheme: str
-    qweight: torch.Tensor
-    scales: torch.Tensor
-    zeros: torch.Tensor | None
-    global_scale: torch.Tensor | None
-    group_size: int | None
-    out_features: int
-    in_features: int
-    bias: torch.Tensor | None = None
-
-
-def random_layer(scheme: str, n: int, k: int, dtype: torch.dtype = torch.bfloat16) -> QuantLayer:
+def random_layer(scheme: str, n: int, k: int, dtype: torch.dtype = torch.bfloat16) -> ql.QuantWeights:
     """Random codes on the GPU; scales sized so the dequantized weights have std ~0.02 (like a trained model)."""
     dev = DEVICE
     opts = SCHEME_VARIANTS[scheme]
     if scheme == "int4":
         g = opts["group"]
-        return QuantLayer(scheme, torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device=dev),
+        return ql.QuantWeights(scheme, torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device=dev),
                           torch.full((n, k // g), 0.004, dtype=dtype, device=dev),
                           torch.randint(6, 10, (n, k // g), dtype=torch.uint8, device=dev), None, g, n, k)
     if scheme == "int8":
-        return QuantLayer(scheme, torch.randint(-128, 128, (n, k), dtype=torch.int8, device=dev),
+        return ql.QuantWeights(scheme, torch.randint(-128, 128, (n, k), dtype=torch.int8, device=dev),
                           torch.full((n, 1), 0.0003, dtype=dtype, device=dev), None, None, None, n, k)
     if scheme == "fp8":
         w = (torch.randn(n, k, device=dev) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
-        return QuantLayer(scheme, w, torch.full((-(-n // 128), -(-k // 128)), 0.0003, device=dev), None, None, 128,
+        return ql.QuantWeights(scheme, w, torch.full((-(-n // 128), -(-k // 128)), 0.0003, device=dev), None, None, 128,
                           n, k)
     codes = torch.randint(0x30, 0x3C, (n, k // 16), dtype=torch.uint8, device=dev)  # e4m3 0.5 .. 1.5
-    return QuantLayer(scheme, torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device=dev),
+    return ql.QuantWeights(scheme, torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device=dev),
                       codes.view(torch.float8_e4m3fn), None, torch.tensor(0.01, device=dev), 16, n, k)
 
 
-def bytes_read(layer: QuantLayer) -> int:
+def bytes_read(layer: ql.QuantWeights) -> int:
     ts = [layer.qweight, layer.scales] + [t for t in (layer.zeros,) if t is not None]
     return sum(t.numel() * t.element_size() for t in ts)
 
@@ -143,7 +130,7 @@ def pct(nbytes: int, us: float, bw: float) -> float:
     return round(100 * nbytes / (us * 1e-6) / bw, 1)
 
 
-def measure(name, n, k, epilogue, m, scheme, x, res, bf16, bw) -> tuple[dict, QuantLayer]:
+def measure(name, n, k, epilogue, m, scheme, x, res, bf16, bw) -> tuple[dict, ql.QuantWeights]:
     """One table row: the default launch config, the plain-Triton dequantizer beside the PTX one, bf16 baselines."""
     layer = random_layer(scheme, n, k)
     nbytes, meta = bytes_read(layer), ql.quant_meta(layer)
@@ -163,7 +150,7 @@ def measure(name, n, k, epilogue, m, scheme, x, res, bf16, bw) -> tuple[dict, Qu
     return row, layer
 
 
-def sweep(row: dict, layer: QuantLayer, x, res, epilogue, bw, deadline: float) -> dict | None:
+def sweep(row: dict, layer: ql.QuantWeights, x, res, epilogue, bw, deadline: float) -> dict | None:
     """Time every sweep config on this shape (until the deadline); the best and the full list."""
     fast = ql.fast_unpack(ql.quant_meta(layer), x.dtype)
     results = []

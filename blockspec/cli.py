@@ -11,6 +11,7 @@ import logging
 import sys
 
 from blockspec.bench import add_bench_parsers
+from blockspec.config import DEFAULT_MAMBA_BLOCK_SIZE, DEFAULT_MAMBA_CACHE_SNAPSHOTS, MAMBA_CACHE_MODES
 from blockspec.errors import BlockspecError
 from blockspec.train.cmd import add_train_parser
 
@@ -49,6 +50,23 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat-template", default=None)
     p.add_argument("--load-format", default="auto", help="auto | dummy (random weights)")
     p.add_argument("--enforce-eager", action="store_true")
+    add_prefix_caching_args(p)
+
+
+def add_prefix_caching_args(p: argparse.ArgumentParser) -> None:
+    """vLLM's prefix-caching flags (serve, generate, plan)."""
+    c = p.add_argument_group("prefix caching")
+    c.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="share the K/V of prompt prefixes between requests (default: on, as vLLM v1)")
+    c.add_argument("--mamba-cache-mode", choices=MAMBA_CACHE_MODES, default="align",
+                   help="hybrids: save the recurrent state every --mamba-block-size prompt tokens (align), at every "
+                        "block (all) or never (none: no prefix-cache hits for hybrids)")
+    c.add_argument("--mamba-block-size", type=int, default=None,
+                   help=f"hybrids: tokens between state snapshots, a multiple of --block-size (default "
+                        f"{DEFAULT_MAMBA_BLOCK_SIZE})")
+    c.add_argument("--mamba-cache-snapshots", type=int, default=DEFAULT_MAMBA_CACHE_SNAPSHOTS,
+                   help="hybrids: state snapshots kept (least recently used go first), each the size of one "
+                        "sequence's recurrent state (the start-up log shows the bytes)")
 
 
 def engine_config_from_args(args: argparse.Namespace):
@@ -68,7 +86,9 @@ def engine_config_from_args(args: argparse.Namespace):
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_memory=args.kv_cache_memory,
                         block_size=args.block_size, seed=getattr(args, "seed", None) or 0,
-                        load_format=args.load_format, enforce_eager=args.enforce_eager)
+                        load_format=args.load_format, enforce_eager=args.enforce_eager,
+                        enable_prefix_caching=args.enable_prefix_caching, mamba_cache_mode=args.mamba_cache_mode,
+                        mamba_block_size=args.mamba_block_size, mamba_cache_snapshots=args.mamba_cache_snapshots)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -10,6 +10,10 @@ import torch
 
 from blockspec.errors import ConfigError
 
+MAMBA_CACHE_MODES = ("align", "all", "none")
+DEFAULT_MAMBA_BLOCK_SIZE = 256  # tokens between the state snapshots of a hybrid's cached prompt (align mode)
+DEFAULT_MAMBA_CACHE_SNAPSHOTS = 16
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "half": torch.float16,
           "float": torch.float32}
@@ -81,6 +85,24 @@ class EngineConfig:
     generation_config: str = "auto"  # auto: the model's generation_config.json | vllm: ignore it
     # --quantization: checked against what the checkpoint declares (the checkpoint's own format is used)
     quantization: str | None = None
+    enable_prefix_caching: bool = True  # as vLLM v1: full KV blocks shared by the hash of their prefix
+    # Hybrids (Gated DeltaNet): prefix-cache hits resume from recurrent-state snapshots taken at block
+    # boundaries of prompts: every mamba_block_size tokens (align), every block (all), or never (none).
+    mamba_cache_mode: str = "align"
+    mamba_block_size: int | None = None  # None: DEFAULT_MAMBA_BLOCK_SIZE
+    mamba_cache_snapshots: int = DEFAULT_MAMBA_CACHE_SNAPSHOTS  # snapshot entries kept (LRU), each one sequence's state
+
+    def snapshot_interval(self) -> int:
+        """Tokens between a hybrid prompt's state snapshots; 0 when none are taken."""
+        if not self.enable_prefix_caching or self.mamba_cache_mode == "none" or self.mamba_cache_snapshots == 0:
+            return 0
+        if self.mamba_cache_mode == "all":
+            return self.block_size
+        return self.mamba_block_size or max(DEFAULT_MAMBA_BLOCK_SIZE, self.block_size)
+
+    def num_state_snapshots(self) -> int:
+        """Snapshot entries a hybrid target allocates beside its state slots."""
+        return self.mamba_cache_snapshots if self.snapshot_interval() else 0
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":
@@ -122,6 +144,14 @@ class EngineConfig:
             raise ConfigError("num_speculative_tokens must be non-negative")
         if self.load_format not in ("auto", "dummy"):
             raise ConfigError(f"--load-format {self.load_format!r}: blockspec reads auto (safetensors/GGUF) or dummy")
+        if self.mamba_cache_mode not in MAMBA_CACHE_MODES:
+            raise ConfigError(f"--mamba-cache-mode {self.mamba_cache_mode!r}: use one of "
+                              f"{', '.join(MAMBA_CACHE_MODES)}")
+        if self.mamba_block_size is not None and (self.mamba_block_size < 1 or self.mamba_block_size % self.block_size):
+            raise ConfigError(f"--mamba-block-size {self.mamba_block_size} must be a positive multiple of --block-size "
+                              f"{self.block_size} (snapshots sit on block boundaries)")
+        if self.mamba_cache_snapshots < 0:
+            raise ConfigError("--mamba-cache-snapshots must be non-negative")
         if self.quantization is not None:
             from blockspec.loader.quant.config import check_flag
 

@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from blockspec.kernels._triton import INTERPRET
+
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -127,6 +129,28 @@ def save_tiny_drafter(out: Path, target_cfg, seed: int = 1, num_layers: int = 2,
         save_file({k.replace("codebook.weight", "codebook"): v for k, v in tensors.items()},
                   out / "model.safetensors", metadata={"format": "pt"})
     return out
+
+
+@pytest.fixture(autouse=True, scope="session")
+def interpreter_scalar_loop_bounds():
+    """Triton 3.6's interpreter holds scalars as 1-element arrays and turns them into loop bounds with
+    int(array), which NumPy 2.4 refuses for arrays that are not 0-d: kernels whose loop bounds are loaded
+    values (paged attention's key range) then fail only in the interpreter. Give its tensors an __index__
+    that takes the one element."""
+    if not INTERPRET:
+        yield
+        return
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+
+    def patch(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = patch
+    yield
+    interpreter._patch_lang_tensor = original
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -156,8 +156,9 @@ async def run_cell(client: httpx.AsyncClient, s: BenchSettings, opts: RequestOpt
             results, wall = await run_block(client, s.base_url, prompts, n, concurrency, opts, headers,
                                             progress.done)
         after = await scrape(client, s.base_url, headers)
-        spec = after.minus(before).to_spec() if before is not None and after is not None else None
-        runs.append(RunResult(cls, concurrency, i, wall, results, spec))
+        delta = after.minus(before) if before is not None and after is not None else None
+        runs.append(RunResult(cls, concurrency, i, wall, results, delta.to_spec() if delta else None,
+                              metrics_cache=delta.prefix_cache() if delta else None))
     return runs
 
 

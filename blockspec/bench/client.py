@@ -63,6 +63,7 @@ class RequestResult:
     output_tokens: int = 0
     tokens_from_usage: bool = False  # False: counted one token per content chunk (a lower bound)
     prompt_tokens: int | None = None
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens (prefix-cache hits)
     text: str = ""
     finish_reason: str | None = None
     spec: SpecStats | None = None
@@ -219,6 +220,9 @@ async def stream_request(client: httpx.AsyncClient, base_url: str, prompt: Promp
                 if isinstance(usage, dict) and usage.get("completion_tokens") is not None:
                     usage_tokens = int(usage["completion_tokens"])
                     res.prompt_tokens = usage.get("prompt_tokens")
+                    details = usage.get("prompt_tokens_details")
+                    if isinstance(details, dict) and details.get("cached_tokens") is not None:
+                        res.cached_tokens = int(details["cached_tokens"])
                 found = spec_from_chunk(chunk, usage_tokens)
                 if found is not None:
                     spec = found

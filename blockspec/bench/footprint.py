@@ -78,6 +78,8 @@ def _attention_params(cfg: dict[str, Any]) -> int:
         n += q_out + 2 * nkv * hd + h  # all four projections
     if mt in QK_NORM_TYPES:
         n += 2 * hd
+    if mt == "gpt_oss":
+        n += nh  # one attention sink logit per head
     return n
 
 
@@ -127,7 +129,7 @@ def _moe_layers(cfg: dict[str, Any]) -> list[bool]:
 
 
 def _mlp_params(cfg: dict[str, Any], moe: bool) -> tuple[int, int, int]:
-    """(total, active per token, routed-expert part of total) parameters of one layer's MLP."""
+    """(total, active per token, routed-expert matrices of total) parameters of one layer's MLP."""
     h = int(cfg["hidden_size"])
     if not moe:
         inter = int(cfg["intermediate_size"])
@@ -140,7 +142,12 @@ def _mlp_params(cfg: dict[str, Any], moe: bool) -> tuple[int, int, int]:
     per_expert = 3 * h * inter
     shared = 3 * h * shared_inter + h if shared_inter else 0  # shared expert + its sigmoid gate
     router = experts * h
-    return experts * per_expert + router + shared, top_k * per_expert + router + shared, experts * per_expert
+    biases = 0
+    if cfg.get("model_type") == "gpt_oss":  # router bias; per expert gate|up and down biases
+        router += experts
+        biases = 2 * inter + h
+    total = experts * (per_expert + biases) + router + shared
+    return total, top_k * (per_expert + biases) + router + shared, experts * per_expert
 
 
 def target_footprint(config: dict[str, Any], dtype_name: str, model_dir: Path | None = None) -> Footprint:
@@ -173,8 +180,12 @@ def target_footprint(config: dict[str, Any], dtype_name: str, model_dir: Path | 
     notes: list[str] = []
     bits = quant_bits(cfg.get("quantization_config"), h, elem_bytes)
     if bits is not None:
-        weight_bytes = int(linear_params * bits / 8) + (total - linear_params) * elem_bytes
-        notes.append(f"quantized checkpoint: decoder linear layers counted at {bits:g} bits per weight")
+        # MXFP4 (GPT-OSS) quantizes the routed experts only; the other methods every decoder linear layer
+        experts_only = str((cfg.get("quantization_config") or {}).get("quant_method", "")).lower() == "mxfp4"
+        quantized = experts_total if experts_only else linear_params
+        weight_bytes = int(quantized * bits / 8) + (total - quantized) * elem_bytes
+        notes.append(f"quantized checkpoint: {'routed experts' if experts_only else 'decoder linear layers'} "
+                     f"counted at {bits:g} bits per weight")
     else:
         weight_bytes = total * elem_bytes
     expert_bytes = int(experts_total * (bits / 8 if bits is not None else elem_bytes))

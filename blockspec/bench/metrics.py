@@ -1,9 +1,10 @@
-"""Speculative-decoding counters from a server's Prometheus /metrics, as deltas around a run.
+"""Speculative-decoding and prefix-cache counters from a server's Prometheus /metrics, as deltas around a run.
 
 When responses carry no per-request statistics (vLLM), tau and per-position acceptance still come
-out of vLLM's counters: scrape before and after a block of requests, subtract. blockspec exports
-the same names. Only counters are read, so the deltas are exact for the block as long as nothing
-else is sending requests to the server at the same time.
+out of vLLM's counters: scrape before and after a block of requests, subtract; so does the prefix
+cache's hit rate (vLLM reports cached tokens in responses only with --enable-prompt-tokens-details).
+blockspec exports the same names. Only counters are read, so the deltas are exact for the block as
+long as nothing else is sending requests to the server at the same time.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import httpx
 from blockspec.bench.client import SpecStats, api_root
 
 PREFIX = "vllm:spec_decode_"
+CACHE_COUNTERS = {"vllm:prefix_cache_queries": "prefix_queries", "vllm:prefix_cache_hits": "prefix_hits"}
 _LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+([-+0-9.eEinfa]+)")
 _POSITION = re.compile(r'position="(\d+)"')
 
@@ -26,12 +28,19 @@ class SpecCounters:
     num_draft_tokens: float = 0.0
     num_accepted_tokens: float = 0.0
     accepted_per_pos: dict[int, float] = field(default_factory=dict)
+    prefix_queries: float = 0.0  # prompt tokens looked up in the prefix cache
+    prefix_hits: float = 0.0  # and found there
 
     def minus(self, before: SpecCounters) -> SpecCounters:
         return SpecCounters(
             self.num_drafts - before.num_drafts, self.num_draft_tokens - before.num_draft_tokens,
             self.num_accepted_tokens - before.num_accepted_tokens,
-            {p: v - before.accepted_per_pos.get(p, 0.0) for p, v in self.accepted_per_pos.items()})
+            {p: v - before.accepted_per_pos.get(p, 0.0) for p, v in self.accepted_per_pos.items()},
+            self.prefix_queries - before.prefix_queries, self.prefix_hits - before.prefix_hits)
+
+    def prefix_cache(self) -> dict[str, float] | None:
+        """{queries, hits} of prompt tokens, or None when nothing was looked up."""
+        return {"queries": self.prefix_queries, "hits": self.prefix_hits} if self.prefix_queries > 0 else None
 
     def to_spec(self) -> SpecStats | None:
         """vLLM's definitions: tau = 1 + accepted / drafts; rate at position i = accepted_i / drafts."""
@@ -45,10 +54,17 @@ class SpecCounters:
 
 
 def parse_spec_counters(text: str) -> SpecCounters | None:
-    """Sum vLLM's spec-decode counters over all label sets; None when the server exports none."""
+    """Sum vLLM's spec-decode and prefix-cache counters over all label sets; None when the server exports none."""
     c = SpecCounters()
     seen = False
     for line in text.splitlines():
+        if line.startswith("vllm:prefix_cache_"):
+            m = _LINE.match(line)
+            name = CACHE_COUNTERS.get(m.group(1).removesuffix("_total")) if m else None
+            if name:
+                setattr(c, name, getattr(c, name) + float(m.group(3)))
+                seen = True
+            continue
         if not line.startswith(PREFIX):
             continue
         m = _LINE.match(line)

@@ -23,6 +23,7 @@ from blockspec.bench.footprint import (
     text_config,
 )
 from blockspec.bench.presets import PRESETS
+from blockspec.config import DEFAULT_MAMBA_CACHE_SNAPSHOTS
 from blockspec.engine.memory import GIB, MIB, blocks_for_sequence, cuda_kv_budget, kv_shortfall
 from blockspec.engine.state_pool import checkpoints_per_slot
 from blockspec.errors import ConfigError
@@ -52,6 +53,10 @@ class PlanInputs:
     memory_bytes: int | None = None
     bandwidth_gbs: float | None = None
     device_preset: str | None = None
+    enable_prefix_caching: bool = True
+    mamba_cache_mode: str = "align"
+    mamba_block_size: int | None = None
+    mamba_cache_snapshots: int = DEFAULT_MAMBA_CACHE_SNAPSHOTS
 
 
 def _dtype(dtype: str, checkpoint_dtype: str | None) -> str:
@@ -154,7 +159,9 @@ def make_plan(inp: PlanInputs) -> dict[str, Any]:
     engine_cfg = EngineConfig(model=str(model_dir), speculative=SpeculativeConfig(model=inp.draft,
                               num_speculative_tokens=k), max_model_len=max_len, max_num_seqs=inp.max_num_seqs,
                               max_num_batched_tokens=inp.max_num_batched_tokens, block_size=inp.block_size,
-                              gpu_memory_utilization=inp.gpu_memory_utilization)
+                              gpu_memory_utilization=inp.gpu_memory_utilization,
+                              enable_prefix_caching=inp.enable_prefix_caching, mamba_cache_mode=inp.mamba_cache_mode,
+                              mamba_block_size=inp.mamba_block_size, mamba_cache_snapshots=inp.mamba_cache_snapshots)
     try:
         engine_cfg.validate()
     except ConfigError as exc:
@@ -171,13 +178,15 @@ def make_plan(inp: PlanInputs) -> dict[str, Any]:
     kv_token = target.kv_bytes_per_token + (drafter.kv_bytes_per_token if drafter else 0)
     per_block = kv_token * inp.block_size
     # Hybrids: the engine allocates max_num_seqs state slots before sizing the KV cache (state_pool.py),
-    # with k + 1 checkpoints per slot in checkpoint rollback mode.
+    # with k + 1 checkpoints per slot in checkpoint rollback mode, and the prefix cache's state snapshots.
     checkpoints = checkpoints_per_slot(k) if target.state_bytes_per_seq else 0
+    snapshots = engine_cfg.num_state_snapshots() if target.state_bytes_per_seq else 0
     state = recurrent_state_bytes(raw, dtype, checkpoints)
     plain_state = recurrent_state_bytes(raw, dtype, 0)
-    state_pool = pool_size(plain_state, state, inp.max_num_seqs)  # slot pairs + the scratch pair (+ checkpoints)
-    scratch_pool = pool_size(plain_state, state, 0)
-    state_per_seq = pool_size(plain_state, state, 1) - scratch_pool
+    # slot pairs + the scratch pair (+ checkpoints) + snapshots
+    state_pool = pool_size(plain_state, state, inp.max_num_seqs, snapshots)
+    scratch_pool = pool_size(plain_state, state, 0, snapshots)  # what does not shrink with --max-num-seqs
+    state_per_seq = pool_size(plain_state, state, 1, snapshots) - scratch_pool
     min_blocks = blocks_for_sequence(max_len, k, inp.block_size)
     need_one = min_blocks * per_block
     weights = target.weight_bytes + (drafter.weight_bytes if drafter else 0)
@@ -257,7 +266,9 @@ def make_plan(inp: PlanInputs) -> dict[str, Any]:
         "kv": {"target_bytes_per_token": target.kv_bytes_per_token,
                "drafter_bytes_per_token": drafter.kv_bytes_per_token if drafter else 0,
                "bytes_per_token": kv_token, "state_bytes_per_seq": state, "state_checkpoints": checkpoints,
-               "state_pool_bytes": state_pool,
+               "state_pool_bytes": state_pool, "state_snapshots": snapshots,
+               "state_snapshot_bytes": snapshots * plain_state,
+               "state_snapshot_interval": engine_cfg.snapshot_interval() if snapshots else 0,
                "bytes_per_full_sequence": need_one},
         "memory": memory,
         "fit": fit,

@@ -40,10 +40,12 @@ def format_plan(p: dict[str, Any]) -> str:
     lines.append(k_line)
     if m["linear_attention_layers"]:
         extra = f", {kv['state_checkpoints']} checkpoints" if kv["state_checkpoints"] else ""
+        snaps = (f" + {kv['state_snapshots']} prefix-cache snapshots every {kv['state_snapshot_interval']} tokens "
+                 f"({_gib(kv['state_snapshot_bytes'])})" if kv["state_snapshots"] else "")
         lines.append(f"recurrent state  {kv['state_bytes_per_seq'] / 2**20:.1f} MiB per sequence "
                      f"({m['linear_attention_layers']} linear-attention layers{extra}); "
-                     f"{p['max_num_seqs']} sequences x 2 slots + a scratch pair = {_gib(kv['state_pool_bytes'])}, "
-                     "allocated before the KV cache")
+                     f"{p['max_num_seqs']} sequences x 2 slots + a scratch pair{snaps} = "
+                     f"{_gib(kv['state_pool_bytes'])}, allocated before the KV cache")
     lines.append(f"one full sequence {_gib(kv['bytes_per_full_sequence'])} of KV ({p['max_model_len']} tokens)")
     if mem.get("total_bytes"):
         lines.append(f"memory           {mem['device']}: {_gib(mem['total_bytes'])} x {mem['gpu_memory_utilization']:g}"
@@ -100,6 +102,9 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     bw.add_argument("--device-preset", choices=sorted(PRESETS), default=None,
                     help="memory and bandwidth of a known device")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    from blockspec.cli import add_prefix_caching_args
+
+    add_prefix_caching_args(p)
     p.set_defaults(func=cmd_plan)
 
 
@@ -116,7 +121,9 @@ def inputs_from_args(args: argparse.Namespace) -> PlanInputs:
                       max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                       block_size=args.block_size, dtype=args.dtype,
                       memory_bytes=int(args.memory_gb * GIB) if args.memory_gb else None,
-                      bandwidth_gbs=args.bandwidth_gbs, device_preset=args.device_preset)
+                      bandwidth_gbs=args.bandwidth_gbs, device_preset=args.device_preset,
+                      enable_prefix_caching=args.enable_prefix_caching, mamba_cache_mode=args.mamba_cache_mode,
+                      mamba_block_size=args.mamba_block_size, mamba_cache_snapshots=args.mamba_cache_snapshots)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:

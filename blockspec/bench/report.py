@@ -22,6 +22,10 @@ def fmt(v: float | None, digits: int = 1) -> str:
     return "-" if v is None else f"{v:.{digits}f}"
 
 
+def pct(v: float | None) -> str:
+    return "-" if v is None else f"{100 * v:.0f}%"
+
+
 def render_table(header: list[str], rows: list[list[str]]) -> str:
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
     line = "  ".join(h.rjust(w) for h, w in zip(header, widths))
@@ -36,7 +40,7 @@ def markdown_table(header: list[str], rows: list[list[str]]) -> str:
 
 
 SUMMARY_HEADER = ["class", "conc", "req", "err", "tok/s/req", "agg tok/s", "TTFT p50", "TTFT p95", "TPOT p50",
-                  "TPOT p95", "ITL p50", "ITL p99", "E2E p50", "tau"]
+                  "TPOT p95", "ITL p50", "ITL p99", "E2E p50", "tau", "cache hit"]
 
 
 def summary_rows(rows: list[dict[str, Any]]) -> list[list[str]]:
@@ -48,7 +52,7 @@ def summary_rows(rows: list[dict[str, Any]]) -> list[list[str]]:
                     fmt(r["ttft_ms"]["p50"], 0), fmt(r["ttft_ms"]["p95"], 0),
                     fmt(r["tpot_ms"]["p50"]), fmt(r["tpot_ms"]["p95"]),
                     fmt(r["itl_ms"]["p50"]), fmt(r["itl_ms"]["p99"]), fmt(r["e2e_ms"]["p50"], 0),
-                    fmt(spec.get("tau"), 2)])
+                    fmt(spec.get("tau"), 2), pct(r.get("prefix_cache_hit_rate"))])
     return out
 
 
@@ -60,6 +64,9 @@ def format_bench_table(data: dict[str, Any]) -> str:
     sources = {r["spec"]["source"] for r in data["results"] if r.get("spec")}
     lines.append(f"tau source: {', '.join(sorted(sources))}" if sources else
                  "tau: the server reported no speculative-decoding statistics")
+    cache = {r["prefix_cache_source"] for r in data["results"] if r.get("prefix_cache_source")}
+    lines.append(f"cache hit source: {', '.join(sorted(cache))}" if cache else
+                 "cache hit: the server reported no prefix-cache statistics")
     errors = [e for r in data["results"] for e in r["error_examples"]]
     if errors:
         lines.append(f"errors, e.g.: {errors[0]}")
@@ -79,7 +86,8 @@ def bench_markdown(data: dict[str, Any]) -> str:
           f"- concurrency {', '.join(map(str, s['concurrency']))}; {s['warmup']} warm-up requests; "
           f"median of {s['runs']} runs per cell",
           "- tok/s/req: output tokens / end-to-end time of each request (median); agg tok/s: all output tokens "
-          "/ wall time of the run; TTFT/TPOT/ITL/E2E in ms over every request", "",
+          "/ wall time of the run; TTFT/TPOT/ITL/E2E in ms over every request; cache hit: prompt tokens found "
+          "in the server's prefix cache / prompt tokens", "",
           "## Summary", "", markdown_table(SUMMARY_HEADER, summary_rows(rows)), ""]
     low = min((r["concurrency"] for r in rows), default=None)
     per_prompt = [(r["prompt_class"], pid, v) for r in rows if r["concurrency"] == low

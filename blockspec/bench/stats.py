@@ -45,6 +45,7 @@ class RunResult:
     wall_s: float
     results: list[RequestResult]
     metrics_spec: SpecStats | None = None
+    metrics_cache: dict[str, float] | None = None  # prefix-cache {queries, hits} deltas from /metrics
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -76,6 +77,18 @@ def combined_spec(runs: list[RunResult]) -> SpecStats | None:
     return total if total.steps else None
 
 
+def prefix_cache_hit_rate(runs: list[RunResult]) -> tuple[float | None, str | None]:
+    """(cached prompt tokens / prompt tokens, where it came from): from the responses' usage when every
+    request reported cached_tokens, else from the /metrics deltas; (None, None) when neither says."""
+    ok = [r for run in runs for r in run.ok]
+    if ok and all(r.cached_tokens is not None and r.prompt_tokens for r in ok):
+        return sum(r.cached_tokens for r in ok) / sum(r.prompt_tokens for r in ok), "response"
+    counted = [run.metrics_cache for run in runs if run.metrics_cache]
+    if counted:
+        return sum(c["hits"] for c in counted) / sum(c["queries"] for c in counted), "metrics"
+    return None, None
+
+
 def spec_dict(spec: SpecStats | None) -> dict[str, Any] | None:
     if spec is None:
         return None
@@ -99,6 +112,7 @@ def summarize(runs: list[RunResult]) -> dict[str, Any]:
         per_prompt[pid] = {"tok_s": median([r.tok_s for r in mine]), "output_tokens": median(
             [r.output_tokens for r in mine]), "tau": spec.tau}
     errors = [r.error for r in results if not r.ok]
+    hit_rate, hit_source = prefix_cache_hit_rate(runs)
     return {
         "prompt_class": first.prompt_class,
         "concurrency": first.concurrency,
@@ -118,5 +132,7 @@ def summarize(runs: list[RunResult]) -> dict[str, Any]:
         "itl_ms": distribution_ms([g for r in ok for g in r.itl]),
         "e2e_ms": distribution_ms([r.e2e for r in ok]),
         "spec": spec_dict(combined_spec(runs)),
+        "prefix_cache_hit_rate": hit_rate,
+        "prefix_cache_source": hit_source,
         "per_prompt": per_prompt,
     }

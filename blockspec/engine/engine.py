@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import gc
 import logging
 import time
@@ -19,6 +20,7 @@ import torch
 
 from blockspec.config import EngineConfig
 from blockspec.engine.detokenizer import IncrementalDetokenizer
+from blockspec.engine.kv_cache import PrefixCacheStats
 from blockspec.engine.memory import plan_kv_blocks
 from blockspec.engine.outputs import RequestOutput, SpecDecodeCounters
 from blockspec.engine.sampling_params import SamplingParams
@@ -84,6 +86,7 @@ class Engine:
         self.runner.num_speculative_tokens = self.num_speculative_tokens
         self.runner.prepare_decode(config.max_num_seqs, self.max_model_len, not config.enforce_eager, log.info)
         self.allocator = block_allocator(self, num_blocks)  # + a state slot per sequence for hybrids
+        self.allocator.tracks_drafter = self.runner.keeps_context
         self.scheduler = Scheduler(self.allocator, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, self.num_speculative_tokens)
         self._set_lookahead()
@@ -198,11 +201,19 @@ class Engine:
         self.synthetic = proposer if isinstance(proposer, SyntheticProposer) else None
         self.runner.proposer = proposer if k else None
         resize_for_k(self, k)  # checkpoint mode keeps k + 1 states per slot
+        # cached blocks hold drafter context only if the drafter ran; snapshots may have been re-made
+        self.reset_prefix_cache()
+        self.allocator.tracks_drafter = self.runner.keeps_context
         self.num_speculative_tokens = self.scheduler.k = self.runner.num_speculative_tokens = k
         self.spec_counters = SpecDecodeCounters(accepted_per_pos=[0] * k)
         self.runner.prepare_decode(self.config.max_num_seqs, self.max_model_len, not self.config.enforce_eager,
                                    log.info)
         self._set_lookahead()
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block and state snapshot (vLLM's name). Call it after changing the target's
+        or the drafter's weights in place: cached K/V and drafter context were computed with the old ones."""
+        self.allocator.reset_cache()
 
     def _set_lookahead(self) -> None:
         decode = self.runner.decode
@@ -217,6 +228,13 @@ class Engine:
 
     def encode(self, prompt: str) -> list[int]:
         return self.tokenizer.encode(prompt, add_special_tokens=False) if prompt else []
+
+    @functools.cached_property
+    def grammar_compiler(self):
+        """Structured output's compiler for this model's vocabulary, built by the first request that needs it."""
+        from blockspec.structured.compiler import GrammarCompiler
+
+        return GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_ids)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
         """Queue a request; raises RequestError (with the numbers) if it cannot run."""
@@ -246,6 +264,8 @@ class Engine:
             generator.manual_seed(params.seed)
         detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens) if params.detokenize else None
         seq = Sequence(request_id, ids, params, detok, self.eos_ids, generator)
+        if params.structured is not None:
+            seq.grammar = self.grammar_compiler.matcher(params.structured)
         self.requests[request_id] = seq
         self.scheduler.add(seq)
 
@@ -255,8 +275,13 @@ class Engine:
         if seq is None:
             return False
         seq.finish_reason = "abort"
-        self.scheduler.finish(seq)
+        self._finish(seq)
         return True
+
+    def _finish(self, seq: Sequence) -> None:
+        if self.allocator.enable_caching and seq.block_table:
+            self.runner.complete_context(seq)  # its last blocks complete for the prefix cache
+        self.scheduler.finish(seq)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -272,6 +297,11 @@ class Engine:
     @property
     def kv_usage(self) -> float:
         return self.allocator.usage
+
+    @property
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        """Prompt tokens looked up in the prefix cache and found there (vLLM's queries / hits)."""
+        return self.allocator.stats
 
     def release(self) -> None:
         """Give the KV cache (and the allocator's cached GPU memory) back now, before another engine plans
@@ -298,6 +328,7 @@ class Engine:
         for res in results:
             if res.tokens:
                 outputs.append(self._commit(res.seq, res.tokens, res.num_drafts, res.num_accepted, res.logprobs, now))
+        self.allocator.step_done([item.seq for item in sched.items])  # completed blocks join the prefix cache
         return outputs
 
     def _commit(self, seq: Sequence, tokens: list[int], num_drafts: int, num_accepted: int,
@@ -330,7 +361,7 @@ class Engine:
             seq.logprobs.extend(logprobs[:len(new_ids)])
         if seq.finish_reason is not None:
             st.finish_time = now
-            self.scheduler.finish(seq)
+            self._finish(seq)
             self.requests.pop(seq.request_id, None)
         return RequestOutput(
             request_id=seq.request_id, prompt_token_ids=seq.prompt_ids, token_ids=list(seq.output_ids),

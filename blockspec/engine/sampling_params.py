@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from blockspec.errors import RequestError
+from blockspec.structured.spec import StructuredSpec
 
 
 @dataclass
@@ -26,6 +27,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     detokenize: bool = True  # False: token ids only (no text, no stop strings), for bulk generation
+    structured: StructuredSpec | None = None  # the grammar the output must follow (JSON schema, regex, ...)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

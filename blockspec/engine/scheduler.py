@@ -3,8 +3,9 @@
 Every scheduled sequence processes its uncomputed committed tokens (a prefill chunk, or the single
 anchor token of a decoding sequence) plus, when it is decoding, k draft tokens. Running sequences go
 first; waiting ones join between steps while the token budget, `max_num_seqs` and free KV blocks
-allow, with long prompts split into chunks. When blocks run out, the most recently admitted
-sequence is preempted and later recomputed. The scheduler never touches tensors.
+allow, starting past the blocks the prefix cache already holds for them (engine/kv_cache.py), with
+long prompts split into chunks. When blocks run out, the most recently admitted sequence is
+preempted and later recomputed. The scheduler never touches tensors.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ class ScheduledSeq:
     seq: Sequence
     num_new: int  # committed tokens processed from seq.num_computed on
     num_drafts: int  # draft tokens verified after them (0 for a prefill chunk)
+    # hybrids: (tokens into this span, snapshot entry) where the pass saves the recurrent state (state_pool.py)
+    snapshots: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def samples(self) -> bool:
@@ -92,14 +95,16 @@ class Scheduler:
             i += 1
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
             seq = self.waiting[0]
-            num_new = min(seq.num_tokens - seq.num_computed, budget)
-            if not self.allocator.ensure(seq, seq.num_computed + num_new):
+            hit = self.allocator.lookup(seq)  # at least its last token is left to compute
+            num_new = min(seq.num_tokens - hit.num_tokens, budget)
+            if not self.allocator.admit(seq, hit, hit.num_tokens + num_new):
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             out.items.append(ScheduledSeq(seq, num_new, 0))
             budget -= num_new
+        self.allocator.plan_step(out.items)
         return out
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:

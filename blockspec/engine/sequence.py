@@ -5,12 +5,15 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from blockspec.engine.detokenizer import IncrementalDetokenizer
 from blockspec.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from blockspec.structured.matcher import GrammarMatcher
 
 
 class SequenceStatus(enum.Enum):
@@ -28,6 +31,7 @@ class RequestStats:
     steps: int = 0  # verify steps (decode steps); the prefill that samples the first token is not one
     decode_tokens: int = 0  # tokens committed by those verify steps
     num_draft_tokens: int = 0
+    cached_tokens: int | None = None  # prompt tokens found in the prefix cache at admission (None: not yet admitted)
     accepted_per_position: list[int] = field(default_factory=list)
     arrival_time: float = field(default_factory=time.perf_counter)
     first_scheduled_time: float | None = None
@@ -69,6 +73,7 @@ class RequestStats:
             "completion_tokens": self.completion_tokens,
             "num_draft_tokens": self.num_draft_tokens,
             "num_accepted_tokens": self.num_accepted_tokens,
+            "cached_tokens": self.cached_tokens or 0,
             "prefill_time_s": round(self.prefill_time, 6),
             "decode_time_s": round(self.decode_time, 6),
             "decode_tok_s": round(self.decode_tok_s, 3),
@@ -88,7 +93,8 @@ class Sequence:
     Invariants: positions [0, num_computed) have K/V in the target cache; positions
     [0, drafter_computed) have K/V in the drafter's context cache; `pending_features` holds the
     target's context features of positions [drafter_computed, num_computed), waiting for the
-    drafter's next pass to project them.
+    drafter's next pass to project them. A sequence admitted on a prefix-cache hit starts with both
+    counters at the hit's length: its first blocks are shared, with their drafter context.
     """
 
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
@@ -100,6 +106,9 @@ class Sequence:
         self.params = params
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
+        self.block_hashes: list[bytes] = []  # prefix-cache keys of its full blocks (engine/block_hash.py)
+        self.num_cached_blocks = 0  # leading blocks of block_table already offered to the prefix cache
+        self.restore_snapshot: int | None = None  # hybrids: state snapshot to load into state_slot before it runs
         self.state_slot: int | None = None  # hybrid models' recurrent-state slot (engine/state_pool.py)
         self.num_computed = 0
         self.drafter_computed = 0
@@ -109,6 +118,7 @@ class Sequence:
         self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))
         self.eos_ids = set(eos_ids)
         self.generator = generator
+        self.grammar: GrammarMatcher | None = None  # structured output: the grammar state after output_ids
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.logprobs: list[TokenLogprob] = []
@@ -154,6 +164,8 @@ class Sequence:
     def append_token(self, token_id: int) -> str:
         """Commit one generated token, apply the stop rules, and return its text delta."""
         self.output_ids.append(token_id)
+        if self.grammar is not None:
+            self.grammar.advance(token_id)
         self.stats.completion_tokens = len(self.output_ids)
         delta = self.detokenizer.add(token_id) if self.detokenizer else ""
         p = self.params

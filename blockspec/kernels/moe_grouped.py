@@ -52,10 +52,12 @@ if HAVE_TRITON:
                      BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
         """Route tokens t0 .. t0 + BLOCK_T: softmax in float32 over the logits as stored (as route() does),
         TOP_K rounds of argmax (ties to the lowest id), weights rounded to the logits' dtype as route()
-        returns them; with SHARED also sigmoid(x . w_gate), rounded where F.linear and torch.sigmoid round."""
+        returns them; with SHARED also sigmoid(x . w_gate), rounded where F.linear and torch.sigmoid round.
+        Returns the selected ids [BLOCK_T, KP] (zeros without DO_TOPK)."""
         dtype = W_OUT.dtype.element_ty
         offs_t = t0 + tl.arange(0, BLOCK_T)
         t_mask = offs_t < T
+        id_sel = tl.zeros([BLOCK_T, KP], dtype=tl.int32)
         if DO_TOPK:
             offs_e = tl.arange(0, EP)
             lmask = t_mask[:, None] & (offs_e[None, :] < E)
@@ -67,7 +69,6 @@ if HAVE_TRITON:
             probs = p / tl.sum(p, axis=1)[:, None]
             offs_k = tl.arange(0, KP)
             w_sel = tl.zeros([BLOCK_T, KP], dtype=tl.float32)
-            id_sel = tl.zeros([BLOCK_T, KP], dtype=tl.int32)
             for j in tl.static_range(TOP_K):
                 val, best = tl.max(probs, axis=1, return_indices=True, return_indices_tie_break_left=True)
                 w_sel = tl.where(offs_k[None, :] == j, val[:, None], w_sel)
@@ -90,6 +91,7 @@ if HAVE_TRITON:
                 acc += xv.to(tl.float32) * wv.to(tl.float32)[None, :]
             g = tl.sum(acc, axis=1).to(SW_OUT.dtype.element_ty).to(tl.float32)
             tl.store(SW_OUT + offs_t, (1.0 / (1.0 + tl.exp(-g))).to(SW_OUT.dtype.element_ty), mask=t_mask)
+        return id_sel
 
     @triton.jit
     def _route_kernel(L, X, WS, W_OUT, IDS_OUT, SW_OUT, T,
@@ -175,17 +177,32 @@ if HAVE_TRITON:
                             E: tl.constexpr, EP: tl.constexpr, TOP_K: tl.constexpr, KP: tl.constexpr,
                             H: tl.constexpr, RENORM: tl.constexpr, SHARED: tl.constexpr, BLOCK_T: tl.constexpr,
                             BLOCK_H: tl.constexpr, SLOTS: tl.constexpr, NB: tl.constexpr, CHUNK: tl.constexpr,
-                            BLOCK_P: tl.constexpr):
+                            BLOCK_P: tl.constexpr, ONE_TOKEN: tl.constexpr):
         # One program routes every token, then (after a barrier: it reads the ids back) groups the pairs:
-        # one launch instead of two for small steps.
-        t0 = 0
-        while t0 < T:
-            _route_block(L, X, WS, W_OUT, IDS_OUT, SW_OUT, t0, T, E, EP, TOP_K, KP, H, RENORM, True, SHARED,
-                         BLOCK_T, BLOCK_H)
-            t0 += BLOCK_T
-        tl.debug_barrier()
-        _align_body(IDS_OUT, SORTED, ITEM_EXPERT, ITEM_START, ITEM_COUNT, NUM_ITEMS, P, T, 0, P, TOP_K, SLOTS, E,
-                    NB, CHUNK, BLOCK_P, True)
+        # one launch instead of two for small steps. One token (ONE_TOKEN, a decode step) needs no sort: its
+        # slots are distinct experts, so work item j is slot j (pair j), written from the ids in registers.
+        if ONE_TOKEN:
+            ids = _route_block(L, X, WS, W_OUT, IDS_OUT, SW_OUT, 0, 1, E, EP, TOP_K, KP, H, RENORM, True, SHARED,
+                               1, BLOCK_H)
+            offs_k = tl.arange(0, KP)
+            tl.store(ITEM_EXPERT + offs_k, tl.reshape(ids, [KP]), mask=offs_k < TOP_K)
+            if SHARED:
+                tl.store(ITEM_EXPERT + TOP_K, E)
+            offs_s = tl.arange(0, NB)
+            s_mask = offs_s < SLOTS
+            tl.store(SORTED + offs_s, offs_s, mask=s_mask)
+            tl.store(ITEM_START + offs_s, offs_s, mask=s_mask)
+            tl.store(ITEM_COUNT + offs_s, tl.full([NB], 1, tl.int32), mask=s_mask)
+            tl.store(NUM_ITEMS, SLOTS)
+        else:
+            t0 = 0
+            while t0 < T:
+                _route_block(L, X, WS, W_OUT, IDS_OUT, SW_OUT, t0, T, E, EP, TOP_K, KP, H, RENORM, True, SHARED,
+                             BLOCK_T, BLOCK_H)
+                t0 += BLOCK_T
+            tl.debug_barrier()
+            _align_body(IDS_OUT, SORTED, ITEM_EXPERT, ITEM_START, ITEM_COUNT, NUM_ITEMS, P, T, 0, P, TOP_K, SLOTS,
+                        E, NB, CHUNK, BLOCK_P, True)
 
     @triton.jit
     def _grouped_gemm_kernel(A, W, WU, SW, SWU, OUT, SORTED, ITEM_EXPERT, ITEM_START, ITEM_COUNT, NUM_ITEMS,
@@ -271,9 +288,10 @@ if HAVE_TRITON:
             m0 += BLOCK_M
 
     @triton.jit
-    def _combine_kernel(Y, WTS, SWTS, OUT, H: tl.constexpr, TOP_K: tl.constexpr, SLOTS: tl.constexpr,
-                        SHARED: tl.constexpr, BLOCK_H: tl.constexpr):
+    def _combine_kernel(Y, WTS, SWTS, RES, OUT, H: tl.constexpr, TOP_K: tl.constexpr, SLOTS: tl.constexpr,
+                        SHARED: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_H: tl.constexpr):
         # out[t] = sum over the token's slots, in slot order, of weight * pair row: float32, no atomics.
+        # HAS_RES: out[t] = res[t] + that sum, rounded as the separate add rounds (the sum first).
         t = tl.program_id(0).to(tl.int64)
         offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         mask = offs < H
@@ -284,7 +302,11 @@ if HAVE_TRITON:
         if SHARED:
             w = tl.load(SWTS + t).to(tl.float32)
             acc += w * tl.load(Y + (t * SLOTS + TOP_K) * H + offs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(OUT + t * H + offs, acc.to(OUT.dtype.element_ty), mask=mask)
+        out = acc.to(OUT.dtype.element_ty)
+        if HAS_RES:
+            r = tl.load(RES + t * H + offs, mask=mask, other=0.0)
+            out = (out.to(tl.float32) + r.to(tl.float32)).to(OUT.dtype.element_ty)
+        tl.store(OUT + t * H + offs, out, mask=mask)
 
 
 CHUNK = 64  # pairs per work item: 4 tiles of 16 rows; only the shared expert reaches it below T = 64
@@ -328,16 +350,17 @@ def gemm_config(tokens: int, n: int, k: int, items: int, gated: bool) -> GemmCon
 
     A hand heuristic (no autotune: CUDA graphs are captured right after warm-up), after skinny_linear's:
     the kernels stream expert weights, so they want >= 2 programs per SM with enough bytes in flight each.
-    - One token (every expert has one row): the row-reduction path, BLOCK_N 16 (else 8, 4 while that
-      leaves too few programs), wide BLOCK_K, 8 warps once a tile reaches 8192 elements.
+    - One token (every expert has one row): the row-reduction path, BLOCK_N 8 (4 while that leaves too
+      few programs), BLOCK_K 256, 4 warps: the best or within 4% of it for both Qwen3.6-35B-A3B and
+      Qwen3-Coder-30B-A3B GEMMs in `bench/moe_kernels.py --sweep` on an H100 (bench/results/
+      moe_kernels_sweep_h100.json; the old 16 x 512 x 8 warps took 1.2-1.7x longer on gate_up).
     - More tokens: tl.dot over 16-row tiles (the smallest tl.dot tile; decode experts rarely see more),
       BLOCK_K 128 whatever the token count (so a row rounds the same in any batch), BLOCK_N 64/32/16.
     `items` is the worst case; a step that touches fewer experts has fewer live programs.
     """
     if tokens == 1:
-        block_k = min(512, max(64, _next_pow2(k)))
-        block_n = next((b for b in (16, 8) if items * _cdiv(n, b) >= _MIN_PROGRAMS), 4)
-        return GemmConfig(1, block_n, block_k, 8 if block_n * block_k >= 8192 else 4, 3)
+        block_n = 8 if items * _cdiv(n, 8) >= _MIN_PROGRAMS else 4
+        return GemmConfig(1, block_n, min(256, max(64, _next_pow2(k))), 4, 3)
     block_k = min(128, max(16, _next_pow2(k)))
     block_n = next((b for b in (64, 32) if items * _cdiv(n, b) >= _MIN_PROGRAMS), 16)
     return GemmConfig(16, block_n, block_k, 4, 3)
@@ -463,7 +486,7 @@ def moe_route_align(logits: torch.Tensor, top_k: int, renormalize: bool, x: torc
         shared_w if shared else dummy, layout.sorted_pairs, layout.item_expert, layout.item_start,
         layout.item_count, layout.num_items, t, layout.sorted_pairs.numel(),
         **_route_consts(logits, top_k, renormalize, x, shared),
-        **{k: v for k, v in align_consts.items() if k not in ("TOP_K", "E")}, num_warps=4)
+        **{k: v for k, v in align_consts.items() if k not in ("TOP_K", "E")}, ONE_TOKEN=t == 1, num_warps=4)
     return weights, ids, shared_w, layout
 
 
@@ -482,8 +505,10 @@ def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, wu: torch.Tensor | None, sw:
 
 def moe_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
                 ids: torch.Tensor, shared: SharedWeights | None = None, shared_weight: torch.Tensor | None = None,
-                configs: tuple[GemmConfig, GemmConfig] | None = None, layout: Layout | None = None) -> torch.Tensor:
-    """Routed experts (+ the folded shared expert), as layers.moe.experts_reference (+ shared_weight * shared(x)).
+                configs: tuple[GemmConfig, GemmConfig] | None = None, layout: Layout | None = None,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+    """Routed experts (+ the folded shared expert), as layers.moe.experts_reference (+ shared_weight * shared(x)),
+    plus `residual` ([T, H], x's dtype) when given (the add folded into the combine launch).
 
     x [T, H]; gate_up [E, 2I, H]; down [E, H, I]; weights / ids [T, k]; shared (foldable, see
     `shared_foldable`) with shared_weight [T]. Four launches: align, gate_up, down, combine (three when
@@ -508,8 +533,12 @@ def moe_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weig
     _grouped_gemm(act, down, None, shared.down if has_shared else None, None, y, layout, slots, e, False,
                   configs[1])
     out = torch.empty_like(x)
+    has_res = residual is not None
+    if has_res and (residual.shape != x.shape or residual.dtype != x.dtype or not residual.is_contiguous()):
+        raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} does not match x "
+                         f"{tuple(x.shape)} {x.dtype}")
     block_h = min(512, _next_pow2(h))
     _combine_kernel[(t, _cdiv(h, block_h))](
-        y, weights, shared_weight if has_shared else weights, out, H=h, TOP_K=k, SLOTS=slots, SHARED=has_shared,
-        BLOCK_H=block_h, num_warps=4)
+        y, weights, shared_weight if has_shared else weights, residual if has_res else y, out, H=h, TOP_K=k,
+        SLOTS=slots, SHARED=has_shared, HAS_RES=has_res, BLOCK_H=block_h, num_warps=4)
     return out

@@ -1,17 +1,25 @@
-"""Paged attention for decode, verify and drafter blocks: a Triton kernel and its PyTorch reference.
+"""Paged attention for decode, verify, drafter blocks and ragged prefill: Triton kernels and their references.
 
-Every sequence in the batch brings the same number of queries q_len (1 for plain decoding, k+1 for a
-verify block or a drafter block), placed at the end of its context: query i sits at position
-seq_len - q_len + i. Keys come straight from the paged cache through the block table, so shapes do not
-depend on context length and the call can live inside a CUDA graph. The kernel splits each sequence's
-keys over several programs (flash-decoding) so that batch 1 still fills the GPU; a second small kernel
-merges the partial softmaxes.
+Decode/verify (`paged_attention`): every sequence in the batch brings the same number of queries q_len
+(1 for plain decoding, k+1 for a verify block or a drafter block), placed at the end of its context:
+query i sits at position seq_len - q_len + i. Keys come straight from the paged cache through the block
+table, so shapes do not depend on context length and the call can live inside a CUDA graph. The kernel
+splits each sequence's keys over several programs (flash-decoding) so that batch 1 still fills the GPU;
+a second small kernel merges the partial softmaxes.
+
+Ragged prefill (`ragged_paged_attention`): prefill chunks and mixed batches, described as the runner's
+general path does (padded query index and positions, and the cache slot of every key position); the
+kernel tiles each sequence's queries and reads the keys by slot. Layers with sinks or a sliding window
+take it on the GPU (SDPA has neither); the others keep the SDPA paths of models/layers/attention.py.
 
 Masks: `causal` (query i sees keys up to its own position) for the target; non-causal for the DFlash
 drafter, whose block queries see every block key. `kv_start[b]` hides keys before that position (the
-drafter's context window). `window` > 0 is a sliding window (DFlash 2's layers): query and key at most
-window - 1 positions apart. `q_start[b]`, when given, is the position of the row's first query (the
-drafter's anchor: a block shorter than q_len ends before seq_len); else queries end at seq_len.
+drafter's context window). `window` (sliding-window layers: GPT-OSS, DFlash 2 drafters): query and key
+fewer than `window` positions apart (for causal layers: keys at positions > p - window). `q_start[b]`,
+when given, is the position of row b's first query (a DFlash 2 drafter block shorter than q_len ends
+before seq_len, its padding queries after it); else queries end at seq_len. `sinks` [H] (GPT-OSS): a
+learned logit per head that joins every row's softmax as one more key with a zero value, so attention
+weights may sum to less than one.
 """
 
 from __future__ import annotations
@@ -25,9 +33,19 @@ if HAVE_TRITON:  # CPU-only installs: the reference below is the implementation 
     import triton.language as tl
 
 
+def softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Softmax over the last dim; with `sinks` (broadcastable to scores[..., :1]) each row's normaliser also
+    counts exp(sink), the sink's own weight being dropped (it attends to nothing)."""
+    if sinks is None:
+        return scores.softmax(-1)
+    logits = torch.cat([scores, sinks.to(scores.dtype).expand(*scores.shape[:-1], 1)], dim=-1)
+    return logits.softmax(-1)[..., :-1]
+
+
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                         seq_lens: torch.Tensor, kv_start: torch.Tensor, q_len: int, scale: float,
-                        causal: bool, window: int = 0, q_start: torch.Tensor | None = None) -> torch.Tensor:
+                        causal: bool, sinks: torch.Tensor | None = None, window: int | None = None,
+                        q_start: torch.Tensor | None = None) -> torch.Tensor:
     """q [B * q_len, H, D] -> [B * q_len, H, D]; one sequence at a time, in float32.
 
     Each KV head's group of query heads attends as one matrix (no repeated K/V copies): this is also
@@ -36,6 +54,9 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv, page = k_cache.shape[2], k_cache.shape[1]
     group = num_heads // num_kv
+    # per row (head in group, query) of each KV head's matrix
+    row_sinks = None if sinks is None else \
+        sinks.float().view(num_kv, group, 1).expand(num_kv, group, q_len).reshape(num_kv, group * q_len, 1)
     out = torch.empty_like(q)
     for b in range(b_count):
         n = int(seq_lens[b])
@@ -51,17 +72,59 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         visible = key_pos[None, :] >= int(kv_start[b])
         if causal:
             visible = visible & (key_pos[None, :] <= query_pos[:, None])
-        if window > 0:
+        if window is not None:
             visible = visible & (query_pos[:, None] - key_pos[None, :] < window)
             if not causal:
                 visible = visible & (key_pos[None, :] - query_pos[:, None] < window)
         scores = scores.masked_fill(~visible[None], float("-inf"))
-        o = torch.matmul(scores.softmax(-1), v).view(num_kv, group, q_len, head_dim)
+        o = torch.matmul(softmax_with_sinks(scores, row_sinks), v).view(num_kv, group, q_len, head_dim)
         out[b * q_len:(b + 1) * q_len] = o.permute(2, 0, 1, 3).reshape(q_len, num_heads, head_dim).to(q.dtype)
     return out
 
 
+def ragged_paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                               query_index: torch.Tensor, query_pos: torch.Tensor, kv_slots: torch.Tensor,
+                               query_unpad: torch.Tensor, scale: float, sinks: torch.Tensor | None = None,
+                               window: int | None = None) -> torch.Tensor:
+    """Causal attention of a ragged batch over the paged cache (K/V already written), in float32.
+
+    q [T, H, D]; query_index / query_pos [B, Qmax]: flat token index and position of each padded query;
+    kv_slots [B, Lmax]: cache slot of key position j of sequence b (positions start at 0); query_unpad [T]:
+    each real token's row among the B * Qmax padded ones. Returns [T, H, D]."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv = k_cache.shape[2]
+    group = num_heads // num_kv
+    b_count, qmax = query_index.shape
+    flat_k = k_cache.view(-1, num_kv, head_dim)
+    flat_v = v_cache.view(-1, num_kv, head_dim)
+    k = flat_k[kv_slots].float().permute(0, 2, 1, 3)  # [B, Hkv, L, D]
+    v = flat_v[kv_slots].float().permute(0, 2, 1, 3)
+    qg = q[query_index].float().view(b_count, qmax, num_kv, group, head_dim).permute(0, 2, 3, 1, 4)
+    scores = torch.matmul(qg.reshape(b_count, num_kv, group * qmax, head_dim), k.transpose(2, 3)) * scale
+    key_pos = torch.arange(kv_slots.shape[1], device=q.device)
+    qpos = query_pos[:, None, :, None]  # [B, 1, Qmax, 1]
+    visible = key_pos <= qpos
+    if window is not None:
+        visible = visible & (qpos - key_pos < window)
+    scores = scores.view(b_count, num_kv, group, qmax, -1).masked_fill(~visible[:, :, None], float("-inf"))
+    row_sinks = None if sinks is None else sinks.float().view(1, num_kv, group, 1, 1)
+    o = torch.matmul(softmax_with_sinks(scores, row_sinks).flatten(2, 3), v)  # [B, Hkv, G * Qmax, D]
+    o = o.view(b_count, num_kv, group, qmax, head_dim).permute(0, 3, 1, 2, 4).reshape(-1, num_heads, head_dim)
+    return o[query_unpad].to(q.dtype)
+
+
 if HAVE_TRITON:
+
+    @triton.jit
+    def _online_softmax_step(s, visible, v, m_i, l_i, acc):
+        """Fold one key tile into a running softmax: scores s [M, N] where visible, values v [N, D]; returns
+        the new row maxima, normalisers and (unnormalised) accumulator."""
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        return m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
 
     @triton.jit
     def _paged_attention_kernel(
@@ -70,7 +133,7 @@ if HAVE_TRITON:
         stride_bt, stride_ob, stride_oh, stride_os, stride_om,
         scale, q_len, num_splits, window,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_Q_START: tl.constexpr,
+        BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, HAS_Q_START: tl.constexpr,
     ):
         b = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -86,14 +149,14 @@ if HAVE_TRITON:
         else:
             q0 = seq_len - q_len
         q_pos = q0 + qi
-        if window > 0:  # no key before the first query's window is visible to any query
-            kv_start = tl.maximum(kv_start, q0 - window + 1)
-        kv_start = tl.maximum(kv_start, 0)
         d = tl.arange(0, HEAD_DIM)
         q = tl.load(Q + (b * q_len + qi)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                     mask=row_ok[:, None], other=0.0)
-        # This split's share of the key range [kv_start, seq_len), in BLOCK_N tiles.
-        first_tile = kv_start // BLOCK_N
+        lo = kv_start
+        if WINDOWED:  # the first query sees keys after q0 - window: earlier tiles are skipped
+            lo = tl.maximum(lo, q0 + 1 - window)
+        # This split's share of the key range [lo, seq_len), in BLOCK_N tiles.
+        first_tile = lo // BLOCK_N
         tiles = tl.cdiv(seq_len, BLOCK_N) - first_tile
         per_split = tl.cdiv(tiles, num_splits)
         t0 = first_tile + split * per_split
@@ -113,20 +176,13 @@ if HAVE_TRITON:
             visible = n_ok[None, :] & row_ok[:, None]
             if CAUSAL:
                 visible = visible & (n[None, :] <= q_pos[:, None])
-            if window > 0:
+            if WINDOWED:
                 visible = visible & (q_pos[:, None] - n[None, :] < window)
                 if not CAUSAL:
                     visible = visible & (n[None, :] - q_pos[:, None] < window)
-            s = tl.where(visible, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp(m_i - m_safe)
-            p = tl.exp(s - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(V + blk[:, None] * stride_vb + slot[:, None] * stride_vs + kvh * stride_vh + d[None, :],
                         mask=n_ok[:, None], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
+            m_i, l_i, acc = _online_softmax_step(s, visible, v, m_i, l_i, acc)
         base = b * stride_ob + kvh * stride_oh + split * stride_os
         tl.store(Out + base + rows[:, None] * stride_om + d[None, :], acc)
         tl.store(M + (b * tl.num_programs(1) + kvh) * num_splits * BLOCK_M + split * BLOCK_M + rows, m_i)
@@ -136,29 +192,90 @@ if HAVE_TRITON:
 if HAVE_TRITON:
 
     @triton.jit
-    def _merge_splits_kernel(Part, M, L, Out, stride_ob, stride_oh, stride_os, stride_om, stride_t, stride_h,
+    def _merge_splits_kernel(Part, M, L, Out, SINKS, stride_ob, stride_oh, stride_os, stride_om, stride_t, stride_h,
                              q_len, num_splits, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-                             BLOCK_M: tl.constexpr, SPLITS: tl.constexpr):
-        """Combine the splits' partial softmaxes of one query row (log-sum-exp weights)."""
+                             BLOCK_M: tl.constexpr, SPLITS: tl.constexpr, HAS_SINKS: tl.constexpr):
+        """Combine the splits' partial softmaxes of one query row (log-sum-exp weights), the sink's logit
+        joining the normaliser."""
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         row = tl.program_id(2)
+        qi = row // GROUP
+        head = kvh * GROUP + row % GROUP
         s = tl.arange(0, SPLITS)
         s_ok = s < num_splits
         ml_base = (b * tl.num_programs(1) + kvh) * num_splits * BLOCK_M
         m = tl.load(M + ml_base + s * BLOCK_M + row, mask=s_ok, other=float("-inf"))
         ll = tl.load(L + ml_base + s * BLOCK_M + row, mask=s_ok, other=0.0)
         m_max = tl.max(m, 0)
+        if HAS_SINKS:
+            sink = tl.load(SINKS + head).to(tl.float32)
+            m_max = tl.maximum(m_max, sink)
         m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
         w = tl.exp(m - m_max)
         d = tl.arange(0, HEAD_DIM)
         acc = tl.load(Part + b * stride_ob + kvh * stride_oh + s[:, None] * stride_os + row * stride_om + d[None, :],
                       mask=s_ok[:, None], other=0.0)
         num = tl.sum(acc * w[:, None], 0)
-        den = tl.maximum(tl.sum(ll * w, 0), 1e-30)
-        qi = row // GROUP
-        head = kvh * GROUP + row % GROUP
+        den = tl.sum(ll * w, 0)
+        if HAS_SINKS:
+            den += tl.exp(sink - m_max)
+        den = tl.maximum(den, 1e-30)
         tl.store(Out + (b * q_len + qi) * stride_t + head * stride_h + d, (num / den).to(Out.dtype.element_ty))
+
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _ragged_attention_kernel(
+        Q, K, V, Out, SINKS, QUERY_INDEX, QUERY_POS, KV_SLOTS,
+        stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot, stride_oh,
+        stride_qib, stride_qpb, stride_kvb, qmax, lmax, scale, window,
+        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr, WINDOWED: tl.constexpr, HAS_SINKS: tl.constexpr,
+    ):
+        """One (sequence, KV head, tile of BLOCK_Q queries): the tile's query heads of that KV head as the
+        rows of one matrix, keys read by slot from the key range its queries can see."""
+        b = tl.program_id(0)
+        kvh = tl.program_id(1)
+        rows = tl.arange(0, BLOCK_M)
+        qi = tl.program_id(2) * BLOCK_Q + rows // GROUP
+        head = kvh * GROUP + rows % GROUP
+        row_ok = (rows < BLOCK_Q * GROUP) & (qi < qmax)
+        tok = tl.load(QUERY_INDEX + b * stride_qib + qi, mask=row_ok, other=0)
+        q_pos = tl.load(QUERY_POS + b * stride_qpb + qi, mask=row_ok, other=-1)
+        d = tl.arange(0, HEAD_DIM)
+        q = tl.load(Q + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :], mask=row_ok[:, None],
+                    other=0.0)
+        hi = tl.minimum(tl.max(q_pos, 0) + 1, lmax)
+        lo = 0
+        if WINDOWED:
+            lo = tl.maximum(tl.min(tl.where(row_ok, q_pos, lmax), 0) + 1 - window, 0)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        cols = tl.arange(0, BLOCK_N)
+        for start in range((lo // BLOCK_N) * BLOCK_N, hi, BLOCK_N):
+            n = start + cols
+            n_ok = n < hi
+            slot = tl.load(KV_SLOTS + b * stride_kvb + n, mask=n_ok, other=0)
+            k = tl.load(K + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :], mask=n_ok[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(k)) * scale
+            visible = n_ok[None, :] & row_ok[:, None] & (n[None, :] <= q_pos[:, None])
+            if WINDOWED:
+                visible = visible & (q_pos[:, None] - n[None, :] < window)
+            v = tl.load(V + slot[:, None] * stride_vs + kvh * stride_vh + d[None, :], mask=n_ok[:, None], other=0.0)
+            m_i, l_i, acc = _online_softmax_step(s, visible, v, m_i, l_i, acc)
+        if HAS_SINKS:
+            sink = tl.load(SINKS + head, mask=row_ok, other=0.0).to(tl.float32)
+            m_new = tl.maximum(m_i, sink)
+            alpha = tl.exp(m_i - m_new)
+            l_i = l_i * alpha + tl.exp(sink - m_new)
+            acc = acc * alpha[:, None]
+        out = acc / tl.maximum(l_i, 1e-30)[:, None]
+        row = b * qmax + qi
+        tl.store(Out + row[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+                 out.to(Out.dtype.element_ty), mask=row_ok[:, None])
 
 
 def _next_pow2(x: int) -> int:
@@ -167,11 +284,12 @@ def _next_pow2(x: int) -> int:
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     seq_lens: torch.Tensor, kv_start: torch.Tensor, q_len: int, scale: float, causal: bool,
-                    num_splits: int = 8, window: int = 0, q_start: torch.Tensor | None = None) -> torch.Tensor:
+                    num_splits: int = 8, sinks: torch.Tensor | None = None, window: int | None = None,
+                    q_start: torch.Tensor | None = None) -> torch.Tensor:
     """Triton paged attention on CUDA (the reference elsewhere); same contract as paged_attention_ref."""
     if not use_triton(q):
         return paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, kv_start, q_len, scale, causal,
-                                   window, q_start)
+                                   sinks, window, q_start)
     b_count = seq_lens.shape[0]
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv = k_cache.shape[2]
@@ -185,14 +303,43 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0), o.stride(0), o.stride(1), o.stride(2), o.stride(3),
-        scale, q_len, num_splits, window,
+        scale, q_len, num_splits, window or 0,
         GROUP=group, HEAD_DIM=head_dim, PAGE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_N=64, CAUSAL=causal,
-        HAS_Q_START=q_start is not None,
-        num_warps=4, num_stages=2,
+        WINDOWED=window is not None, HAS_Q_START=q_start is not None, num_warps=4, num_stages=2,
     )
     out = torch.empty_like(q)
     _merge_splits_kernel[(b_count, num_kv, q_len * group)](
-        o, m, ll, out, o.stride(0), o.stride(1), o.stride(2), o.stride(3), out.stride(0), out.stride(1),
-        q_len, num_splits, GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m,
-        SPLITS=_next_pow2(num_splits), num_warps=1)
+        o, m, ll, out, q if sinks is None else sinks, o.stride(0), o.stride(1), o.stride(2), o.stride(3),
+        out.stride(0), out.stride(1), q_len, num_splits, GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m,
+        SPLITS=_next_pow2(num_splits), HAS_SINKS=sinks is not None, num_warps=1)
     return out
+
+
+def ragged_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           query_index: torch.Tensor, query_pos: torch.Tensor, kv_slots: torch.Tensor,
+                           query_unpad: torch.Tensor, scale: float, sinks: torch.Tensor | None = None,
+                           window: int | None = None) -> torch.Tensor:
+    """Triton ragged prefill attention on CUDA (the reference elsewhere); same contract as
+    ragged_paged_attention_ref."""
+    if not use_triton(q):
+        return ragged_paged_attention_ref(q, k_cache, v_cache, query_index, query_pos, kv_slots, query_unpad,
+                                          scale, sinks, window)
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv = k_cache.shape[2]
+    group = num_heads // num_kv
+    b_count, qmax = query_index.shape
+    block_q = max(1, 64 // group)
+    block_m = max(16, _next_pow2(block_q * group))
+    flat_k = k_cache.view(-1, num_kv, head_dim)
+    flat_v = v_cache.view(-1, num_kv, head_dim)
+    out = torch.empty(b_count * qmax, num_heads, head_dim, device=q.device, dtype=q.dtype)
+    query_index, query_pos, kv_slots = (t.contiguous() for t in (query_index, query_pos, kv_slots))
+    _ragged_attention_kernel[(b_count, num_kv, triton.cdiv(qmax, block_q))](
+        q, flat_k, flat_v, out, q if sinks is None else sinks, query_index, query_pos, kv_slots,
+        q.stride(0), q.stride(1), flat_k.stride(0), flat_k.stride(1), flat_v.stride(0), flat_v.stride(1),
+        out.stride(0), out.stride(1), query_index.stride(0), query_pos.stride(0), kv_slots.stride(0),
+        qmax, kv_slots.shape[1], scale, window or 0,
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=64,
+        WINDOWED=window is not None, HAS_SINKS=sinks is not None, num_warps=4, num_stages=2,
+    )
+    return out[query_unpad]

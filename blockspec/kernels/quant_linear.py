@@ -91,6 +91,24 @@ def dequantize(scheme: str, qweight: torch.Tensor, scales: torch.Tensor, zeros: 
     raise ValueError(f"unknown quantization scheme {scheme!r} (one of {SCHEMES})")
 
 
+@dataclass
+class QuantWeights:
+    """The attributes the kernels read from a layer (QuantLinear exposes the same), as a plain record: what
+    the tests and bench/quant_gemm.py build their random layers as."""
+    scheme: str
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor | None
+    global_scale: torch.Tensor | None
+    group_size: int | None
+    out_features: int
+    in_features: int
+    bias: torch.Tensor | None = None
+
+    def to(self, device: torch.device | str) -> QuantWeights:
+        return QuantWeights(**{k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in vars(self).items()})
+
+
 def dequantize_layer(layer, dtype: torch.dtype) -> torch.Tensor:
     """dequantize() over a QuantLinear-like module's attributes."""
     return dequantize(layer.scheme, layer.qweight, layer.scales, layer.zeros, layer.global_scale, layer.group_size,
@@ -246,16 +264,22 @@ if HAVE_TRITON:
         return kk[:, None, None] // 2 + group + tl.arange(0, GT // 2)[None, None, :]
 
     @triton.jit
+    def _packed_bytes(QW, rows, n_mask, kk, K: tl.constexpr, NGT: tl.constexpr, GT: tl.constexpr,
+                      EVEN_K: tl.constexpr):
+        """The bytes of a two-per-byte weight tile: [SPLIT, BLOCK_N, NGT groups, GT / 2]."""
+        kb = _packed_offsets(kk, NGT, GT)
+        mask = n_mask[None, :, None, None]
+        if not EVEN_K:
+            mask = mask & (kb < K // 2)[:, None, :, :]
+        return tl.load(QW + rows[None, :, None, None] * (K // 2) + kb[:, None, :, :], mask=mask, other=0)
+
+    @triton.jit
     def _int4_tile(QW, S, Z, rows, n_mask, kk, K: tl.constexpr, G: tl.constexpr, NG: tl.constexpr,
                    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, FAST: tl.constexpr, OUT: tl.constexpr):
         """int4 weights [SPLIT, BLOCK_N, BLOCK_K] starting at columns kk (one per slice), as OUT."""
         GT: tl.constexpr = G if G < BLOCK_K else BLOCK_K
         NGT: tl.constexpr = BLOCK_K // GT
-        kb = _packed_offsets(kk, NGT, GT)
-        mask = n_mask[None, :, None, None]
-        if not EVEN_K:
-            mask = mask & (kb < K // 2)[:, None, :, :]
-        b = tl.load(QW + rows[None, :, None, None] * (K // 2) + kb[:, None, :, :], mask=mask, other=0)
+        b = _packed_bytes(QW, rows, n_mask, kk, K, NGT, GT, EVEN_K)
         s, z = _group_scales(S, Z, rows, n_mask, kk, K, G, NG, NGT, GT, 1, True)
         if FAST:  # bf16 / fp16 pairs straight from the bytes (PTX)
             IS_BF16: tl.constexpr = tl.bfloat16 == OUT
@@ -281,11 +305,7 @@ if HAVE_TRITON:
         GT: tl.constexpr = 16
         NGT: tl.constexpr = BLOCK_K // GT
         NG: tl.constexpr = K // GT
-        kb = _packed_offsets(kk, NGT, GT)
-        mask = n_mask[None, :, None, None]
-        if not EVEN_K:
-            mask = mask & (kb < K // 2)[:, None, :, :]
-        b = tl.load(QW + rows[None, :, None, None] * (K // 2) + kb[:, None, :, :], mask=mask, other=0)
+        b = _packed_bytes(QW, rows, n_mask, kk, K, NGT, GT, EVEN_K)
         s, z = _group_scales(S, S, rows, n_mask, kk, K, GT, NG, NGT, GT, 1, False)
         sf = s.to(tl.float8e4nv, bitcast=True).to(tl.float32)  # e4m3 scales passed as a uint8 view
         if FAST:

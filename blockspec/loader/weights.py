@@ -93,10 +93,14 @@ def load_weights(model: torch.nn.Module, model_dir: Path, device: torch.device |
     from blockspec.loader.quant.apply import QuantLoader
 
     quant = QuantLoader(model)  # quantized layers (loader.quant.quantize_model) take their tensors first
+    # a family whose checkpoints name or lay out tensors differently from its modules maps them (GPT-OSS)
+    own_layout = getattr(model, "checkpoint_tensor", None)
     loaded: set[str] = set()
     unknown: list[str] = []
     for raw_name, tensor in iter_safetensors(model_dir, device, skip=skip):
         name = rename(raw_name)
+        if own_layout is not None:
+            name, tensor = own_layout(name, tensor)
         if quant and quant.load(raw_name, name, tensor):
             loaded.add(name)
             continue

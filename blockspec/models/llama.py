@@ -27,7 +27,8 @@ from blockspec.models.weight_utils import copy_named
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, qkv_bias: bool, qk_norm: bool) -> None:
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, qkv_bias: bool, qk_norm: bool,
+                 sliding_window: int | None = None, sinks: bool = False) -> None:
         super().__init__()
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
@@ -39,7 +40,7 @@ class LlamaAttention(nn.Module):
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if qk_norm else None
         self.rotary = rotary
-        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, d, d**-0.5)
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, d, d**-0.5, sliding_window, sinks)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         return self.o_proj(self.attend(positions, self.qkv_proj(x)))
@@ -99,7 +100,7 @@ class LlamaDecoderLayer(nn.Module):
         h = fused_attention_residual(h, self.input_layernorm, attn.qkv_proj, attn.o_proj,
                                      lambda qkv: attn.attend(positions, qkv))
         if not isinstance(self.mlp, LlamaMLP):  # MoE blocks keep their own path
-            return h + self.mlp(self.post_attention_layernorm(h))
+            return self.mlp.forward_residual(self.post_attention_layernorm(h), h)
         return fused_swiglu_residual(h, self.post_attention_layernorm, self.mlp.gate_up_proj, self.mlp.down_proj)
 
 

@@ -43,8 +43,10 @@ class ModelConfig:
     # tokens have equal t/h/w positions, so M-RoPE reduces to 1-D rotary over the same dims).
     partial_rotary_factor: float = 1.0
     mrope_section: list[int] | None = None
-    # Hybrid models: "full_attention" or "linear_attention" (Gated DeltaNet) per layer.
+    # Hybrid models: "full_attention" or "linear_attention" (Gated DeltaNet) per layer; GPT-OSS:
+    # "full_attention" or "sliding_attention" (keys less than `sliding_window` positions back).
     layer_types: list[str] = field(default_factory=list)
+    sliding_window: int | None = None
     linear: LinearAttentionConfig | None = None
     moe: MoeConfig | None = None
 
@@ -98,6 +100,7 @@ class ModelConfig:
                 partial_rotary_factor=_rope_field(cfg, "partial_rotary_factor", 1.0),
                 mrope_section=_rope_field(cfg, "mrope_section", None),
                 layer_types=_layer_types(cfg),
+                sliding_window=int(cfg["sliding_window"]) if cfg.get("sliding_window") else None,
                 linear=LinearAttentionConfig.from_dict(cfg),
                 moe=MoeConfig.from_dict(cfg),
             )
@@ -141,7 +144,7 @@ class LinearAttentionConfig:
 
 @dataclass
 class MoeConfig:
-    """Sparse MLP fields (Qwen3-MoE, Qwen3-Next, Qwen3.5-MoE)."""
+    """Sparse MLP fields (Qwen3-MoE, Qwen3-Next, Qwen3.5-MoE, GPT-OSS)."""
 
     num_experts: int
     top_k: int
@@ -150,21 +153,29 @@ class MoeConfig:
     norm_topk_prob: bool
     sparse_step: int  # layer i is sparse when (i + 1) % sparse_step == 0 ...
     dense_layers: list[int]  # ... and i is not in mlp_only_layers
+    # GPT-OSS: router and experts carry biases, and the experts' gate is the clamped SwiGLU of that limit
+    # (None: silu(gate) * up).
+    bias: bool = False
+    swiglu_limit: float | None = None
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> MoeConfig | None:
         experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
-        if experts <= 0 or "moe_intermediate_size" not in cfg:
+        gpt_oss = cfg.get("model_type") == "gpt_oss"  # every layer sparse, experts of intermediate_size
+        if experts <= 0 or ("moe_intermediate_size" not in cfg and not gpt_oss):
             return None
         return cls(
             num_experts=experts,
-            top_k=int(cfg["num_experts_per_tok"]),
-            intermediate_size=int(cfg["moe_intermediate_size"]),
+            top_k=int(cfg.get("num_experts_per_tok") or cfg.get("experts_per_token")),
+            intermediate_size=int(cfg["intermediate_size" if gpt_oss else "moe_intermediate_size"]),
             shared_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0),
-            # Qwen3.5-MoE has no such field and always renormalises; Qwen3-MoE's default is False.
+            # Qwen3.5-MoE has no such field and always renormalises; Qwen3-MoE's default is False; GPT-OSS
+            # takes the softmax of the top-k logits, which is the renormalised top-k of the full softmax.
             norm_topk_prob=bool(cfg.get("norm_topk_prob", cfg.get("model_type") != "qwen3_moe")),
             sparse_step=int(cfg.get("decoder_sparse_step") or 1),
             dense_layers=[int(i) for i in cfg.get("mlp_only_layers") or []],
+            bias=gpt_oss,
+            swiglu_limit=float(cfg.get("swiglu_limit") or 7.0) if gpt_oss else None,
         )
 
     def is_sparse(self, layer: int) -> bool:
@@ -200,6 +211,8 @@ def _layer_types(cfg: dict[str, Any]) -> list[str]:
     if "linear_num_value_heads" in cfg:
         interval = int(cfg.get("full_attention_interval") or 4)
         return ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n)]
+    if cfg.get("model_type") == "gpt_oss":  # transformers' default: sliding first, then every other layer
+        return ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
     return []
 
 

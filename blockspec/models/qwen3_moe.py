@@ -39,19 +39,21 @@ class Qwen3MoeDecoderLayer(LlamaDecoderLayer):
 
 
 class Qwen3MoeModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+    def __init__(self, cfg: ModelConfig, max_positions: int, layer_cls: type[nn.Module] = Qwen3MoeDecoderLayer) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, cfg.rotary_dim)
-        self.layers = nn.ModuleList(Qwen3MoeDecoderLayer(cfg, rotary, i) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(layer_cls(cfg, rotary, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class Qwen3MoeForCausalLM(LlamaForCausalLM):
+    layer_cls: type[nn.Module] = Qwen3MoeDecoderLayer
+
     def __init__(self, cfg: ModelConfig, max_positions: int | None = None) -> None:
         nn.Module.__init__(self)  # LlamaForCausalLM's interface, our own layers
         self.config = cfg
-        self.model = Qwen3MoeModel(cfg, max_positions or cfg.max_position_embeddings)
+        self.model = Qwen3MoeModel(cfg, max_positions or cfg.max_position_embeddings, self.layer_cls)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     def load_weight(self, name: str, tensor: torch.Tensor) -> bool:

@@ -134,7 +134,7 @@ class HybridDecoderLayer(nn.Module):
                 return fused_swiglu_residual(h, self.post_attention_layernorm, self.mlp.gate_up_proj,
                                              self.mlp.down_proj)
             norm = self.post_attention_layernorm
-            return h + self.mlp(rms_norm(h, norm.kernel_weight(), norm.eps)[0])  # one kernel for the norm
+            return self.mlp.forward_residual(rms_norm(h, norm.kernel_weight(), norm.eps)[0], h)  # one norm kernel
         x = self.input_layernorm(h)
         x = self.linear_attn(x) if self.linear_attn is not None else self.self_attn(positions, x)
         h = h + x
@@ -195,18 +195,29 @@ class Qwen3NextForCausalLM(LlamaForCausalLM):
         """Recurrent + conv state of one sequence, with `checkpoints` extra states per layer."""
         return bytes_per_sequence(self.state_layers, self.model.embed_tokens.weight.dtype, checkpoints)
 
-    def allocate_state(self, max_num_seqs: int, checkpoints: int = 0) -> int:
+    def allocate_state(self, max_num_seqs: int, checkpoints: int = 0, snapshots: int = 0) -> int:
         """State slots for `max_num_seqs` sequences (a pair each plus the scratch pair, see
-        recurrent_state.py) and `checkpoints` per-row states per DeltaNet layer; returns their bytes."""
+        recurrent_state.py), `checkpoints` per-row states per DeltaNet layer and `snapshots` prefix-cache
+        snapshot entries; returns their bytes."""
         weight = self.model.embed_tokens.weight
         total = 0
         for layer in self.state_layers:
             layer.state = LayerState(physical_slots(max_num_seqs), layer.conv_dim, layer.conv_kernel - 1,
                                      layer.num_v_heads, layer.head_k_dim, layer.head_v_dim, weight.dtype,
                                      state_dtype_of(layer.state_dtype_name, weight.dtype), weight.device,
-                                     checkpoints, checkpoint_rows=max_num_seqs)
+                                     checkpoints, checkpoint_rows=max_num_seqs, snapshots=snapshots)
             total += layer.state.nbytes
         return total
+
+    def restore_state(self, slots: list[int], entries: list[int]) -> None:
+        """Start sequences on cached prefixes: load each slot from its snapshot entry, in every DeltaNet layer."""
+        layers = self.state_layers
+        if not layers:
+            return
+        device = layers[0].state.ssm.device
+        slot_t, entry_t = torch.tensor(slots, device=device), torch.tensor(entries, device=device)
+        for layer in layers:
+            layer.state.restore(slot_t, entry_t)
 
     def commit_decode(self, sd: DecodeStateMetadata, counts: torch.Tensor) -> None:
         """Uniform decode path: each row's committed state (after counts[row] tokens) into its write slot."""

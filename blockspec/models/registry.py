@@ -5,6 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from blockspec.errors import ConfigError
+from blockspec.models.gpt_oss import GptOssForCausalLM
 from blockspec.models.llama import LlamaForCausalLM
 from blockspec.models.model_config import ModelConfig
 from blockspec.models.qwen2 import Qwen2ForCausalLM
@@ -19,6 +20,7 @@ from blockspec.models.qwen3_moe import Qwen3MoeForCausalLM
 from blockspec.models.qwen3_next import Qwen3NextForCausalLM
 
 MODEL_CLASSES: dict[str, type[nn.Module]] = {
+    "GptOssForCausalLM": GptOssForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,

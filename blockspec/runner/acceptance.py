@@ -13,12 +13,18 @@ from blockspec.device import upload
 from blockspec.engine.sampler import RowParams, apply_penalties, logprobs_of, probabilities
 from blockspec.engine.sequence import Sequence, TokenLogprob
 from blockspec.spec.verify import verify_greedy, verify_sampled
+from blockspec.structured.bitmask import apply_bitmask, verify_bitmask
 
 
 def greedy_only(seqs: list[Sequence]) -> bool:
     """True when plain argmax acceptance is the whole rule for every row (the in-graph fast path)."""
-    return all(s.params.greedy and not s.params.has_penalties and s.params.logprobs is None
-               and not (s.params.min_tokens and s.num_output < s.params.min_tokens) for s in seqs)
+    return all(s.params.greedy and not s.params.has_penalties and s.params.logprobs is None and s.grammar is None
+               and not _min_tokens_left(s) for s in seqs)
+
+
+def _min_tokens_left(seq: Sequence) -> bool:
+    """min_tokens still masks the stop tokens of this sequence."""
+    return bool(seq.params.min_tokens and seq.num_output < seq.params.min_tokens and seq.stop_ids)
 
 
 def accept(seqs: list[Sequence], num_drafts: list[int], logits: torch.Tensor, tokens_in: torch.Tensor,
@@ -29,7 +35,7 @@ def accept(seqs: list[Sequence], num_drafts: list[int], logits: torch.Tensor, to
     logits [R, K+1, V] at the verified positions; tokens_in [R, K+1] = anchor, d_1..d_K; draft_probs
     [R, K, V] the q sampled drafts were drawn from (None: greedy drafts, q one-hot).
     """
-    logits = _request_rules(logits.float(), seqs, tokens_in, device)
+    logits = _rules(logits.float(), seqs, tokens_in, num_drafts, device)
     params = [s.params for s in seqs]
     k = tokens_in.shape[1] - 1
     drafts = tokens_in[:, 1:]
@@ -59,7 +65,7 @@ def _request_rules(logits: torch.Tensor, seqs: list[Sequence], tokens_in: torch.
     k1, vocab = logits.shape[1], logits.shape[2]
     for r, seq in enumerate(seqs):
         p = seq.params
-        if p.min_tokens and seq.num_output < p.min_tokens and seq.stop_ids:
+        if _min_tokens_left(seq):
             n_masked = min(k1, p.min_tokens - seq.num_output)
             ids = upload(sorted(i for i in seq.stop_ids if i < vocab), torch.int64, device)
             logits[r, :n_masked, ids] = float("-inf")
@@ -79,6 +85,21 @@ def _request_rules(logits: torch.Tensor, seqs: list[Sequence], tokens_in: torch.
     sub = upload(penal, torch.int64, device)
     logits[sub] = apply_penalties(logits[sub], counts, prompt_mask, [seqs[r].params for r in penal])
     return logits
+
+
+def _rules(logits: torch.Tensor, seqs: list[Sequence], tokens_in: torch.Tensor, num_drafts: list[int],
+           device: torch.device) -> torch.Tensor:
+    """The grammar, then the request rules. Structured output keeps at each verified position only the
+    tokens its grammar state allows (the drafts before it taken as accepted); where the request rules
+    leave the grammar nothing (min_tokens masking the stop token of a complete grammar), it wins."""
+    masks = verify_bitmask(seqs, tokens_in, num_drafts, logits.shape[-1])
+    if masks is None:
+        return _request_rules(logits, seqs, tokens_in, device)
+    masked = apply_bitmask(logits, masks)
+    if not any(_min_tokens_left(s) for s in seqs):
+        return _request_rules(masked, seqs, tokens_in, device)
+    ruled = _request_rules(masked.clone(), seqs, tokens_in, device)
+    return torch.where(torch.isinf(ruled).all(-1, keepdim=True), masked, ruled)
 
 
 def _rand(seq: Sequence, shape: tuple[int, ...], device: torch.device, exponential: bool = False) -> torch.Tensor:

@@ -248,13 +248,18 @@ class DecodeStep:
     def release_features(self, keep: set[int] | None = None) -> None:
         """Copy the committed feature rows of held sequences out of the shared buffer (before it is reused)."""
         for seq in self.holders:
-            if seq.feature_rows is None or seq.finished or (keep is not None and id(seq) in keep):
-                continue
-            start, count = seq.feature_rows
-            rows = self.features[start:start + count].clone()
-            seq.pending_features = rows if seq.pending_features is None else torch.cat([seq.pending_features, rows])
-            seq.feature_rows = None
+            if not seq.finished and (keep is None or id(seq) not in keep):
+                self.copy_out(seq)
         self.holders = []
+
+    def copy_out(self, seq: Sequence) -> None:
+        """seq's committed feature rows from the shared buffer into its pending_features."""
+        if seq.feature_rows is None:
+            return
+        start, count = seq.feature_rows
+        rows = self.features[start:start + count].clone()
+        seq.pending_features = rows if seq.pending_features is None else torch.cat([seq.pending_features, rows])
+        seq.feature_rows = None
 
     def drop_inflight(self) -> None:
         """Forget a chained step (it still runs, ahead of anything queued later; its results go unread)."""

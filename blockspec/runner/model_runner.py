@@ -61,6 +61,12 @@ class ModelRunner:
         return self.proposer.needs if self.proposer is not None else TargetNeeds()
 
     @property
+    def keeps_context(self) -> bool:
+        """The proposer keeps per-position context K/V (DFlash, MTP), so a cached block is complete only once
+        its proposer context is written (synthetic drafts keep none)."""
+        return self.proposer is not None and bool(self.proposer.attention_layers)
+
+    @property
     def mask_token_id(self) -> int:
         config = getattr(self.proposer, "config", None)
         return getattr(config, "mask_token_id", 0)
@@ -103,6 +109,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> list[StepResult]:
         items = sched.items
+        self._restore_snapshots(items)
         if self._uniform_decode(items):
             return self.decode.execute(items)
         if self.decode is not None:
@@ -116,6 +123,26 @@ class ModelRunner:
         for item, start, n in zip(items, offsets, committed):
             self._advance(item, start, n, features)
         return results
+
+    def _restore_snapshots(self, items: list[ScheduledSeq]) -> None:
+        """Sequences starting on a cached prefix of a hybrid: their state slots from the prefix's snapshot
+        (before this step's pass, which may itself overwrite that entry with a new snapshot)."""
+        starting = [item.seq for item in items if item.seq.restore_snapshot is not None]
+        if starting:
+            self.target.restore_state([s.state_slot for s in starting], [s.restore_snapshot for s in starting])
+            for seq in starting:
+                seq.restore_snapshot = None
+
+    @torch.inference_mode()
+    def complete_context(self, seq: Sequence) -> None:
+        """A finishing sequence's last committed positions into the proposer's cache, so that all its full
+        blocks can enter the prefix cache (without it, a 1-token request would leave nothing cacheable)."""
+        if self.proposer is None:
+            return
+        if self.decode is not None:
+            self.decode.copy_out(seq)
+        if seq.pending_features is not None:
+            self.proposer.write_pending([seq], self.step_context(), keep_last=False)
 
     def _commit_state(self, items: list[ScheduledSeq], committed: list[int]) -> None:
         commit_state = getattr(self.target, "commit_state", None)

@@ -124,7 +124,26 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Any],
     async def completions(body: CompletionRequest, raw: Request) -> Response:
         return await create_completion(state, body, raw)
 
+    default_openapi = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            list_served_names(default_openapi(), models.names)
+        return app.openapi_schema
+
+    app.openapi = openapi
     return app
+
+
+def list_served_names(schema: dict[str, Any], names: list[str]) -> None:
+    """State in the OpenAPI schema which `model` values this server answers (others are 404s)."""
+    served = {"type": "string", "enum": list(names)}
+    for request in ("ChatCompletionRequest", "CompletionRequest"):
+        schema["components"]["schemas"][request]["properties"]["model"] = {"anyOf": [served, {"type": "null"}],
+                                                                           "title": "Model"}
+    for parameter in schema["paths"]["/v1/models/{model_id}"]["get"]["parameters"]:
+        if parameter["name"] == "model_id":
+            parameter["schema"] = {**parameter["schema"], **served}
 
 
 def _model_card(name: str, engine: AsyncEngine, config: ServerConfig) -> dict[str, Any]:

@@ -20,6 +20,8 @@ from blockspec.errors import ConfigError
 from blockspec.server.reasoning import PARSERS, check_parser
 from blockspec.server.served_models import check_defaults, parse_alias
 from blockspec.server.server_config import ServerConfig
+from blockspec.server.tool_parsers import PARSERS as TOOL_PARSERS
+from blockspec.server.tool_parsers import check_tool_parser
 
 log = logging.getLogger("blockspec.server")
 
@@ -35,9 +37,7 @@ IGNORED_FLAGS: list[tuple[tuple[str, ...], bool, str]] = [
     (("--moe-backend",), True, _KERNELS),
     (("--language-model-only",), False, "blockspec always loads the language model only (vision weights are "
                                         "skipped)"),
-    (("--enable-prefix-caching",), False, "prefix caching is " + _NOT_YET),
-    (("--enable-auto-tool-choice",), False, "tool-call parsing is " + _NOT_YET + "; tool calls arrive as text"),
-    (("--tool-call-parser",), True, "tool-call parsing is " + _NOT_YET + "; tool calls arrive as text"),
+    (("--prefix-caching-hash-algo",), True, "blocks are always keyed by SHA-256"),
     (("--tensor-parallel-size", "-tp"), True, _ONE_GPU),
     (("--pipeline-parallel-size", "-pp"), True, _ONE_GPU),
     (("--data-parallel-size", "-dp"), True, _ONE_GPU),
@@ -68,13 +68,11 @@ IGNORED_FLAGS: list[tuple[tuple[str, ...], bool, str]] = [
     (("--max-logprobs",), True, "logprobs are capped at 20"),
     (("--logprobs-mode",), True, "logprobs are the raw model's"),
     (("--chat-template-content-format",), True, "text parts are joined into one string"),
-    (("--structured-outputs-config",), True, "guided decoding is " + _NOT_YET),
-    (("--guided-decoding-backend",), True, "guided decoding is " + _NOT_YET),
     (("--enable-lora",), False, _NOT_YET),
     (("--enable-sleep-mode",), False, _NOT_YET),
     (("--disable-frontend-multiprocessing",), False, "the server and engine share one process already"),
     (("--enable-force-include-usage",), False, "ask with stream_options.include_usage"),
-    (("--enable-prompt-tokens-details",), False, _NOT_YET),
+    (("--enable-prompt-tokens-details",), False, "usage.prompt_tokens_details.cached_tokens is always reported"),
     (("--return-tokens-as-token-ids",), False, "ask with return_token_ids"),
     (("--enable-request-id-headers",), False, _NOT_YET),
     (("--disable-fastapi-docs",), False, _NOT_YET),
@@ -95,6 +93,8 @@ def _dest(flags: tuple[str, ...]) -> str:
 
 
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
+    from blockspec.structured.backend import BACKEND
+
     p = subparsers.add_parser(
         "serve", help="OpenAI-compatible HTTP server (vLLM's flags)",
         description="Serve MODEL (default: the embedded SmolLM2-135M-Instruct) over an OpenAI-compatible API. "
@@ -121,10 +121,21 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "modelopt_fp4, fp8, gptq, awq, auto-round); checked against what the checkpoint declares")
     s.add_argument("--reasoning-parser", default=None, choices=sorted(PARSERS),
                    help="put <think>...</think> into reasoning_content")
+    s.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='let the model call tools on its own (tool_choice "auto", the default when tools are '
+                        "given); needs --tool-call-parser")
+    s.add_argument("--tool-call-parser", default=None, metavar="{" + ",".join(TOOL_PARSERS) + "}",
+                   help="how the model writes tool calls: hermes (Qwen2.5/Qwen3), qwen3_coder and qwen3_xml "
+                        "(Qwen3-Coder, Qwen3.5/3.6), llama3_json")
     s.add_argument("--generation-config", default="auto",
                    help="sampling defaults: auto (the model's generation_config.json), vllm (none), or a folder")
     s.add_argument("--override-generation-config", default=None, help='JSON, e.g. {"temperature": 0.6}')
     s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--structured-outputs-config", default=None, metavar="JSON",
+                   help=f'structured outputs (JSON schema, regex, choice, grammar), e.g. {{"backend": '
+                        f'"{BACKEND}"}}: backend {BACKEND} or auto (others are refused)')
+    s.add_argument("--structured-outputs-config.backend", "--guided-decoding-backend", dest="structured_backend",
+                   default=None, metavar="BACKEND", help=f"{BACKEND} or auto")
     s.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     s.add_argument("--disable-uvicorn-access-log", action="store_true")
@@ -186,8 +197,37 @@ def build_engine_config(args: argparse.Namespace) -> EngineConfig:
     return config
 
 
+def check_structured_outputs(args: argparse.Namespace) -> None:
+    """--structured-outputs-config / --guided-decoding-backend: the one grammar engine, or a clear refusal."""
+    from blockspec.structured.backend import BACKEND, backend_problem
+
+    backends = [args.structured_backend] if args.structured_backend is not None else []
+    if args.structured_outputs_config is not None:
+        try:
+            config = json.loads(args.structured_outputs_config)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"--structured-outputs-config is not valid JSON ({exc.msg}): pass e.g. "
+                              f'\'{{"backend": "{BACKEND}"}}\'') from None
+        if not isinstance(config, dict):
+            raise ConfigError("--structured-outputs-config must be a JSON object, e.g. "
+                              f'\'{{"backend": "{BACKEND}"}}\'')
+        unknown = sorted(set(config) - {"backend", "disable_fallback"})
+        if unknown:
+            raise ConfigError(f"--structured-outputs-config: {', '.join(unknown)} not supported by blockspec "
+                              "(it takes backend and disable_fallback)")
+        if "backend" in config:
+            backends.append(config["backend"])
+    for backend in backends:
+        problem = backend_problem(backend)
+        if problem is not None:
+            raise ConfigError(problem)
+
+
 def build_server_config(args: argparse.Namespace) -> ServerConfig:
     check_parser(args.reasoning_parser)
+    check_tool_parser(args.tool_call_parser)
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ConfigError(f"--enable-auto-tool-choice needs --tool-call-parser (one of {', '.join(TOOL_PARSERS)})")
     names = args.served_model_name or [args.model if args.model is not None else DEFAULT_MODEL_NAME]
     aliases: dict[str, dict[str, Any]] = {}
     for text in args.alias:
@@ -208,10 +248,12 @@ def build_server_config(args: argparse.Namespace) -> ServerConfig:
         override = check_defaults(override, "--override-generation-config")
     if args.generation_config not in ("auto", "vllm") and not os.path.isdir(args.generation_config):
         raise ConfigError(f"--generation-config {args.generation_config}: not auto, vllm or a folder")
+    check_structured_outputs(args)
     key = args.api_key if args.api_key is not None else os.environ.get("VLLM_API_KEY") or None
     return ServerConfig(
         served_model_names=names, model_root=args.model or DEFAULT_MODEL_NAME, host=args.host, port=args.port,
         api_keys=[key] if key else [], aliases=aliases, reasoning_parser=args.reasoning_parser,
+        enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
         generation_config=args.generation_config, override_generation_config=override,
         uvicorn_log_level=args.uvicorn_log_level, access_log=not args.disable_uvicorn_access_log,
         log_stats=not args.disable_log_stats)

@@ -68,6 +68,8 @@ class EngineSnapshot:
     accepted_per_pos: tuple[int, ...] = ()
     prompt_tokens: int = 0
     generation_tokens: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # and found there
 
 
 @dataclass
@@ -305,12 +307,13 @@ class AsyncEngine:
         return {t: cache[t] for t in ids}
 
     def _publish(self, engine: Any) -> None:
-        c = engine.spec_counters
+        c, cache = engine.spec_counters, engine.prefix_cache_stats
         self.snapshot = EngineSnapshot(
             num_running=engine.num_running, num_waiting=engine.num_waiting, kv_usage=float(engine.kv_usage),
             num_drafts=c.num_drafts, num_draft_tokens=c.num_draft_tokens, num_accepted_tokens=c.num_accepted_tokens,
             accepted_per_pos=tuple(c.accepted_per_pos), prompt_tokens=self._prompt_tokens,
-            generation_tokens=self._generation_tokens)
+            generation_tokens=self._generation_tokens, prefix_cache_queries=cache.queries,
+            prefix_cache_hits=cache.hits)
 
 
 def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:

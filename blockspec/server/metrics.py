@@ -52,6 +52,9 @@ class _EngineCollector(Collector):
         yield gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting)
         yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage (1 = full).", s.kv_usage)
         yield counter("vllm:prompt_tokens", "Prefilled prompt tokens.", s.prompt_tokens)
+        yield counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                      s.prefix_cache_queries)
+        yield counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits)
         yield counter("vllm:generation_tokens", "Generated tokens.", s.generation_tokens)
         yield counter("vllm:spec_decode_num_drafts", "Speculative draft blocks verified.", s.num_drafts)
         yield counter("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed.", s.num_draft_tokens)

@@ -10,6 +10,7 @@ Tags may arrive split across stream deltas; a possible partial tag is held back 
 from __future__ import annotations
 
 from blockspec.errors import ConfigError
+from blockspec.server.tool_parsers.base import partial_tag
 
 PARSERS = {"qwen3": ("<think>", "</think>"), "deepseek_r1": ("<think>", "</think>")}
 
@@ -35,7 +36,7 @@ class ReasoningParser:
             if self.in_reasoning:
                 end = text.find(self.close_tag)
                 if end == -1:
-                    keep = _partial_suffix(text, self.close_tag)
+                    keep = partial_tag(text, (self.close_tag,))
                     reasoning.append(text[:len(text) - keep])
                     self._held = text[len(text) - keep:]
                     break
@@ -70,10 +71,3 @@ class ReasoningParser:
         reasoning, content = r1 + r2, c1 + c2
         return reasoning or None, content or None
 
-
-def _partial_suffix(text: str, tag: str) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of `tag`."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:n]):
-            return n
-    return 0

@@ -11,11 +11,15 @@ from typing import Any
 from blockspec.engine.sampling_params import SamplingParams
 from blockspec.errors import RequestError
 from blockspec.server.errors import bad_request
-from blockspec.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
-
-MAX_N = 64
-MAX_TOP_LOGPROBS = 20
-SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # what torch.Generator.manual_seed accepts
+from blockspec.server.protocol import (
+    MAX_N,
+    MAX_TOP_LOGPROBS,
+    SEED_RANGE,
+    ChatCompletionRequest,
+    CompletionRequest,
+    SamplingRequest,
+)
+from blockspec.server.structured import structured_spec
 
 # Request field -> SamplingParams field, for the plain one-to-one ones.
 _DIRECT = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
@@ -33,10 +37,6 @@ def check_request(req: SamplingRequest) -> None:
         raise bad_request(f"n must be between 1 and {MAX_N}, got {req.n}", "n")
     if req.logit_bias:
         raise bad_request("logit_bias is not supported by blockspec", "logit_bias")
-    fmt = (req.response_format or {}).get("type", "text")
-    if fmt != "text":
-        raise bad_request(f"response_format {fmt!r} is not supported: blockspec has no guided decoding yet",
-                          "response_format")
     if req.seed is not None and not SEED_RANGE[0] <= req.seed <= SEED_RANGE[1]:
         raise bad_request("seed must fit in 64 bits", "seed")
 
@@ -73,7 +73,7 @@ def sampling_params(req: ChatCompletionRequest | CompletionRequest, defaults: di
             if not 0 <= req.logprobs <= MAX_TOP_LOGPROBS:
                 raise bad_request(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}]", "logprobs")
             kwargs["logprobs"] = req.logprobs
-    params = SamplingParams(**kwargs)
+    params = SamplingParams(**kwargs, structured=structured_spec(req))
     try:
         params.validate()
     except RequestError as exc:

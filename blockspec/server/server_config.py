@@ -15,6 +15,8 @@ class ServerConfig:
     api_keys: list[str] = field(default_factory=list)  # empty: no auth
     aliases: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> default sampling params
     reasoning_parser: str | None = None
+    enable_auto_tool_choice: bool = False  # tool_choice "auto" (the default with tools) is allowed
+    tool_call_parser: str | None = None  # how auto tool calls are read from the output
     generation_config: str = "auto"  # auto | vllm | folder holding generation_config.json
     override_generation_config: dict[str, Any] = field(default_factory=dict)
     uvicorn_log_level: str = "info"

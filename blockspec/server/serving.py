@@ -41,6 +41,7 @@ class ServerState:
     models: ServedModels
     metrics: ServerMetrics
     config: ServerConfig
+    template_ignores_tools: bool | None = None  # found out at the first request with tools
 
 
 class _EngineStream(StreamingResponse):
@@ -194,9 +195,13 @@ class Choice:
         return ids, lps
 
 
-def usage(prompt_tokens: int, choices: list[Choice]) -> dict[str, int]:
+def usage(prompt_tokens: int, choices: list[Choice], n: int = 1) -> dict[str, Any]:
+    """OpenAI's usage; choices hold n samples per prompt in a row, and a prompt's cached tokens are those
+    its first sample found in the prefix cache (the prompt is counted once, as in prompt_tokens)."""
     completion = sum(len(c.token_ids) for c in choices)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
+    cached = sum(c.stats.cached_tokens or 0 for c in choices[::n] if c.stats is not None)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def merged_stats(choices: list[Choice]) -> RequestStats:
@@ -219,6 +224,7 @@ def merged_stats(choices: list[Choice]) -> RequestStats:
         accepted_per_position=per_pos, arrival_time=min((s.arrival_time for s in stats), default=0.0),
         first_scheduled_time=pick([s.first_scheduled_time for s in stats], min),
         first_token_time=pick([s.first_token_time for s in stats], min),
+        cached_tokens=pick([s.cached_tokens for s in stats], max),
         finish_time=pick([s.finish_time for s in stats], max))
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -13,9 +14,9 @@ from fastapi.responses import Response
 
 from blockspec.errors import RequestError
 from blockspec.server.async_engine import RequestGroup
+from blockspec.server.choice_output import ChoiceOutput
 from blockspec.server.errors import APIError, bad_request, error_body
-from blockspec.server.protocol import ChatCompletionRequest, ChatMessage
-from blockspec.server.reasoning import ReasoningParser
+from blockspec.server.protocol import ROLES, ChatCompletionRequest, ChatMessage
 from blockspec.server.sampling import for_choice, sampling_params
 from blockspec.server.serving import (
     DONE,
@@ -31,8 +32,10 @@ from blockspec.server.serving import (
     submit,
     usage,
 )
+from blockspec.server.tools import ToolUse, history_arguments_as_dicts, tool_use
 
-ROLES = {"system", "developer", "user", "assistant", "tool"}
+log = logging.getLogger("blockspec.server")
+
 # apply_chat_template arguments a request may not set through chat_template_kwargs.
 RESERVED_TEMPLATE_ARGS = {"conversation", "messages", "tokenize", "add_generation_prompt", "return_dict",
                           "chat_template", "tools"}
@@ -62,26 +65,54 @@ def normalize_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
             if value is not None:
                 msg[key] = value
         out.append(msg)
+    history_arguments_as_dicts(out)
     return out
 
 
-def template_kwargs(req: ChatCompletionRequest, defaults: dict[str, Any]) -> dict[str, Any]:
+def template_kwargs(req: ChatCompletionRequest, defaults: dict[str, Any], use: ToolUse | None) -> dict[str, Any]:
     kwargs = {**defaults.get("chat_template_kwargs", {}), **(req.chat_template_kwargs or {})}
     reserved = sorted(RESERVED_TEMPLATE_ARGS & kwargs.keys())
     if reserved:
         raise bad_request(f"chat_template_kwargs may not set {', '.join(reserved)}", "chat_template_kwargs")
-    if req.tools:
-        kwargs["tools"] = req.tools
+    if req.reasoning_effort is not None:  # as vLLM: the field wins, and "none" also turns thinking off
+        if "enable_thinking" not in (req.chat_template_kwargs or {}):
+            kwargs["enable_thinking"] = req.reasoning_effort != "none"
+        kwargs["reasoning_effort"] = req.reasoning_effort
+    if use is not None:
+        kwargs["tools"] = use.tools
     return kwargs
+
+
+def note_template_ignores_tools(state: ServerState, engine: Any, messages: list[dict[str, Any]],
+                                kwargs: dict[str, Any], prompt: str) -> None:
+    """Say once in the log when the chat template leaves `tools` out of the prompt."""
+    if state.template_ignores_tools is not None or "tools" not in kwargs:
+        return
+    without = {k: v for k, v in kwargs.items() if k != "tools"}
+    try:
+        state.template_ignores_tools = engine.apply_chat_template(messages, **without) == prompt
+    except Exception:  # a template that needs its tools: it renders them
+        state.template_ignores_tools = False
+    if state.template_ignores_tools:
+        log.warning("the chat template ignores `tools`: the model is not told about them. tool_choice \"required\" "
+                    "and named functions are still enforced by the grammar; \"auto\" calls come only from a model "
+                    "that knows its call format")
 
 
 async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, raw: Request) -> Response:
     arrival = time.perf_counter()
     check_ready(state)
     name, defaults = state.models.resolve(req.model)
+    use = tool_use(req, state.config)
     params = sampling_params(req, defaults)
+    forced = use.structured() if use is not None else None
+    if forced is not None:
+        if params.structured is not None:
+            raise bad_request(f"tool_choice {req.tool_choice!r} and response_format / structured_outputs both "
+                              "constrain the output: use one", "tool_choice")
+        params.structured = forced
     messages = normalize_messages(req.messages)
-    kwargs = template_kwargs(req, defaults)
+    kwargs = template_kwargs(req, defaults, use)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     group = RequestGroup([f"{request_id}-{i}" for i in range(req.n)])
 
@@ -93,47 +124,43 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
         except Exception as exc:  # jinja errors, raise_exception() in templates, malformed tool calls
             raise RequestError(f"the chat template failed on these messages: {type(exc).__name__}: {exc}",
                                "messages") from None
+        note_template_ignores_tools(state, engine, messages, kwargs, prompt)
         ids = engine.encode(prompt)
         return [(ids, for_choice(params, i)) for i in range(req.n)], (prompt, ids)
 
     prompt, prompt_ids = await submit(state, group, prepare)
-    chat = _Chat(state, req, name, request_id, group, prompt, prompt_ids, arrival)
+    chat = _Chat(state, req, use, name, request_id, group, prompt, prompt_ids, arrival)
     return await respond(state, group, raw, chat, req.stream)
 
 
 class _Chat:
     """One chat completion in flight: its choices, and how to render them."""
 
-    def __init__(self, state: ServerState, req: ChatCompletionRequest, model: str, request_id: str,
-                 group: RequestGroup, prompt: str, prompt_ids: list[int], arrival: float) -> None:
+    def __init__(self, state: ServerState, req: ChatCompletionRequest, use: ToolUse | None, model: str,
+                 request_id: str, group: RequestGroup, prompt: str, prompt_ids: list[int], arrival: float) -> None:
         self.state, self.req, self.model, self.id, self.group = state, req, model, request_id, group
         self.prompt, self.prompt_ids, self.arrival = prompt, prompt_ids, arrival
         self.created = int(time.time())
         self.choices = [Choice(i, arrival) for i in range(req.n)]
-        parser = state.config.reasoning_parser
-        self.parsers = [ReasoningParser(parser, prompt) if parser else None for _ in range(req.n)]
+        self.outputs = [ChoiceOutput.create(state.config, prompt, use) for _ in range(req.n)]
 
     async def collect(self) -> dict[str, Any]:
         async with contextlib.aclosing(follow(self.state, self.group)) as updates:
             async for update in updates:
                 self.choices[update.index].absorb(update, self.state.metrics)
         choices = []
-        for c, parser in zip(self.choices, self.parsers):
-            text = "".join(c.text)
-            reasoning, content = parser.parse(text) if parser else (None, text)
-            message: dict[str, Any] = {"role": "assistant", "content": content}
-            if parser:
-                message["reasoning_content"] = reasoning
-            message["tool_calls"] = []
+        for c, output in zip(self.choices, self.outputs):
+            message = output.message("".join(c.text))
             logprobs = chat_logprobs(c.logprobs, c.token_text) if self.req.logprobs else None
             choice: dict[str, Any] = {"index": c.index, "message": message, "logprobs": logprobs,
-                                      "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                                      "finish_reason": output.finish_reason(c.finish_reason),
+                                      "stop_reason": c.stop_reason}
             if self.req.return_token_ids:
                 choice["token_ids"] = c.token_ids
             choices.append(choice)
         body: dict[str, Any] = {"id": self.id, "object": "chat.completion", "created": self.created,
                                 "model": self.model, "choices": choices,
-                                "usage": usage(len(self.prompt_ids), self.choices)}
+                                "usage": usage(len(self.prompt_ids), self.choices, self.req.n)}
         if self.req.return_token_ids:
             body["prompt_token_ids"] = self.prompt_ids
         body["spec_decode"] = spec_decode_stats(self.choices)
@@ -146,7 +173,7 @@ class _Chat:
                  "choices": choices, **extra}
         opts = self.req.stream_options
         if opts and opts.continuous_usage_stats and "usage" not in chunk:
-            chunk["usage"] = usage(len(self.prompt_ids), self.choices)
+            chunk["usage"] = usage(len(self.prompt_ids), self.choices, self.req.n)
         return chunk
 
     def _role_chunk(self, c: Choice) -> dict[str, Any]:
@@ -175,7 +202,7 @@ class _Chat:
         opts = req.stream_options
         final: dict[str, Any] = {}
         if opts and opts.include_usage:
-            final["usage"] = usage(len(self.prompt_ids), self.choices)
+            final["usage"] = usage(len(self.prompt_ids), self.choices, self.req.n)
             final["spec_decode"] = spec_decode_stats(self.choices)
         if req.return_meta_info:
             final["meta_info"] = meta_info(self.id, len(self.prompt_ids), self.choices, self.arrival)
@@ -185,22 +212,14 @@ class _Chat:
 
     def _delta_chunk(self, c: Choice, new_text: str) -> dict[str, Any] | None:
         """The chunk for a choice's new output, or None while there is nothing to show yet."""
-        parser = self.parsers[c.index]
-        reasoning, content = parser.feed(new_text) if parser else ("", new_text)
-        if c.finished and parser:
-            r, t = parser.finish()
-            reasoning, content = reasoning + r, content + t
-        if not (reasoning or content or c.finished):
-            return None  # e.g. half a UTF-8 character: its token ids go out with the next text
-        delta: dict[str, Any] = {}
-        if reasoning:
-            delta["reasoning_content"] = reasoning
-        if content:
-            delta["content"] = content
+        output = self.outputs[c.index]
+        delta = output.feed(new_text, final=c.finished)
+        if not (delta or c.finished):
+            return None  # e.g. half a UTF-8 character, a tag not yet whole: its token ids go out with the next text
         ids, lps = c.take_pending()
         choice: dict[str, Any] = {"index": c.index, "delta": delta,
                                   "logprobs": chat_logprobs(lps, c.token_text) if self.req.logprobs else None,
-                                  "finish_reason": c.finish_reason}
+                                  "finish_reason": output.finish_reason(c.finish_reason)}
         if c.finished:
             choice["stop_reason"] = c.stop_reason
         if self.req.return_token_ids:

@@ -16,7 +16,7 @@ from fastapi.responses import Response
 
 from blockspec.server.async_engine import RequestGroup
 from blockspec.server.errors import APIError, bad_request, error_body
-from blockspec.server.protocol import CompletionRequest
+from blockspec.server.protocol import MAX_PROMPTS, CompletionRequest
 from blockspec.server.sampling import for_choice, sampling_params
 from blockspec.server.serving import (
     DONE,
@@ -32,8 +32,6 @@ from blockspec.server.serving import (
     submit,
     usage,
 )
-
-MAX_PROMPTS = 64
 
 
 def split_prompts(prompt: str | list[int] | list[str] | list[list[int]]) -> list[str | list[int]]:
@@ -124,7 +122,7 @@ class _Completion:
             choices.append(choice)
         body: dict[str, Any] = {"id": self.id, "object": "text_completion", "created": self.created,
                                 "model": self.model, "choices": choices,
-                                "usage": usage(self.prompt_tokens, self.choices),
+                                "usage": usage(self.prompt_tokens, self.choices, self.req.n),
                                 "spec_decode": spec_decode_stats(self.choices)}
         if self.req.return_meta_info:
             body["meta_info"] = meta_info(self.id, self.prompt_tokens, self.choices, self.arrival)
@@ -135,7 +133,7 @@ class _Completion:
                  "choices": choices, **extra}
         opts = self.req.stream_options
         if opts and opts.continuous_usage_stats and "usage" not in chunk:
-            chunk["usage"] = usage(self.prompt_tokens, self.choices)
+            chunk["usage"] = usage(self.prompt_tokens, self.choices, self.req.n)
         return chunk
 
     def _prompt_chunk(self, c: Choice) -> dict[str, Any]:
@@ -169,7 +167,7 @@ class _Completion:
             return
         final: dict[str, Any] = {}
         if req.stream_options and req.stream_options.include_usage:
-            final["usage"] = usage(self.prompt_tokens, self.choices)
+            final["usage"] = usage(self.prompt_tokens, self.choices, self.req.n)
             final["spec_decode"] = spec_decode_stats(self.choices)
         if req.return_meta_info:
             final["meta_info"] = meta_info(self.id, self.prompt_tokens, self.choices, self.arrival)

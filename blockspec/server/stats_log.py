@@ -25,7 +25,7 @@ def format_stats(prev: EngineSnapshot, cur: EngineSnapshot, seconds: float) -> l
     seconds = max(seconds, 1e-9)
     lines = [f"Avg prompt throughput: {prompt / seconds:.1f} tokens/s, Avg generation throughput: "
              f"{generated / seconds:.1f} tokens/s, Running: {cur.num_running} reqs, Waiting: {cur.num_waiting} reqs, "
-             f"KV cache usage: {cur.kv_usage * 100:.1f}%"]
+             f"KV cache usage: {cur.kv_usage * 100:.1f}%, Prefix cache hit rate: {hit_rate(prev, cur) * 100:.1f}%"]
     drafts = cur.num_drafts - prev.num_drafts
     if drafts > 0:
         drafted = cur.num_draft_tokens - prev.num_draft_tokens
@@ -39,6 +39,12 @@ def format_stats(prev: EngineSnapshot, cur: EngineSnapshot, seconds: float) -> l
             f"{', '.join(f'{r:.3f}' for r in per_pos)}, Avg Draft acceptance rate: "
             f"{100 * accepted / max(drafted, 1):.1f}%")
     return lines
+
+
+def hit_rate(prev: EngineSnapshot, cur: EngineSnapshot) -> float:
+    """Prompt tokens found in the prefix cache over those looked up, in the interval."""
+    queries = cur.prefix_cache_queries - prev.prefix_cache_queries
+    return (cur.prefix_cache_hits - prev.prefix_cache_hits) / queries if queries else 0.0
 
 
 async def log_stats_forever(engine: AsyncEngine, interval: float = 10.0) -> None:

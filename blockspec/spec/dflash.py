@@ -275,7 +275,7 @@ class DFlashAttention(nn.Module):
         this layer's mask: non-causal or causal, sliding window or not, queries from each anchor on."""
         d = meta.decode
         return paged_attention(q, self.k_cache, self.v_cache, d.block_tables, d.seq_lens, d.kv_start, d.q_len,
-                               self.head_dim**-0.5, causal=self.causal, window=self.window or 0,
+                               self.head_dim**-0.5, causal=self.causal, window=self.window,
                                q_start=meta.block_start)
 
     def write_context_fused(self, ctx_raw: torch.Tensor, norm: RMSNorm, positions: torch.Tensor,
@@ -521,18 +521,18 @@ class DFlashDrafter(Proposer):
         rows = [[s + i for i in range(1, n)] for s, n in zip(starts, q_lens)]
         return features, embeds, meta, rows
 
-    def write_pending(self, seqs: list[Sequence], ctx: StepContext) -> None:
+    def write_pending(self, seqs: list[Sequence], ctx: StepContext, keep_last: bool = True) -> None:
         feats, pos, slots = [], [], []
         for seq in seqs:
             rows = seq.pending_features
-            if rows is None or rows.shape[0] < 2:
+            n = 0 if rows is None else rows.shape[0] - int(keep_last)
+            if n <= 0:
                 continue
-            n = rows.shape[0] - 1
             feats.append(rows[:n])
             pos += range(seq.drafter_computed, seq.drafter_computed + n)
             slots += ctx.slots(seq, seq.drafter_computed, seq.drafter_computed + n)
             seq.drafter_computed += n
-            seq.pending_features = rows[n:]
+            seq.pending_features = rows[n:] if keep_last else None
         if feats:
             self.write_context(torch.cat(feats), ctx.tensor(pos), ctx.tensor(slots))
 

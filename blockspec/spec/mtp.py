@@ -163,8 +163,8 @@ class MTPProposer(Proposer):
         ends = torch.tensor([n for _, _, n in spans]).cumsum(0) - 1
         return {id(seq): out[int(end)] for (seq, _, _), end in zip(spans, ends)}
 
-    def write_pending(self, seqs: list[Sequence], ctx: StepContext) -> None:
-        self._context(seqs, ctx, keep_last=True)
+    def write_pending(self, seqs: list[Sequence], ctx: StepContext, keep_last: bool = True) -> None:
+        self._context(seqs, ctx, keep_last)
 
     def propose(self, items: list[ScheduledSeq], ctx: StepContext) -> Drafts | None:
         last = self._context([item.seq for item in items], ctx, keep_last=False)

@@ -12,7 +12,8 @@ distribution q each was drawn from over a few candidate tokens, so that rejectio
 
 Two ways in: `propose` (general path: ragged batches, eager, host metadata) and `propose_decode`
 (uniform decode steps: static shapes, no host reads, captured in the drafter's CUDA graph when
-`in_graph`). `write_pending` projects context a general-path step left behind before a decode step.
+`in_graph`). `write_pending` projects context a general-path step left behind before a decode step (and a finishing
+sequence's last context, for the prefix cache).
 """
 
 from __future__ import annotations
@@ -139,9 +140,10 @@ class Proposer(nn.Module):
         """Uniform decode path: context rows and drafts of every row, from static buffers, no host reads."""
         raise NotImplementedError
 
-    def write_pending(self, seqs: list[Sequence], ctx: StepContext) -> None:
-        """Before a decode step: take each sequence's pending context, all but its last position, into the
-        proposer's cache (the last one is read by the step itself, from the feature buffer's carry rows)."""
+    def write_pending(self, seqs: list[Sequence], ctx: StepContext, keep_last: bool = True) -> None:
+        """Take each sequence's pending context into the proposer's cache. Before a decode step all but its
+        last position (`keep_last`: the step itself reads that one, from the feature buffer's carry rows);
+        for a finishing sequence all of it (its full blocks can then enter the prefix cache)."""
 
     def describe(self) -> str:
         return self.method

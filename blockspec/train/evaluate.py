@@ -56,6 +56,7 @@ class TauEvaluator:
     @torch.no_grad()
     def __call__(self, drafter: DFlashDrafter) -> dict[str, Any]:
         self.engine.runner.proposer.load_state_dict(drafter.state_dict())
+        self.engine.reset_prefix_cache()  # cached blocks hold the old weights' drafter context
         t0 = time.perf_counter()
         result = measure_tau(self.engine, self.prompts, self.max_tokens)
         result["eval_s"] = round(time.perf_counter() - t0, 2)

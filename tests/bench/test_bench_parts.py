@@ -69,6 +69,12 @@ def test_prometheus_spec_counters_and_deltas():
     assert spec.steps == 10 and spec.tau == pytest.approx(2.5) and spec.accepted_per_position == [9, 6]
     assert spec.acceptance_rates() == [0.9, 0.6]
     assert parse_spec_counters("http_requests_total 3\n") is None
+    cache0 = parse_spec_counters('vllm:prefix_cache_queries_total{model_name="m"} 100\n'
+                                 'vllm:prefix_cache_hits_total{model_name="m"} 10\n')
+    cache1 = parse_spec_counters('vllm:prefix_cache_queries_total{model_name="m"} 300\n'
+                                 'vllm:prefix_cache_hits_total{model_name="m"} 160\n')
+    assert cache1.minus(cache0).prefix_cache() == {"queries": 200, "hits": 150}
+    assert cache1.minus(cache1).prefix_cache() is None
 
 
 def test_response_stat_dialects():
@@ -97,3 +103,11 @@ def test_summary_takes_medians_of_runs_and_pools_latencies():
     assert row["ttft_ms"]["p50"] == pytest.approx(100.0)
     assert row["spec"]["tau"] == 3.0 and row["spec"]["acceptance_per_position"] == [0.8, 0.6, 0.4, 0.2]
     assert row["per_prompt"]["a"]["tok_s"] == pytest.approx(75.0) and row["per_prompt"]["a"]["tau"] == 3.0
+    assert (row["prefix_cache_hit_rate"], row["prefix_cache_source"]) == (None, None)
+    for r in runs[0].results:
+        r.prompt_tokens, r.cached_tokens = 100, 60
+    runs[1].results[0].prompt_tokens, runs[1].results[0].cached_tokens = 100, 90
+    assert summarize(runs)["prefix_cache_hit_rate"] == pytest.approx(0.7)  # from the responses' usage
+    runs[1].results[0].cached_tokens = None  # a server that does not say: the /metrics deltas instead
+    runs[0].metrics_cache, runs[1].metrics_cache = {"queries": 300, "hits": 100}, {"queries": 100, "hits": 100}
+    assert (summarize(runs)["prefix_cache_hit_rate"], summarize(runs)["prefix_cache_source"]) == (0.5, "metrics")

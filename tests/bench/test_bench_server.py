@@ -51,6 +51,7 @@ def test_bench_embedded_model_writes_every_file(embedded_server, tmp_path, capsy
         assert r["tpot_ms"]["p50"] > 0 and r["itl_ms"]["p50"] > 0
         assert r["tok_s_per_request"] > 0 and r["aggregate_tok_s"] > 0
         assert r["spec"]["tau"] == 1.0 and r["spec"]["source"] == "response"  # no drafter: one token per step
+        assert 0 < r["prefix_cache_hit_rate"] < 1 and r["prefix_cache_source"] == "response"  # prompts repeat
     for run in data["raw"]:
         for q in run["requests"]:
             assert q["ok"] and 1 <= q["output_tokens"] <= 6 and q["prompt_tokens"] > 10

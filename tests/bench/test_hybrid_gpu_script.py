@@ -104,3 +104,31 @@ def test_spawn_records_failures(tmp_path):
     assert partial["ar"] == 1 and partial["error"] == "exit status 1"
     slow = hybrid_gpu.spawn([sys.executable, "-c", "import time; time.sleep(30)"], tmp_path / "c.json", 0.5)
     assert slow["error"].startswith("timed out")
+
+
+def test_gpt_oss_published_shapes_and_tiny_flow(tmp_path):
+    """gpt-oss-20b / 120b in their published shapes: parameter counts as the model cards state them, the bytes
+    held (MXFP4 experts) and whether the 120b fits one H200 with its drafter; then the tiny CPU flow (one
+    model: the two differ only in depth and expert count, which the tiny dimensions replace)."""
+    from blockspec.bench.footprint import target_footprint
+
+    sizes = {}
+    for key, params in (("gptoss20b", 20.9e9), ("gptoss120b", 116.8e9)):
+        cfg = hybrid_gpu.CONFIGS[key]
+        assert target_footprint(cfg, "bfloat16").total_params == pytest.approx(params, rel=2e-3)
+        draft, _ = hybrid_parts.drafter_config(cfg, hybrid_gpu.MASK_TOKEN[key], layers=5)
+        draft.update(hybrid_gpu.drafter_shape(key, tiny=False))
+        sizes[key] = hybrid_parts.param_bytes_estimate(cfg, draft, torch.bfloat16)
+        assert sizes[key] == target_footprint(cfg, "bfloat16").weight_bytes + 1_569_534_208  # + the drafter's
+    assert sizes["gptoss120b"] == pytest.approx(66.8e9, rel=1e-2) and sizes["gptoss120b"] < 141e9 - 10e9  # H200
+    hybrid_gpu.main(["--device", "cpu", "--tiny", "--in-process", "--tokens", "8", "--runs", "1", "--context", "32",
+                     "--models", "gptoss120b", "--skip-equality", "--out", str(tmp_path)])
+    res = json.loads((tmp_path / "hybrid_gpu.json").read_text())
+    assert res["env"]["checks"]["quantized_experts_cuda_graph"]["capturable"]  # CPU: no graphs to refuse it
+    for m in res["models"]:
+        assert "error" not in m, m.get("error")
+        assert m["ar"]["tok_s"] > 0 and m["k15_over_ar"] > 0 and m["roofline_tok_s"] > 0
+        experts = m["bytes"]["experts"][0]
+        # tiny: gate|up [256, 64] and down [64, 128] as E2M1 bytes + an E8M0 scale per 32, fp32 biases
+        assert experts["scheme"] == "mxfp4" and experts["bytes_per_expert"] == 8704 + 4352 + 1280
+        assert m["drafter_config"]["attention_bias"] and m["drafter_config"]["model_type"] == "gpt_oss"

@@ -95,11 +95,19 @@ def test_hybrid_matches_hand_computed(tmp_path, monkeypatch):
     assert m["total_params"] == H35_PARAMS
     assert kv["target_bytes_per_token"] == H35_KV == 65_536
     assert m["state_bytes_per_seq"] == kv["state_bytes_per_seq"] == H35_STATE and kv["state_checkpoints"] == 0
-    # a slot pair per sequence (max_num_seqs 8) and a scratch pair, taken before the KV cache
-    assert mem["state_pool_bytes"] == (2 * 8 + 2) * H35_STATE
+    # a slot pair per sequence (max_num_seqs 8), a scratch pair and 16 prefix-cache snapshots, before the KV cache
+    assert mem["state_pool_bytes"] == (2 * 8 + 2 + 16) * H35_STATE
+    assert (kv["state_snapshots"], kv["state_snapshot_bytes"], kv["state_snapshot_interval"]) == \
+        (16, 16 * H35_STATE, 256)
+    fewer_snaps = make_plan(PlanInputs(model=model, max_model_len=65536, max_num_seqs=8, device_preset="spark",
+                                       mamba_cache_snapshots=4, mamba_block_size=1024))
+    assert fewer_snaps["kv"]["state_pool_bytes"] == (2 * 8 + 2 + 4) * H35_STATE
+    no_cache = make_plan(PlanInputs(model=model, max_model_len=65536, max_num_seqs=8, device_preset="spark",
+                                    enable_prefix_caching=False))
+    assert no_cache["kv"]["state_pool_bytes"] == (2 * 8 + 2) * H35_STATE and no_cache["kv"]["state_snapshots"] == 0
     per_seq = -(-(65536 + 1) // 16) * 16 * H35_KV
     assert kv["bytes_per_full_sequence"] == per_seq
-    budget = int(int(119.7 * GIB) * 0.85 - CUDA_RESERVE_BYTES - 2 * H35_PARAMS - (2 * 8 + 2) * H35_STATE
+    budget = int(int(119.7 * GIB) * 0.85 - CUDA_RESERVE_BYTES - 2 * H35_PARAMS - (2 * 8 + 2 + 16) * H35_STATE
                  - mem["activation_estimate_bytes"])
     assert mem["kv_budget_bytes"] == budget
     assert p["fit"]["max_sequences_at_max_model_len"] == budget // per_seq

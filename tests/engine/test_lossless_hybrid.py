@@ -121,5 +121,6 @@ def test_start_up_report_names_the_state(hybrids, monkeypatch, caplog):
     assert base == 3 * (3 * 128 * 4 + 4 * 16 * 16 * 4)
     assert target.state_bytes_per_seq(16) == base + 3 * 16 * 4 * 16 * 16 * 4
     engine.enable_synthetic_drafts({}, 1.0, 15)  # checkpoint mode: slots re-made with k + 1 states
-    # a slot pair per sequence plus the scratch pair, and 16 checkpoints for each of the 4 rows
-    assert engine.state_bytes == (2 * 4 + 2) * base + 4 * 3 * 16 * 4 * 16 * 16 * 4
+    # a slot pair per sequence plus the scratch pair, 16 prefix-cache snapshots, and 16 checkpoints for each
+    # of the 4 rows
+    assert engine.state_bytes == (2 * 4 + 2 + 16) * base + 4 * 3 * 16 * 4 * 16 * 16 * 4

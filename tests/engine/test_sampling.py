@@ -31,9 +31,8 @@ def chi2_pvalue(observed: torch.Tensor, expected: torch.Tensor, min_expected: fl
     return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), stat.double() / 2))
 
 
-@pytest.fixture(scope="module")
-def small_vocab(tmp_path_factory):
-    root = tmp_path_factory.mktemp("smallvocab")
+def save_small_vocab(root) -> tuple:
+    """A 12-token target and its random drafter (tests/structured/test_sampled.py uses them too)."""
     target = save_tiny_model(root / "target", "qwen3", seed=4, vocab_size=VOCAB, num_hidden_layers=4)
     cfg = transformers.AutoConfig.from_pretrained(target)
     draft = save_tiny_drafter(root / "draft", cfg, seed=9, mask_token_id=VOCAB - 1, target_layer_ids=[0, 2])
@@ -42,6 +41,11 @@ def small_vocab(tmp_path_factory):
     draft2 = save_tiny_drafter(root / "draft2", cfg, seed=9, mask_token_id=VOCAB - 1, target_layer_ids=[0, 2],
                                block_size=8, dflash2=TINY_DFLASH2, selector_scale=0.3)
     return target, {"dflash": draft, "dflash2": draft2}
+
+
+@pytest.fixture(scope="module")
+def small_vocab(tmp_path_factory):
+    return save_small_vocab(tmp_path_factory.mktemp("smallvocab"))
 
 
 def exact_joint(target_dir) -> torch.Tensor:

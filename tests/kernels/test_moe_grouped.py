@@ -135,14 +135,16 @@ def test_route_matches_reference(t, e, k, renorm, dtype):
     assert none_w is None and none_ids is None and torch.equal(sw2, sw)
 
 
-def _check_layout(layout, ids: torch.Tensor, num_experts: int, shared: bool) -> None:
-    """sorted_pairs is a permutation grouped by ascending expert, pair order kept within an expert; the work
-    items list each expert's run in pieces of at most CHUNK pairs."""
+def _check_layout(layout, ids: torch.Tensor, num_experts: int, shared: bool, slot_order: bool = False) -> None:
+    """sorted_pairs is a permutation grouped by ascending expert, pair order kept within an expert (slot_order:
+    the one-token layout, pairs in slot order, each its own item); the work items list each expert's run in
+    pieces of at most CHUNK pairs."""
     t, k = ids.shape
     slots = k + int(shared)
     pair_expert = torch.cat([ids.long().cpu(), torch.full((t, int(shared)), num_experts)], 1).reshape(-1)
     order = layout.sorted_pairs.long().cpu()
-    assert torch.equal(order, torch.sort(pair_expert, stable=True).indices)
+    want = torch.arange(t * slots) if slot_order else torch.sort(pair_expert, stable=True).indices
+    assert torch.equal(order, want)
     n = int(layout.num_items)
     assert n <= layout.max_items == max_items(t, slots, num_experts + int(shared))
     experts, starts, counts = (v[:n].long().cpu() for v in (layout.item_expert, layout.item_start, layout.item_count))
@@ -180,7 +182,7 @@ def test_route_align_one_launch_or_two(t, single_program, monkeypatch):
     assert torch.equal(ids.long(), want_ids)
     torch.testing.assert_close(w, want_w)
     torch.testing.assert_close(sw, torch.sigmoid(F.linear(x, gate_w))[:, 0])
-    _check_layout(layout, ids, e, shared=True)
+    _check_layout(layout, ids, e, shared=True, slot_order=single_program and t == 1)
 
 
 # (T, E, k, shared, dtype): tokens share experts in each

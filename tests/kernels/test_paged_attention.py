@@ -1,12 +1,20 @@
-"""The paged decode/verify attention kernel against its references on random inputs."""
+"""The paged decode/verify and ragged prefill attention kernels against their references on random inputs,
+with and without GPT-OSS's attention sinks and sliding window (the references against a per-head loop)."""
 
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
 
 from blockspec.kernels._triton import kernel_device
-from blockspec.kernels.paged_attention import paged_attention, paged_attention_ref
+from blockspec.kernels.paged_attention import (
+    paged_attention,
+    paged_attention_ref,
+    ragged_paged_attention,
+    ragged_paged_attention_ref,
+)
 from blockspec.models.layers.attention import AttentionMetadata, paged_attention_reference
 
 DEVICE = kernel_device()
@@ -73,18 +81,141 @@ def test_triton_matches_reference(batch, q_len, heads, kv_heads, head_dim, causa
                                                              head_dim, max_len=1200, seed=seed)
         if causal:
             kv_start.zero_()
-        out = paged_attention(q, kc, vc, tables, seq_lens, kv_start, q_len, head_dim**-0.5, causal)
+        # without grad the kernel runs (with grad, paged_attention takes the reference); the interpreter only
+        # covers the small cases of the sink/window test below
+        with torch.no_grad() if DEVICE == "cuda" else contextlib.nullcontext():
+            out = paged_attention(q, kc, vc, tables, seq_lens, kv_start, q_len, head_dim**-0.5, causal)
         ref = paged_attention_ref(q, kc, vc, tables, seq_lens, kv_start, q_len, head_dim**-0.5, causal)
         err = (out.float() - ref.float()).norm() / ref.float().norm()
         assert err < 1e-2, err
         assert torch.isfinite(out).all()
 
 
+def attend_one(keys: torch.Tensor, values: torch.Tensor, q: torch.Tensor, scale: float,
+               sink: torch.Tensor | None) -> torch.Tensor:
+    """One query head over its visible keys [n, D]; a sink is one more logit whose value is zero."""
+    scores = keys @ q * scale
+    if sink is None:
+        return scores.softmax(0) @ values
+    return torch.cat([scores, sink.reshape(1)]).softmax(0)[:-1] @ values
 
-def window_case(device, dtype, batch, q_len, heads, kv_heads, head_dim, seed=0):
-    """A case with a short block per row (q_start: its first query's position) and a sliding window."""
+
+@pytest.mark.parametrize("q_len", [1, 5])
+def test_sinks_and_window_reference_matches_per_head_definition(q_len):
+    """Query at position p sees keys in (p - window, p]; the sink joins each head's softmax."""
+    heads, kv_heads, d, window = 6, 2, 8, 7
+    q, kc, vc, tables, seq_lens, _ = random_case("cpu", torch.float32, 2, q_len, heads, kv_heads, d, max_len=60)
+    sinks = torch.randn(heads, generator=torch.Generator().manual_seed(9))
+    zeros = torch.zeros_like(seq_lens)
+    ours = paged_attention_ref(q, kc, vc, tables, seq_lens, zeros, q_len, d**-0.5, True, sinks, window)
+    for b in range(2):
+        n = int(seq_lens[b])
+        keys, values = kc[tables[b]].flatten(0, 1)[:n], vc[tables[b]].flatten(0, 1)[:n]
+        for i in range(q_len):
+            p = n - q_len + i
+            lo = max(0, p - window + 1)
+            for h in range(heads):
+                kv = h // (heads // kv_heads)
+                want = attend_one(keys[lo:p + 1, kv], values[lo:p + 1, kv], q[b * q_len + i, h], d**-0.5, sinks[h])
+                torch.testing.assert_close(ours[b * q_len + i, h], want, rtol=1e-5, atol=1e-5)
+
+
+def ragged_case(spans: list[tuple[int, int]], heads: int, kv_heads: int, d: int, page: int = 16, seed: int = 0):
+    """Sequences (context already cached, new tokens) over scattered blocks, described as the runner's general
+    path does: padded query index and positions, the slot of every key position, the unpad index."""
+    g = torch.Generator().manual_seed(seed)
+    lmax = max(c + n for c, n in spans)
+    per_seq = -(-lmax // page)
+    num_blocks = len(spans) * per_seq + 1
+    tables = torch.randperm(num_blocks, generator=g)[: len(spans) * per_seq].view(len(spans), per_seq)
+    kc, vc = (torch.randn(num_blocks, page, kv_heads, d, generator=g) for _ in range(2))
+    q = torch.randn(sum(n for _, n in spans), heads, d, generator=g)
+    qmax = max(n for _, n in spans)
+    index, pos, slots, unpad, off = [], [], [], [], 0
+    for b, (c, n) in enumerate(spans):
+        index.append([off + i for i in range(n)] + [off] * (qmax - n))
+        pos.append([c + i for i in range(n)] + [c] * (qmax - n))
+        seq_slots = [int(tables[b, p // page]) * page + p % page for p in range(c + n)]
+        slots.append(seq_slots + [0] * (lmax - len(seq_slots)))
+        unpad += [b * qmax + i for i in range(n)]
+        off += n
+    return q, kc, vc, *(torch.tensor(x) for x in (index, pos, slots, unpad))
+
+
+SPANS = [(0, 21), (33, 5), (10, 1), (70, 3)]  # a fresh prefill, prefill chunks after cached context, decodes
+
+
+@pytest.mark.parametrize("window,with_sinks", [(None, False), (None, True), (6, False), (6, True)])
+def test_ragged_reference_matches_per_head_definition(window, with_sinks):
+    heads, kv_heads, d = 6, 2, 8
+    q, kc, vc, index, pos, slots, unpad = ragged_case(SPANS, heads, kv_heads, d)
+    sinks = torch.randn(heads, generator=torch.Generator().manual_seed(4)) if with_sinks else None
+    ours = ragged_paged_attention_ref(q, kc, vc, index, pos, slots, unpad, d**-0.5, sinks, window)
+    flat_k, flat_v = kc.view(-1, kv_heads, d), vc.view(-1, kv_heads, d)
+    tok = 0
+    for b, (c, n) in enumerate(SPANS):
+        for i in range(n):
+            p = c + i
+            seen = slots[b, 0 if window is None else max(0, p - window + 1):p + 1]
+            for h in range(heads):
+                kv = h // (heads // kv_heads)
+                want = attend_one(flat_k[seen, kv], flat_v[seen, kv], q[tok, h], d**-0.5,
+                                  None if sinks is None else sinks[h])
+                torch.testing.assert_close(ours[tok, h], want, rtol=1e-5, atol=1e-5)
+            tok += 1
+
+
+def test_ragged_reference_without_sinks_or_window_is_the_gather_reference():
+    heads, kv_heads, d = 4, 2, 16
+    q, kc, vc, index, pos, slots, unpad = ragged_case(SPANS, heads, kv_heads, d, seed=2)
+    key = torch.arange(slots.shape[1])
+    meta = AttentionMetadata(slot_mapping=torch.zeros(0, dtype=torch.long), query_index=index, query_unpad=unpad,
+                             kv_slots=slots, mask=(key[None, None, :] <= pos[:, :, None])[:, None])
+    want = paged_attention_reference(q, kc, vc, meta, d**-0.5).view_as(q)
+    torch.testing.assert_close(ragged_paged_attention_ref(q, kc, vc, index, pos, slots, unpad, d**-0.5), want,
+                               rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(DEVICE is None, reason="Triton kernel needs a CUDA GPU (or TRITON_INTERPRET=1)")
+@pytest.mark.parametrize("q_len,heads,kv_heads,window", [(1, 8, 2, 7), (5, 4, 2, 7), (8, 4, 2, None)])
+def test_triton_sinks_and_window_match_reference(q_len, heads, kv_heads, window):
+    """Decode (q_len 1) and verify blocks: the window skips whole tiles, the sink joins the split merge."""
+    d = 16 if DEVICE == "cpu" else 64
+    max_len = 100 if DEVICE == "cpu" else 1200
+    q, kc, vc, tables, seq_lens, _ = random_case(DEVICE, torch.float32 if DEVICE == "cpu" else torch.bfloat16, 2,
+                                                 q_len, heads, kv_heads, d, max_len=max_len, seed=3)
+    zeros = torch.zeros_like(seq_lens)
+    sinks = torch.randn(heads, device=DEVICE)
+    for s in (None, sinks):
+        with torch.no_grad():  # the kernels are inference-only: with grad the references run
+            out = paged_attention(q, kc, vc, tables, seq_lens, zeros, q_len, d**-0.5, True, sinks=s, window=window)
+        ref = paged_attention_ref(q, kc, vc, tables, seq_lens, zeros, q_len, d**-0.5, True, s, window)
+        err = (out.float() - ref.float()).norm() / ref.float().norm()
+        assert err < (1e-5 if DEVICE == "cpu" else 1e-2), err
+
+
+@pytest.mark.skipif(DEVICE is None, reason="Triton kernel needs a CUDA GPU (or TRITON_INTERPRET=1)")
+@pytest.mark.parametrize("heads,kv_heads,window", [(6, 2, 6), (8, 1, None), (4, 4, 3)])
+def test_triton_ragged_matches_reference(heads, kv_heads, window):
+    d = 16 if DEVICE == "cpu" else 64
+    spans = SPANS if DEVICE == "cpu" else [(0, 700), (1000, 300), (40, 1), (129, 17)]
+    q, kc, vc, index, pos, slots, unpad = (t.to(DEVICE) for t in ragged_case(spans, heads, kv_heads, d, seed=5))
+    if DEVICE == "cuda":
+        q, kc, vc = q.bfloat16(), kc.bfloat16(), vc.bfloat16()
+    sinks = torch.randn(heads, device=DEVICE)
+    for s in (None, sinks):
+        with torch.no_grad():
+            out = ragged_paged_attention(q, kc, vc, index, pos, slots, unpad, d**-0.5, s, window)
+        ref = ragged_paged_attention_ref(q, kc, vc, index, pos, slots, unpad, d**-0.5, s, window)
+        err = (out.float() - ref.float()).norm() / ref.float().norm()
+        assert err < (1e-5 if DEVICE == "cpu" else 1e-2), err
+
+
+def window_case(device, dtype, batch, q_len, heads, kv_heads, head_dim, max_len=600, seed=0):
+    """A case with a short block per row (q_start: its first query's position), as DFlash 2 drafter blocks
+    that draft fewer than q_len - 1 tokens: seq_len ends at the block's last real query."""
     q, kc, vc, tables, seq_lens, kv_start = random_case(device, dtype, batch, q_len, heads, kv_heads, head_dim,
-                                                         max_len=600, seed=seed)
+                                                         max_len=max_len, seed=seed)
     g = torch.Generator().manual_seed(seed + 100)
     shorter = torch.randint(0, q_len, (batch,), generator=g).to(seq_lens.device)
     q_start = seq_lens - q_len  # the row's block ends `shorter` keys before seq_len: drop those keys
@@ -97,34 +228,40 @@ def test_window_and_q_start_match_per_head_definition(causal):
     queries sit at q_start + i whatever seq_len is (a block shorter than q_len)."""
     q_len, heads, kv_heads, d, window = 4, 4, 2, 8, 37
     q, kc, vc, tables, seq_lens, kv_start, q_start = window_case("cpu", torch.float32, 3, q_len, heads, kv_heads, d)
-    ours = paged_attention_ref(q, kc, vc, tables, seq_lens, kv_start, q_len, d**-0.5, causal, window, q_start)
+    ours = paged_attention_ref(q, kc, vc, tables, seq_lens, kv_start, q_len, d**-0.5, causal, window=window,
+                               q_start=q_start)
     for b in range(3):
         n = int(seq_lens[b])
         keys = kc[tables[b]].flatten(0, 1)[:n]
         values = vc[tables[b]].flatten(0, 1)[:n]
         for i in range(q_len):
             p = int(q_start[b]) + i
-            last = min(p, n - 1) if causal else n - 1
+            last = min(p, n - 1) if causal else min(p + window - 1, n - 1)
             if last < p - window + 1:
                 continue  # a padding query past the block's end sees nothing
             first = max(0, p - window + 1)
             for h in range(heads):
                 kv = h // (heads // kv_heads)
-                w = (keys[first:last + 1, kv] @ q[b * q_len + i, h] * d**-0.5).softmax(0)
-                torch.testing.assert_close(ours[b * q_len + i, h], w @ values[first:last + 1, kv],
-                                           rtol=1e-5, atol=1e-5)
+                want = attend_one(keys[first:last + 1, kv], values[first:last + 1, kv], q[b * q_len + i, h],
+                                  d**-0.5, None)
+                torch.testing.assert_close(ours[b * q_len + i, h], want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.skipif(DEVICE is None, reason="Triton kernel needs a CUDA GPU (or TRITON_INTERPRET=1)")
 @pytest.mark.parametrize("causal", [True, False])
-def test_triton_window_matches_reference(causal):
-    q_len, heads, kv_heads, d = 8, 8, 2, 64
+def test_triton_window_and_q_start_match_reference(causal):
+    """DFlash 2's use: short blocks (q_start) under a sliding window, causal and not; with a sink as well."""
+    q_len, heads, kv_heads = 8, 8, 2
+    d, max_len, dtype = (16, 100, torch.float32) if DEVICE == "cpu" else (64, 600, torch.bfloat16)
     for window in (5, 70):
-        q, kc, vc, tables, seq_lens, kv_start, q_start = window_case(DEVICE, torch.bfloat16, 3, q_len, heads,
-                                                                     kv_heads, d, seed=window)
-        out = paged_attention(q, kc, vc, tables, seq_lens, kv_start, q_len, d**-0.5, causal, window=window,
-                              q_start=q_start)
-        ref = paged_attention_ref(q, kc, vc, tables, seq_lens, kv_start, q_len, d**-0.5, causal, window, q_start)
-        real = torch.cat([torch.arange(b * q_len, b * q_len + int(seq_lens[b] - q_start[b])) for b in range(3)])
-        err = (out[real].float() - ref[real].float()).norm() / ref[real].float().norm()
-        assert err < 1e-2, err
+        q, kc, vc, tables, seq_lens, kv_start, q_start = window_case(DEVICE, dtype, 3, q_len, heads, kv_heads, d,
+                                                                     max_len=max_len, seed=window)
+        for s in (None, torch.randn(heads, device=DEVICE)):
+            with torch.no_grad():
+                out = paged_attention(q, kc, vc, tables, seq_lens, kv_start, q_len, d**-0.5, causal, sinks=s,
+                                      window=window, q_start=q_start)
+            ref = paged_attention_ref(q, kc, vc, tables, seq_lens, kv_start, q_len, d**-0.5, causal, s, window,
+                                      q_start)
+            real = torch.cat([torch.arange(b * q_len, b * q_len + int(seq_lens[b] - q_start[b])) for b in range(3)])
+            err = (out[real].float() - ref[real].float()).norm() / ref[real].float().norm()
+            assert err < (1e-5 if DEVICE == "cpu" else 1e-2), err

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
 
 import pytest
 import torch
@@ -15,32 +14,14 @@ import torch.nn.functional as F
 
 from blockspec.kernels import quant_linear as ql
 from blockspec.kernels._triton import HAVE_TRITON, INTERPRET, kernel_device
+from blockspec.models.layers.quant_linear import pack_nibbles
 
 KERNEL_DEVICE = kernel_device()
 kernel = pytest.mark.skipif(KERNEL_DEVICE is None, reason="needs a CUDA GPU, or Triton with TRITON_INTERPRET=1")
 gpu = pytest.mark.skipif(not (HAVE_TRITON and torch.cuda.is_available()), reason="needs a CUDA GPU")
 
 
-@dataclass
-class Layer:
-    """The attributes QuantLinear exposes (what quant_linear reads)."""
-    scheme: str
-    qweight: torch.Tensor
-    scales: torch.Tensor
-    zeros: torch.Tensor | None
-    global_scale: torch.Tensor | None
-    group_size: int | None
-    out_features: int
-    in_features: int
-    bias: torch.Tensor | None = None
-
-    def to(self, device: str) -> Layer:
-        move = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in vars(self).items()}
-        return Layer(**move)
-
-
-def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
-    return (q[:, 0::2] | (q[:, 1::2] << 4)).to(torch.uint8)
+Layer = ql.QuantWeights
 
 
 def make_layer(scheme: str, n: int, k: int, dtype: torch.dtype, *, group: int | None = None, zeros: bool = True,

@@ -5,10 +5,19 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
+from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextSparseMoeBlock
 
-from blockspec.models.layers.moe import SparseMoeBlock, experts_grouped, experts_reference, load_expert_weight, route
+from blockspec.models.gpt_oss import deinterleave_rows
+from blockspec.models.layers.moe import (
+    GatedActivation,
+    SparseMoeBlock,
+    experts_grouped,
+    experts_reference,
+    load_expert_weight,
+    route,
+)
 
 
 def _copy_from_hf(ours: SparseMoeBlock, hf: torch.nn.Module) -> None:
@@ -86,3 +95,34 @@ def test_expert_weights_load_per_expert_and_stacked_transposed():
     torch.testing.assert_close(block.mlp.experts.gate_up_proj, stacked.transpose(1, 2))
     assert not load_expert_weight(block, "mlp.experts.down_proj", torch.randn(4, 8, 6))  # ours: plain copy
     assert not load_expert_weight(block, "mlp.gate.weight", torch.randn(4, 8))
+
+
+def test_gpt_oss_block_matches_transformers():
+    """Router with bias, softmax over the top-k logits, experts with biases and the clamped SwiGLU; the
+    checkpoint's interleaved gate|up columns become our [gate; up] halves."""
+    cfg = transformers.GptOssConfig(hidden_size=64, intermediate_size=32, num_local_experts=16, num_experts_per_tok=4)
+    hf = GptOssMLP(cfg).eval()
+    _randomise(hf, 4)
+    with torch.no_grad():  # gates and ups past the clamp limit (7) on both sides
+        hf.experts.gate_up_proj.mul_(30)
+    act = GatedActivation(7.0)
+    ours = SparseMoeBlock(64, 16, 4, 32, True, bias=True, activation=act)
+    with torch.no_grad():
+        ours.gate.weight.copy_(hf.router.weight)
+        ours.gate.bias.copy_(hf.router.bias)
+        ours.experts.gate_up_proj.copy_(deinterleave_rows(hf.experts.gate_up_proj.transpose(1, 2)))
+        ours.experts.gate_up_proj_bias.copy_(deinterleave_rows(hf.experts.gate_up_proj_bias))
+        ours.experts.down_proj.copy_(hf.experts.down_proj.transpose(1, 2))
+        ours.experts.down_proj_bias.copy_(hf.experts.down_proj_bias)
+    x = torch.randn(23, 64, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        want = hf(x[None])[0][0]
+        gu = ours.experts.gate_up_proj
+        h = torch.nn.functional.linear(x, gu.flatten(0, 1)).view(23, 16, 64)
+        assert (h[..., :32] > 7).any() and (h[..., 32:].abs() > 7).any()  # the clamps bind
+        weights, ids = route(ours.gate(x), 4, True)
+        for fn in (experts_reference, experts_grouped):
+            got = fn(x, gu, ours.experts.down_proj, weights, ids, act, ours.experts.gate_up_proj_bias,
+                     ours.experts.down_proj_bias)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ours(x), want, rtol=1e-5, atol=1e-5)

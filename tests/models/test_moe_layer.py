@@ -199,3 +199,17 @@ def test_dispatch_rule(monkeypatch, gpu_like):
         torch.testing.assert_close(got, experts_reference(x[:3], block.experts.gate_up_proj,
                                                           block.experts.down_proj, weights, ids),
                                    rtol=1e-4, atol=1e-5)
+
+
+@kernel
+@pytest.mark.parametrize("t", [1, 5])
+@pytest.mark.parametrize("shared", [0, 16, 8], ids=["routed", "folded-shared", "own-shared"])
+def test_forward_residual_is_the_add(t, shared, gpu_like):
+    """forward_residual folds the residual add into the combine launch: the same bits as residual + forward,
+    in bf16 where the two roundings could differ."""
+    block = make_block(32, 8, 2, 16, shared, torch.bfloat16)
+    block.experts.backend = "fused"
+    x = torch.randn(t, 32, device=DEVICE, dtype=torch.bfloat16)
+    res = torch.randn(t, 32, device=DEVICE, dtype=torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(block.forward_residual(x, res), res + block(x))

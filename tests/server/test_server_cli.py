@@ -72,6 +72,21 @@ def test_flags_map_to_engine_and_server_settings(monkeypatch):
     assert aliases.aliases == {"qwen36-fast": {"temperature": 0.0}, "qwen36-deep": {"temperature": 0.7}}
 
 
+def test_prefix_caching_flags():
+    on = build_engine_config(_parse(SEED_COMMANDS[2]))  # --enable-prefix-caching: on, as by default
+    assert on.enable_prefix_caching and build_engine_config(_parse("m")).enable_prefix_caching
+    off = build_engine_config(_parse("m --no-enable-prefix-caching"))
+    assert not off.enable_prefix_caching and off.num_state_snapshots() == 0
+    hybrid = build_engine_config(_parse("m --mamba-block-size 512 --mamba-cache-snapshots 4"))
+    assert (hybrid.snapshot_interval(), hybrid.num_state_snapshots()) == (512, 4)
+    assert build_engine_config(_parse("m --mamba-cache-mode all")).snapshot_interval() == 16
+    assert build_engine_config(_parse("m --mamba-cache-mode none")).num_state_snapshots() == 0
+    with pytest.raises(ConfigError, match="multiple of --block-size"):
+        build_engine_config(_parse("m --mamba-block-size 100")).validate()
+    with pytest.raises(SystemExit):
+        _parse("m --mamba-cache-mode sometimes")
+
+
 def test_model_positional_overrides_flag_and_default_model_name():
     assert build_engine_config(_parse("/a --model /b")).model == "/a"
     args = _parse("")
@@ -98,13 +113,24 @@ def test_alias_and_config_errors():
         _parse("m --reasoning-parser nope")
 
 
+def test_tool_call_flags():
+    server = build_server_config(_parse(SEED_COMMANDS[2]))
+    assert server.enable_auto_tool_choice and server.tool_call_parser == "qwen3_xml"
+    assert not any("tool" in w for w in warn_ignored(_parse(SEED_COMMANDS[3])))  # used, so not "ignored"
+    with pytest.raises(ConfigError, match="use one of hermes, qwen3_coder, qwen3_xml, llama3_json"):
+        build_server_config(_parse("m --tool-call-parser qwen3"))
+    with pytest.raises(ConfigError, match="--enable-auto-tool-choice needs --tool-call-parser"):
+        build_server_config(_parse("m --enable-auto-tool-choice"))
+
+
 def test_serve_subprocess_warns_serves_and_exits_0_on_sigterm(tiny_models, tiny_drafter):
     port = free_port()
     spec = json.dumps({"method": "dflash", "model": str(tiny_drafter), "num_speculative_tokens": 3})
     proc = start_subprocess([str(tiny_models["qwen3"]), "--host", "127.0.0.1", "--port", str(port),
                              "--speculative-config", spec, "--served-model-name", "a", "b",
                              "--trust-remote-code", "--attention-backend", "flash_attn",
-                             "--load-format", "fastsafetensors", "--enable-prefix-caching"])
+                             "--load-format", "fastsafetensors", "--enable-prefix-caching", "--mamba-cache-mode",
+                             "align"])
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url, timeout=90, proc=proc)
@@ -123,9 +149,9 @@ def test_serve_subprocess_warns_serves_and_exits_0_on_sigterm(tiny_models, tiny_
     finally:
         code, out = stop_subprocess(proc)
     assert code == 0, out
-    for flag in ("--trust-remote-code", "--attention-backend flash_attn", "--load-format fastsafetensors",
-                 "--enable-prefix-caching"):
+    for flag in ("--trust-remote-code", "--attention-backend flash_attn", "--load-format fastsafetensors"):
         assert out.count(f"warning: {flag} is ignored") == 1, out
+    assert "--enable-prefix-caching is ignored" not in out
     assert "Application shutdown complete" in out
 
 

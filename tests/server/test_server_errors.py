@@ -32,7 +32,7 @@ def _error(resp: httpx.Response, status: int) -> dict:
     ({**CHAT, "min_tokens": 9}, "min_tokens", "max_tokens"),
     ({**CHAT, "seed": 1 << 70}, "seed", "64 bits"),
     ({**CHAT, "logit_bias": {"5": 1.0}}, "logit_bias", "not supported"),
-    ({**CHAT, "response_format": {"type": "json_object"}}, "response_format", "not supported"),
+    ({**CHAT, "response_format": {"type": "xml"}}, "response_format", "json_schema"),
     ({**CHAT, "messages": []}, "messages", "empty"),
     ({**CHAT, "messages": [{"role": "wizard", "content": "x"}]}, "messages", "role"),
     ({**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},

@@ -100,6 +100,21 @@ def test_greedy_mtp_equals_autoregressive(mtp_models, family):
     assert engine.runner.decode.k == 2 and run_all(engine, PROMPTS) == ar
 
 
+def test_a_prefix_cache_hit_keeps_the_mtp_drafts(mtp_models, monkeypatch):
+    """A second turn on the first turn's cached blocks: the head's context K/V ride on them (a finishing
+    request writes its last positions into the head's cache), so each step drafts what an uncached engine
+    drafts, and the output is the same."""
+    path = mtp_models["qwen3_5"][0]
+    cached, plain = mtp_engine(path, 3), mtp_engine(path, 3, enable_prefix_caching=False)
+    turn1 = cached.encode(" ".join(PROMPTS) * 2)
+    first = run_all(cached, [turn1], max_tokens=6)
+    turn2 = turn1 + first["r0"] + cached.encode(" and then")
+    hits = cached.prefix_cache_stats.hits
+    got = decode_drafts(cached, monkeypatch, turn2, 10)
+    assert cached.prefix_cache_stats.hits - hits >= 16
+    assert got == decode_drafts(plain, monkeypatch, turn2, 10)
+
+
 def test_method_spellings_and_refusals(mtp_models, tiny_models, tmp_path):
     for method in ("mtp", "qwen3_next_mtp", "qwen3_5_mtp"):
         spec = SpeculativeConfig.from_json(json.dumps({"method": method, "num_speculative_tokens": 2}))

@@ -7,8 +7,9 @@
    QuantExperts on the device, and materialises the rest in the model dtype.
 3. `QuantLoader` (driven by loader.weights.load_weights): routes each stored tensor of a quantized
    layer to its piece and rows (q_proj -> the first rows of qkv_proj, experts.7.up_proj -> expert 7's
-   second half), converting on the device; `finish` checks nothing is missing, unifies NVFP4 global
-   scales of fused shards and applies act-order permutations.
+   second half, experts.gate_up_proj_blocks -> every expert's gate|up at once for stacked formats),
+   converting on the device; `finish` checks nothing is missing, unifies NVFP4 global scales of fused
+   shards and applies act-order permutations.
 """
 
 from __future__ import annotations
@@ -24,7 +25,15 @@ from torch import nn
 
 from blockspec.errors import ConfigError
 from blockspec.loader.quant.config import LayerScheme, QuantConfig
-from blockspec.loader.quant.formats import convert, payload_suffix, required_pieces, scale_suffixes
+from blockspec.loader.quant.formats import (
+    STACKED,
+    convert,
+    convert_stacked,
+    payload_suffix,
+    required_pieces,
+    scale_suffixes,
+    stored_name,
+)
 from blockspec.models.layers.linear import FUSED_SHARDS, FusedLinear
 from blockspec.models.layers.moe import Experts
 from blockspec.models.layers.quant_linear import (
@@ -208,11 +217,14 @@ class _Swapper:
         self.check(gate_up, self.raw(f"{name}.0.gate_proj"), 2 * inter, hidden, g_gu, [0, inter])
         self.check(down, self.raw(f"{name}.0.down_proj"), hidden, inter, g_d, [0])
         experts = QuantExperts(gate_up.scheme, e_count, hidden, inter, g_gu, g_d, symmetric=gate_up.symmetric,
+                               bias=module.gate_up_proj_bias is not None, activation=module.activation,
                                dtype=self.dtype, device=self.device)
         base = self.raw(f"{name}.0.gate_proj").rpartition(".0.gate_proj")[0]
+        stacked = gate_up.source in STACKED
         _describe(experts.gate_up_proj, gate_up, self.qconfig.description,
-                  [f"{base}.{{e}}.gate_proj", f"{base}.{{e}}.up_proj"])
-        _describe(experts.down_proj, down, self.qconfig.description, [f"{base}.{{e}}.down_proj"])
+                  [f"{base}.gate_up_proj"] if stacked else [f"{base}.{{e}}.gate_proj", f"{base}.{{e}}.up_proj"])
+        _describe(experts.down_proj, down, self.qconfig.description,
+                  [f"{base}.down_proj"] if stacked else [f"{base}.{{e}}.down_proj"])
         return experts
 
 
@@ -235,11 +247,11 @@ def _materialize_linear(module: nn.Linear, device: torch.device) -> None:
 
 
 def _materialize_experts(module: Experts, device: torch.device) -> None:
-    for attr in ("gate_up_proj", "down_proj"):
-        param = getattr(module, attr)
+    for attr, param in list(module.named_parameters(recurse=False)):
         if param.is_meta:
-            setattr(module, attr, nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device=device)
-                                               .normal_(0, 0.02), requires_grad=False))
+            value = torch.empty(param.shape, dtype=param.dtype, device=device)
+            value = value.zero_() if attr.endswith("_bias") else value.normal_(0, 0.02)
+            setattr(module, attr, nn.Parameter(value, requires_grad=False))
 
 
 # ---- 3. loading ---------------------------------------------------------------------------------------------
@@ -259,6 +271,7 @@ class QuantLoader:
     def __init__(self, model: nn.Module) -> None:
         self.model = model
         self.index: dict[str, tuple[_QuantTensors, int | None, int]] = {}
+        self.stacked: dict[str, QuantExperts] = {}  # expert stacks stored as one tensor per piece
         self.progress: dict[int, _Progress] = {}
         self.holders: list[_QuantTensors] = []
         for name, module in model.named_modules():
@@ -269,6 +282,8 @@ class QuantLoader:
                     self.index[f"{owner}.{p}" if owner else p] = (module, None, i)
                 self._track(module)
             elif isinstance(module, QuantExperts):
+                if module.gate_up_proj.layer_scheme.source in STACKED:
+                    self.stacked[name] = module
                 for e in range(module.num_experts):
                     self.index[f"{name}.{e}.gate_proj"] = (module.gate_up_proj, e, 0)
                     self.index[f"{name}.{e}.up_proj"] = (module.gate_up_proj, e, 1)
@@ -287,6 +302,8 @@ class QuantLoader:
     def load(self, raw_name: str, name: str, tensor: torch.Tensor) -> bool:
         """Take one checkpoint tensor (`name`: its plain causal-LM name) if it belongs to a quantized layer."""
         module, _, suffix = name.rpartition(".")
+        if module in self.stacked:
+            return self._load_stacked(self.stacked[module], raw_name, suffix, tensor)
         entry = self.index.get(module)
         if entry is None:
             return False
@@ -313,6 +330,23 @@ class QuantLoader:
                                   f"model needs {tuple(target.shape)}: config.json and the weights disagree")
             target.copy_(value)
         progress.loaded.add((kind, expert, shard))
+        return True
+
+    def _load_stacked(self, experts: QuantExperts, raw_name: str, suffix: str, tensor: torch.Tensor) -> bool:
+        """`{proj}_{piece}` of a stacked format: the whole stack's piece at once (biases are not ours)."""
+        proj, _, part = suffix.rpartition("_")
+        holder = {"gate_up_proj": experts.gate_up_proj, "down_proj": experts.down_proj}.get(proj)
+        if holder is None or part == "bias":
+            return False
+        kind, value = convert_stacked(holder.layer_scheme, raw_name, part, tensor, holder.num_experts,
+                                      holder.out_features, holder.in_features)
+        target = getattr(holder, kind)
+        if tuple(target.shape) != tuple(value.shape):
+            raise ConfigError(f"checkpoint tensor {raw_name} gives {kind} of shape {tuple(value.shape)} where the "
+                              f"model needs {tuple(target.shape)}: config.json and the weights disagree")
+        target.copy_(value)
+        loaded = self.progress[id(holder)].loaded
+        loaded.update((kind, e, i) for e in range(holder.num_experts) for i in range(len(holder.shard_sizes)))
         return True
 
     def _rows(self, holder: _QuantTensors, kind: str, expert: int | None, shard: int, raw_name: str) -> torch.Tensor:
@@ -350,8 +384,8 @@ class QuantLoader:
             for i, raw in enumerate(holder.raw_shards):
                 for piece, suffix in pieces.items():
                     if (piece, e, i) not in progress.loaded:
-                        where = raw.format(e=e) if e is not None else raw
-                        raise ConfigError(f"the checkpoint lacks {where}.{suffix} ({holder.quant_description}: every "
+                        where = stored_name(holder.layer_scheme, raw.format(e=e) if e is not None else raw, suffix)
+                        raise ConfigError(f"the checkpoint lacks {where} ({holder.quant_description}: every "
                                           f"quantized layer needs {', '.join(pieces.values())}): the checkpoint is "
                                           "incomplete or not what its config declares; re-download or re-export it")
 

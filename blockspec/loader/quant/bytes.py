@@ -14,7 +14,7 @@ from typing import Any
 
 from blockspec.errors import ConfigError
 from blockspec.loader.quant.config import LayerScheme, parse_quantization
-from blockspec.models.layers.quant_linear import FP8_BLOCK, NVFP4_GROUP
+from blockspec.models.layers.quant_linear import FP8_BLOCK, MXFP4_GROUP, NVFP4_GROUP
 
 SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8,
                      "U32": 4, "U16": 2, "U8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "BOOL": 1}
@@ -34,6 +34,8 @@ def quantized_weight_bytes(scheme: str, n: int, k: int, group_size: int, symmetr
         return n * k + 4 * scales
     if scheme == "nvfp4":
         return n * k // 2 + n * k // NVFP4_GROUP + 4
+    if scheme == "mxfp4":
+        return n * k // 2 + n * k // MXFP4_GROUP
     raise ValueError(f"unknown quantization scheme {scheme!r}")
 
 
@@ -123,7 +125,8 @@ def split_bytes(sizes: Iterable[tuple[str, int]]) -> tuple[int, int, int]:
     total = experts = embed = 0
     for name, size in sizes:
         total += size
-        if ".experts." in name and "shared_expert" not in name:
+        # per-expert tensors (experts.7.up_proj) or a stacked format's module (experts.gate_up_proj_blocks)
+        if (".experts." in name or name.endswith(".experts")) and "shared_expert" not in name:
             experts += size
         if "embed_tokens" in name:
             embed += size

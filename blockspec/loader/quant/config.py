@@ -22,7 +22,7 @@ SUPPORTED = ("compressed-tensors nvfp4-pack-quantized, pack-quantized int4/int8 
              "symmetric or asymmetric), float-quantized fp8 (per tensor, per channel, 128x128 blocks) and "
              "int-quantized int8; ModelOpt NVFP4 / FP8 (per tensor, per channel, 128x128 blocks); fp8 with "
              "128x128 block scales; GPTQ int4/int8 (v1 and v2 zero points, act-order); AWQ int4 (gemm); "
-             "AutoRound int4/int8 (auto_round:auto_gptq, auto_round:auto_awq)")
+             "AutoRound int4/int8 (auto_round:auto_gptq, auto_round:auto_awq); MXFP4 experts (GPT-OSS)")
 
 # --quantization values (vLLM's names) that mean each checkpoint method.
 FLAG_NAMES: dict[str, tuple[str, ...]] = {
@@ -32,6 +32,7 @@ FLAG_NAMES: dict[str, tuple[str, ...]] = {
     "gptq": ("gptq", "gptq_marlin", "gptq_bitblas", "marlin"),
     "awq": ("awq", "awq_marlin"),
     "auto-round": ("auto-round", "auto_round", "autoround", "intel/auto-round"),
+    "mxfp4": ("mxfp4",),
 }
 KNOWN_FLAGS = tuple(sorted({n for names in FLAG_NAMES.values() for n in names}))
 LINEAR_CLASSES = ("Linear", "LinearBase", "nn.Linear", "torch.nn.Linear")
@@ -46,8 +47,8 @@ class LayerScheme:
     or tensor; nvfp4 16.
     """
 
-    scheme: str  # int4 | int8 | fp8 | nvfp4
-    source: str  # ct-pack | ct-int | ct-float | ct-nvfp4 | modelopt-nvfp4 | modelopt-fp8 | hf-fp8 | gptq | awq
+    scheme: str  # int4 | int8 | fp8 | nvfp4 | mxfp4
+    source: str  # ct-pack | ct-int | ct-float | ct-nvfp4 | modelopt-nvfp4 | modelopt-fp8 | hf-fp8 | gptq | awq | mxfp4
     group_size: int
     symmetric: bool = True
     gptq_v1: bool = False  # GPTQ v1 checkpoints store zero - 1
@@ -57,7 +58,7 @@ class LayerScheme:
 class QuantConfig:
     """A checkpoint's quantization: the method, a one-line description, and the per-layer schemes."""
 
-    method: str  # compressed-tensors | modelopt | fp8 | gptq | awq | auto-round
+    method: str  # compressed-tensors | modelopt | fp8 | gptq | awq | auto-round | mxfp4
     description: str
     tensors: dict[str, tuple[str, tuple[int, ...]]] = field(default_factory=dict)  # raw name -> (dtype, shape)
 
@@ -288,6 +289,29 @@ def _auto_round(qcfg: dict[str, Any], tensors: dict) -> IntPackedConfig:
                            overrides)
 
 
+# ---- MXFP4 (GPT-OSS) ------------------------------------------------------------------------------------
+
+class Mxfp4Config(QuantConfig):
+    """`quant_method: mxfp4` (GPT-OSS): the routed experts stored as stacked `*_blocks` / `*_scales` (E2M1
+    codes, one E8M0 scale per 32 inputs), everything else in bf16. transformers and vLLM quantize exactly
+    the experts (`modules_to_not_convert` lists the rest), and so does this; experts a checkpoint stores in
+    float (a dequantized export that kept the config) load unquantized."""
+
+    def __init__(self, qcfg: dict[str, Any], tensors: dict) -> None:
+        self.scheme = LayerScheme("mxfp4", "mxfp4", 32)
+        self.exclude = [str(p) for p in qcfg.get("modules_to_not_convert") or []]
+        super().__init__("mxfp4", "MXFP4 experts", tensors)
+
+    def scheme_for(self, module: str) -> LayerScheme | None:
+        owner, found, _ = module.partition(".experts.")  # ...mlp.experts.{e}.{gate,up,down}_proj
+        if not found or any(wildcard_matches(module, p) for p in self.exclude):
+            return None
+        stacks = (f"{owner}.experts.{p}_blocks" for p in ("gate_up_proj", "down_proj"))
+        if self.tensors and not any(name in self.tensors for name in stacks):
+            return None
+        return self.scheme
+
+
 # ---- detection --------------------------------------------------------------------------------------------
 
 def _unsupported(what: str) -> None:
@@ -348,6 +372,8 @@ def parse_quantization(qcfg: dict[str, Any], tensors: dict | None = None) -> Qua
         return _gptq(qcfg, tensors)
     if method == "awq":
         return _awq(qcfg, tensors)
+    if method == "mxfp4":
+        return Mxfp4Config(qcfg, tensors)
     if method in ("auto-round", "autoround", "auto_round", "intel/auto-round"):
         return _auto_round(qcfg, tensors)
     _unsupported(f"quant_method {method or '(none)'}")

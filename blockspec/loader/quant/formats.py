@@ -20,6 +20,9 @@ formats' definitions:
   along N; `scales` [K/G, N]; `g_idx` [K]; v1 checkpoints store zero - 1.
 - AWQ (gemm): `qweight` int32 [K, N/8] and `qzeros` [K/G, N/8] packed along N in the nibble order
   0 2 4 6 1 3 5 7; `scales` [K/G, N]; zeros stored as they are.
+- MXFP4 (GPT-OSS, one tensor per expert stack, `convert_stacked`): `{proj}_blocks` uint8
+  [E, N, K/32, 16], each group of 32 inputs as 16 bytes of E2M1 codes (even element in the low nibble);
+  `{proj}_scales` uint8 [E, N, K/32] of E8M0 exponents. Our layout holds the same bytes as [E, N, K/2].
 """
 
 from __future__ import annotations
@@ -46,7 +49,10 @@ REQUIRED = {
     "hf-fp8": {"qweight": "weight", "scales": "weight_scale_inv"},
     "gptq": {"qweight": "qweight", "scales": "scales", "zeros": "qzeros"},
     "awq": {"qweight": "qweight", "scales": "scales", "zeros": "qzeros"},
+    "mxfp4": {"qweight": "blocks", "scales": "scales"},
 }
+# Sources that store each expert stack as one tensor per piece, named `{proj}_{suffix}`.
+STACKED = ("mxfp4",)
 ZERO_SUFFIX = {"ct-pack": "weight_zero_point", "ct-int": "weight_zero_point"}
 AWQ_ORDER_INVERSE = (0, 4, 1, 5, 2, 6, 3, 7)  # natural column c sits at nibble AWQ_ORDER_INVERSE[c] of a word
 
@@ -162,6 +168,25 @@ def _awq_unpack(name: str, t: torch.Tensor, rows: int, n: int) -> torch.Tensor:
     nibbles = unpack_nibbles(_words_to_bytes(t)).view(rows, n // 8, 8)
     order = torch.tensor(AWQ_ORDER_INVERSE, device=t.device)
     return nibbles.index_select(-1, order).reshape(rows, n)
+
+
+def stored_name(ls: LayerScheme, module: str, suffix: str) -> str:
+    """The checkpoint name of one piece of a projection (`module.suffix`, or `module_suffix` when stacked)."""
+    return f"{module}_{suffix}" if ls.source in STACKED else f"{module}.{suffix}"
+
+
+def convert_stacked(ls: LayerScheme, name: str, suffix: str, t: torch.Tensor, e: int, n: int,
+                    k: int) -> tuple[str, torch.Tensor]:
+    """One stored tensor of a whole expert stack ([e, n, k] logically) -> (piece, tensor in our layout)."""
+    if ls.source == "mxfp4" and suffix == "blocks":
+        _expect(name, t, (torch.uint8,), (e, n, k // 32, 16))
+        return "qweight", t.reshape(e, n, k // 2)
+    if ls.source == "mxfp4" and suffix == "scales":
+        _expect(name, t, (torch.uint8,), (e, n, k // 32))
+        return "scales", t
+    _fail(name, f"is not part of the {ls.source} layout as blockspec reads it (expected "
+                f"{', '.join(required_pieces(ls).values())})")
+    raise AssertionError  # unreachable
 
 
 def convert(ls: LayerScheme, name: str, suffix: str, t: torch.Tensor, n: int, k: int, group: int,

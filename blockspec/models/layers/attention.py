@@ -4,7 +4,8 @@ A step runs a flat, ragged batch of tokens (prefill chunks and k+1-token verify 
 The runner describes the batch once per step in an `AttentionMetadata`; every attention layer reads
 it from the forward context, writes its new K/V into its paged cache and attends. The reference
 kernel gathers each sequence's keys into a padded [batch, max_len] view and runs SDPA under a mask;
-it is the oracle for the Triton kernels and the path used on CPU.
+it is the oracle for the Triton kernels and the path used on CPU. Layers with attention sinks or a
+sliding window (GPT-OSS) take kernels.paged_attention's ragged kernel instead (SDPA has neither).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from blockspec.device import upload
-from blockspec.kernels.paged_attention import paged_attention
+from blockspec.kernels.paged_attention import paged_attention, ragged_paged_attention, softmax_with_sinks
 
 if TYPE_CHECKING:
     from blockspec.models.layers.recurrent_state import DecodeStateMetadata, StateMetadata
@@ -51,6 +52,7 @@ class AttentionMetadata:
     query_unpad:  [T] index into the flattened [B * Qmax] padded queries of each real token.
     kv_slots:     [B, Lmax] cache slot of key position j of sequence b (padding points at slot 0).
     mask:         [B, 1, Qmax, Lmax] True where query i of sequence b may attend to key j.
+    query_pos:    [B, Qmax] position of each padded query (sliding-window layers derive their mask from it).
     """
 
     slot_mapping: torch.Tensor
@@ -58,6 +60,7 @@ class AttentionMetadata:
     query_unpad: torch.Tensor | None = None
     kv_slots: torch.Tensor | None = None
     mask: torch.Tensor | None = None
+    query_pos: torch.Tensor | None = None
     decode: DecodeMetadata | None = None
     # One sequence prefilling from position 0: its keys are exactly the new tokens, so contiguous
     # causal SDPA (flash attention on GPU) replaces the masked gather.
@@ -105,6 +108,7 @@ def ragged_metadata(spans: list[tuple[list[int], int, int]], block_size: int, de
         query_unpad=t(query_unpad),
         kv_slots=t([s + [0] * (lmax - len(s)) for s in kv]).view(len(spans), lmax),
         mask=mask[:, None],
+        query_pos=query_pos,
     )
 
 
@@ -166,24 +170,41 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     return out[meta.query_unpad]
 
 
-def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: int,
-                           scale: float) -> torch.Tensor:
+def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: int, scale: float,
+                           sinks: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
     """q [T, H, D], k/v [T, Hkv, D] of `batch` equal-length rows -> [T, H * D], causal, no cache."""
     t, h, d = q.shape
     qb, kb, vb = (x.reshape(batch, t // batch, x.shape[1], d).transpose(1, 2) for x in (q, k, v))
-    out = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale, enable_gqa=kb.shape[1] != h)
-    return out.transpose(1, 2).reshape(t, h * d)
+    if sinks is None and window is None:
+        out = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale, enable_gqa=kb.shape[1] != h)
+        return out.transpose(1, 2).reshape(t, h * d)
+    pos = torch.arange(t // batch, device=q.device)
+    visible = pos[None, :] <= pos[:, None]
+    if window is not None:
+        visible = visible & (pos[:, None] - pos[None, :] < window)
+    group = h // kb.shape[1]
+    kb, vb = kb.repeat_interleave(group, dim=1), vb.repeat_interleave(group, dim=1)
+    scores = (qb @ kb.transpose(-1, -2) * scale).masked_fill(~visible, float("-inf"))
+    weights = softmax_with_sinks(scores.float(), None if sinks is None else sinks.float().view(1, h, 1, 1))
+    return (weights.to(vb.dtype) @ vb).transpose(1, 2).reshape(t, h * d)
 
 
 class PagedAttention(nn.Module):
-    """Attention over a paged KV cache that the runner binds after allocating it."""
+    """Attention over a paged KV cache that the runner binds after allocating it.
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+    `sliding_window`: queries see only the keys less than that many positions back (None: all);
+    `sinks`: a learned per-head logit in every softmax (GPT-OSS), the checkpoint's `self_attn.sinks`.
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 sliding_window: int | None = None, sinks: bool = False) -> None:
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
+        self.sliding_window = sliding_window
+        self.sinks = nn.Parameter(torch.zeros(num_heads)) if sinks else None
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
 
@@ -198,7 +219,7 @@ class PagedAttention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, stored: bool = False) -> torch.Tensor:
         meta = current_metadata()
         if isinstance(meta, DenseCausalMetadata):
-            return dense_causal_attention(q, k, v, meta.batch, self.scale)
+            return dense_causal_attention(q, k, v, meta.batch, self.scale, self.sinks, self.sliding_window)
         if self.k_cache is None or self.v_cache is None:
             raise RuntimeError("KV cache not bound: the runner allocates it before the first step")
         if not stored:
@@ -206,7 +227,13 @@ class PagedAttention(nn.Module):
         if meta.decode is not None:
             d = meta.decode
             out = paged_attention(q, self.k_cache, self.v_cache, d.block_tables, d.seq_lens, d.kv_start, d.q_len,
-                                  self.scale, causal=True)
+                                  self.scale, causal=True, sinks=self.sinks, window=self.sliding_window)
+            return out.reshape(q.shape[0], -1)
+        if self.sinks is not None or self.sliding_window is not None:
+            if meta.query_pos is None:
+                raise RuntimeError("sliding-window / sink attention needs AttentionMetadata.query_pos (the runner's)")
+            out = ragged_paged_attention(q, self.k_cache, self.v_cache, meta.query_index, meta.query_pos,
+                                         meta.kv_slots, meta.query_unpad, self.scale, self.sinks, self.sliding_window)
             return out.reshape(q.shape[0], -1)
         if meta.fresh_prefill:
             out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],

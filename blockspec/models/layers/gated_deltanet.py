@@ -238,6 +238,12 @@ class GatedDeltaNet(nn.Module):
                                lambda: (_state_rows(bases, meta.lengths, done, width), torch.int64))
             slots = meta.tensor("done_slots", lambda: ([meta.slots[b] for b in done], torch.int64))
             st.conv[slots] = buffer[ends].view(len(done), width, -1).to(st.conv.dtype)
+        if meta.snapshots:  # the window before each snapshot point
+            saves = [(b, off, entry) for b in range(meta.num_seqs) for off, entry in meta.snapshots[b]]
+            rows = meta.tensor(("snap_conv_rows", width), lambda: (
+                [bases[b] + off + j for b, off, _ in saves for j in range(width)], torch.int64))
+            entries = meta.tensor("snap_entries", lambda: ([e for _, _, e in saves], torch.int64))
+            st.snap_conv[entries] = buffer[rows].view(len(saves), width, -1).to(st.snap_conv.dtype)
         return F.silu(y), buffer
 
     # ---- delta rule --------------------------------------------------------------------------
@@ -256,15 +262,23 @@ class GatedDeltaNet(nn.Module):
                 if keep:  # checkpoints are per row of the step (recurrent_state.py)
                     st.checkpoints[b, :n] = states.to(st.checkpoints.dtype)
             else:
-                fn = delta_rule.recurrent if n <= RECURRENT_MAX_TOKENS else delta_rule.chunked
-                out[sl], final = fn(qp[sl], kp[sl], vf[sl], g[sl], bf[sl], h0)[:2]
-                st.ssm[slot] = final.to(st.ssm.dtype)
+                h = h0
+                for a, e, entry in meta.pieces(b):  # one piece unless the pass saves snapshots in this span
+                    fn = delta_rule.recurrent if e - a <= RECURRENT_MAX_TOKENS else delta_rule.chunked
+                    pl = slice(s + a, s + e)
+                    out[pl], h = fn(qp[pl], kp[pl], vf[pl], g[pl], bf[pl], h)[:2]
+                    if entry is not None:
+                        st.snap_ssm[entry] = h.to(st.snap_ssm.dtype)
+                st.ssm[slot] = h.to(st.ssm.dtype)
         inputs = (kp, vf, g, bf) if st.checkpoints is None else None
         return out, inputs
 
     def _delta_rule_fla(self, q, k, v, g, beta, meta: StateMetadata, st: LayerState):
         initial = _from_slots(st.ssm, meta).float()
-        out, final = delta_rule_fla.run(q, k, v, g, beta, initial, meta.cu_seqlens, max(meta.lengths))
+        if meta.snapshots:
+            out, final = self._fla_in_pieces(q, k, v, g, beta, initial, meta, st)
+        else:
+            out, final = delta_rule_fla.run(q, k, v, g, beta, initial, meta.cu_seqlens, max(meta.lengths))
         done = meta.spans(speculative=False)
         if done:
             idx = meta.tensor("done_index", lambda: (done, torch.int64))
@@ -285,6 +299,22 @@ class GatedDeltaNet(nn.Module):
                                                       torch.int64))
         st.checkpoints.view(-1, *st.checkpoints.shape[2:])[rows] = states.to(st.checkpoints.dtype)
         return out, None
+
+    def _fla_in_pieces(self, q, k, v, g, beta, initial: torch.Tensor, meta: StateMetadata, st: LayerState):
+        """fla over spans cut at their snapshot points: round r runs the r-th piece of every span that has
+        one (one varlen call), from the state the previous round ended in, and saves the snapshots."""
+        out = None
+        final = initial.clone()
+        for rnd in meta.piece_rounds():
+            o, f = delta_rule_fla.run(q[rnd.tokens], k[rnd.tokens], v[rnd.tokens], g[rnd.tokens], beta[rnd.tokens],
+                                      final[rnd.spans], rnd.cu_seqlens, rnd.longest)
+            if out is None:
+                out = o.new_empty((q.shape[0], *o.shape[1:]))
+            out[rnd.tokens] = o
+            final[rnd.spans] = f
+            if rnd.entries is not None:
+                st.snap_ssm[rnd.entries] = f[rnd.saved].to(st.snap_ssm.dtype)
+        return out, final
 
     # ---- commit ------------------------------------------------------------------------------
 

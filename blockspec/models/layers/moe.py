@@ -1,7 +1,9 @@
 """Sparse mixture-of-experts MLP: top-k routing, routed SwiGLU experts, optional gated shared expert.
 
 Routing follows the Qwen MoE family: softmax over all experts in float32, top-k, and (when the config
-says so) the k weights renormalised to sum to one. The experts live as two stacked tensors,
+says so) the k weights renormalised to sum to one (GPT-OSS's softmax over the top-k logits is that
+renormalised case; its router and experts also carry biases, and its experts' gate is the clamped
+SwiGLU of `GatedActivation`). The experts live as two stacked tensors,
 `gate_up_proj` [E, 2I, H] and `down_proj` [E, H, I], the layout grouped GEMMs want and the one
 transformers 5 uses in memory; checkpoints that store one tensor per expert are copied into slices
 (`load_expert_weight`).
@@ -14,6 +16,7 @@ Three ways to run the routed experts, picked per call by `experts_forward`:
 - `experts_fused` (kernels/moe_grouped.py): Triton kernels for decode and verify steps (up to
   FUSED_MAX_TOKENS tokens) with no host sync, so the routing runs inside CUDA graphs; `SparseMoeBlock`
   then also routes with one kernel and folds a same-sized shared expert into the grouped launches.
+  Plain experts only (silu(gate) * up, no biases): GPT-OSS's take the grouped or the reference path.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -46,6 +50,27 @@ FUSED_MAX_TOKENS = int(os.environ.get("BLOCKSPEC_MOE_FUSED_MAX_TOKENS", "256"))
 _EXPERT_NAME = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>gate|up|down)_proj\.weight$")
 
 
+@dataclass(frozen=True)
+class GatedActivation:
+    """How an expert joins its gate and up halves: silu(gate) * up when `limit` is None; else GPT-OSS's
+    clamped SwiGLU, gate * sigmoid(alpha * gate) * (up + 1) with gate clamped above at `limit` and up to
+    [-limit, limit]."""
+
+    limit: float | None = None
+    alpha: float = 1.702
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        if self.limit is None:
+            return F.silu(gate) * up
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(-self.limit, self.limit)
+        return gate * torch.sigmoid(gate * self.alpha) * (up + 1)
+
+
+SILU = GatedActivation()
+ExpertFn = Callable[[torch.Tensor, int], torch.Tensor]
+
+
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """[T, E] logits -> (weights [T, k] in the logits' dtype, expert ids [T, k])."""
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
@@ -55,16 +80,27 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
     return weights.to(router_logits.dtype), ids
 
 
-def experts_reference(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-                      weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """x [T, H]; gate_up [E, 2I, H]; down [E, H, I]; weights/ids [T, k] -> [T, H]."""
+def experts_loop(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: ExpertFn, down: ExpertFn,
+                 act: GatedActivation = SILU) -> torch.Tensor:
+    """The definition of a routed expert layer: for each expert that received tokens, its projections
+    (`gate_up(rows, e)` -> [n, 2I], `down(rows, e)` -> [n, H]) on its tokens, weighted and summed."""
     out = torch.zeros_like(x)
     for e in torch.unique(ids).tolist():
         token, slot = torch.where(ids == e)
-        gate, up = F.linear(x[token], gate_up[e]).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, down[e]) * weights[token, slot, None]
+        gate, up = gate_up(x[token], e).chunk(2, dim=-1)
+        y = down(act(gate, up), e) * weights[token, slot, None]
         out.index_add_(0, token, y.to(out.dtype))
     return out
+
+
+def experts_reference(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
+                      ids: torch.Tensor, act: GatedActivation = SILU, gate_up_bias: torch.Tensor | None = None,
+                      down_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, H]; gate_up [E, 2I, H]; down [E, H, I]; weights/ids [T, k]; biases [E, 2I] / [E, H] -> [T, H]."""
+    def project(w: torch.Tensor, b: torch.Tensor | None) -> ExpertFn:
+        return lambda rows, e: F.linear(rows, w[e], None if b is None else b[e])
+
+    return experts_loop(x, weights, ids, project(gate_up, gate_up_bias), project(down, down_bias), act)
 
 
 def grouped_layout(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -76,8 +112,9 @@ def grouped_layout(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, t
     return order, torch.cumsum(counts, 0).to(torch.int32)
 
 
-def experts_grouped(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-                    weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+def experts_grouped(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
+                    ids: torch.Tensor, act: GatedActivation = SILU, gate_up_bias: torch.Tensor | None = None,
+                    down_bias: torch.Tensor | None = None) -> torch.Tensor:
     """Same result as `experts_reference`, as two grouped GEMMs over the expert-sorted pairs.
 
     Each token's k expert outputs are summed in a fixed order (its top-k order), so the result does
@@ -86,9 +123,14 @@ def experts_grouped(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     t, k = ids.shape
     order, offsets = grouped_layout(ids, gate_up.shape[0])
     token = order // k
+    expert = ids.reshape(-1)[order]  # each sorted pair's expert (for the biases)
     h = torch._grouped_mm(x[token], gate_up.transpose(1, 2), offs=offsets)  # [T*k, 2I]
+    if gate_up_bias is not None:
+        h = h + gate_up_bias[expert]
     gate, up = h.chunk(2, dim=-1)
-    y = torch._grouped_mm(F.silu(gate) * up, down.transpose(1, 2), offs=offsets)  # [T*k, H]
+    y = torch._grouped_mm(act(gate, up), down.transpose(1, 2), offs=offsets)  # [T*k, H]
+    if down_bias is not None:
+        y = y + down_bias[expert]
     pairs = torch.empty_like(y)
     pairs[order] = y
     return (pairs.view(t, k, -1) * weights[..., None]).sum(dim=1).to(x.dtype)
@@ -118,34 +160,46 @@ def fused_applies(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ba
 
 
 def experts_forward(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
-                    ids: torch.Tensor, backend: str = "auto") -> torch.Tensor:
+                    ids: torch.Tensor, backend: str = "auto", act: GatedActivation = SILU,
+                    gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None) -> torch.Tensor:
     """Routed experts through the chosen backend (auto: fused for few tokens, else grouped on CUDA when
-    supported, else reference)."""
-    if fused_applies(x, gate_up, down, backend):
+    supported, else reference); experts with biases or the clamped gate skip the fused kernels."""
+    plain = act == SILU and gate_up_bias is None and down_bias is None
+    if plain and fused_applies(x, gate_up, down, backend):
         return experts_fused(x, gate_up, down, weights, ids)
     if backend in ("auto", "fused"):
         backend = "grouped" if x.device.type == "cuda" and grouped_supported(x) else "reference"
-    if backend == "grouped":
-        return experts_grouped(x, gate_up, down, weights, ids)
-    return experts_reference(x, gate_up, down, weights, ids)
+    fn = experts_grouped if backend == "grouped" else experts_reference
+    return fn(x, gate_up, down, weights, ids, act, gate_up_bias, down_bias)
 
 
 class Experts(nn.Module):
-    """The stacked expert weights; `forward` runs them for routed tokens."""
+    """The stacked expert weights (and, with `bias`, per-expert biases [E, 2I] / [E, H]); `forward` runs
+    them for routed tokens."""
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, bias: bool = False,
+                 activation: GatedActivation = SILU) -> None:
         super().__init__()
         self.num_experts = num_experts
         self.intermediate_size = intermediate_size
+        self.activation = activation
         # Initialised (not left empty) so that dummy-weight runs route and compute on finite numbers.
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size).normal_(0, 0.02))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size).normal_(0, 0.02))
+        self.gate_up_proj_bias = nn.Parameter(torch.zeros(num_experts, 2 * intermediate_size)) if bias else None
+        self.down_proj_bias = nn.Parameter(torch.zeros(num_experts, hidden_size)) if bias else None
         self.backend = os.environ.get("BLOCKSPEC_MOE_BACKEND", "auto")
         if self.backend not in BACKENDS:
             raise ConfigError(f"BLOCKSPEC_MOE_BACKEND={self.backend!r}: use one of {', '.join(BACKENDS)}")
 
+    @property
+    def plain(self) -> bool:
+        """silu(gate) * up without biases: what the fused kernels compute."""
+        return self.activation == SILU and self.gate_up_proj_bias is None
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        return experts_forward(x, self.gate_up_proj, self.down_proj, weights, ids, self.backend)
+        return experts_forward(x, self.gate_up_proj, self.down_proj, weights, ids, self.backend, self.activation,
+                               self.gate_up_proj_bias, self.down_proj_bias)
 
     def load_expert(self, expert: int, proj: str, tensor: torch.Tensor) -> None:
         """Copy one expert's gate/up/down matrix (checkpoint layout [out, in]) into its slice."""
@@ -189,12 +243,13 @@ class SparseMoeBlock(nn.Module):
     """
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int,
-                 renormalize: bool, shared_intermediate_size: int = 0) -> None:
+                 renormalize: bool, shared_intermediate_size: int = 0, bias: bool = False,
+                 activation: GatedActivation = SILU) -> None:
         super().__init__()
         self.top_k = top_k
         self.renormalize = renormalize
-        self.gate = Linear(hidden_size, num_experts, bias=False)
-        self.experts = Experts(num_experts, hidden_size, intermediate_size)
+        self.gate = Linear(hidden_size, num_experts, bias=bias)
+        self.experts = Experts(num_experts, hidden_size, intermediate_size, bias, activation)
         self.shared_expert = SharedExpert(hidden_size, shared_intermediate_size) if shared_intermediate_size else None
         self.shared_expert_gate = Linear(hidden_size, 1, bias=False) if shared_intermediate_size else None
         self.route_override: RouteFn | None = None
@@ -205,7 +260,8 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        if fused_applies(x, self.experts.gate_up_proj, self.experts.down_proj, self.experts.backend):
+        if getattr(self.experts, "plain", False) and \
+                fused_applies(x, self.experts.gate_up_proj, self.experts.down_proj, self.experts.backend):
             return self._forward_fused(x).view(shape)
         logits = self.gate(x)
         if self.route_override is not None:
@@ -219,6 +275,15 @@ class SparseMoeBlock(nn.Module):
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out.view(shape)
 
+    def forward_residual(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual + self(x): on the fused path the add rides in the combine launch (rounded as the add is)."""
+        flat = x.reshape(-1, x.shape[-1])
+        res = residual.reshape(-1, residual.shape[-1])
+        if (res.is_contiguous() and res.dtype == flat.dtype
+                and fused_applies(flat, self.experts.gate_up_proj, self.experts.down_proj, self.experts.backend)):
+            return self._forward_fused(flat, res).view(residual.shape)
+        return residual + self.forward(x)
+
     def _record(self, ids: torch.Tensor) -> None:
         self.last_ids = self.ids_by_tokens[ids.shape[0]] = ids
 
@@ -230,11 +295,11 @@ class SparseMoeBlock(nn.Module):
         shared = SharedWeights(se.gate_proj.weight, se.up_proj.weight, se.down_proj.weight)
         return shared if shared_foldable(shared, self.experts.gate_up_proj, self.experts.down_proj) else None
 
-    def _forward_fused(self, x: torch.Tensor) -> torch.Tensor:
+    def _forward_fused(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """Router GEMM, routing (top-k and the shared gate) + grouping by expert, gate_up, down, combine:
         five launches for a small step (the routing and grouping share one), six for a large one."""
         x = x if x.is_contiguous() else x.contiguous()
-        logits = skinny_linear(x, self.gate.weight)
+        logits = skinny_linear(x, self.gate.weight, self.gate.bias)
         shared = self._folded_shared()
         shared_gate = self.shared_expert_gate.weight if shared is not None else None
         layout = None
@@ -245,10 +310,13 @@ class SparseMoeBlock(nn.Module):
             shared_w = moe_route(logits, self.top_k, self.renormalize, x, shared_gate, topk=False)[2]
         if self.record_routing:
             self._record(ids)
+        separate = self.shared_expert is not None and shared is None  # a differently sized one: its own path
         out = moe_experts(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids, shared, shared_w,
-                          layout=layout)
-        if self.shared_expert is not None and shared is None:  # a differently sized shared expert: its own path
+                          layout=layout, residual=None if separate else residual)
+        if separate:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+            if residual is not None:
+                out = residual + out
         return out
 
 

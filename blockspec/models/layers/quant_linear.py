@@ -1,8 +1,9 @@
 """Quantized linear layers: one packed in-memory layout per scheme, and the dequantize reference.
 
-Every checkpoint format (compressed-tensors, ModelOpt, GPTQ, AWQ, AutoRound) is converted at load time
-(blockspec/loader/quant/) into one of four layouts, so the kernels know exactly four. A weight of
-logical shape [N, K] (out, in):
+Every checkpoint format (compressed-tensors, ModelOpt, GPTQ, AWQ, AutoRound, MXFP4) is converted at load
+time (blockspec/loader/quant/) into one of five layouts, so the kernels know exactly these (the linear
+kernels read the first four, SCHEMES; "mxfp4", GPT-OSS's experts, has only the reference so far). A weight
+of logical shape [N, K] (out, in):
 
 - "int4":  qweight uint8 [N, K/2], two unsigned nibbles per byte, element k even in the LOW nibble;
            scales [N, K/G] model dtype; zeros uint8 [N, K/G] (unsigned; symmetric formats store 8; a
@@ -14,6 +15,9 @@ logical shape [N, K] (out, in):
            w = qweight.float() * scale, broadcast per row or per block.
 - "nvfp4": qweight uint8 [N, K/2] of E2M1 codes (bits s e1 e0 m; element k even in the LOW nibble);
            scales float8_e4m3fn [N, K/16]; global_scale float32 scalar; w = e2m1 * scales.float() * global.
+- "mxfp4": qweight uint8 [N, K/2] of E2M1 codes (as nvfp4); scales uint8 [N, K/32] of E8M0 exponents
+           (a power of two per 32 elements, bias 127); w = e2m1 * 2 ** (scales - 127). GPT-OSS experts'
+           `*_blocks` [.., N, K/32, 16] are these bytes, `*_scales` these scales (OCP MX format).
 
 Stacked MoE experts (`QuantExpertWeights`) hold the same tensors with a leading [E] dim (global_scale
 [E]). `perm` (int64 [K], or None): GPTQ act-order checkpoints are permuted at load so that group k // G
@@ -32,9 +36,13 @@ from torch import nn
 
 from blockspec.kernels._triton import use_triton
 from blockspec.kernels.skinny_linear import linear
+from blockspec.models.layers.moe import SILU, GatedActivation, experts_loop
 
-SCHEMES = ("int4", "int8", "fp8", "nvfp4")
+SCHEMES = ("int4", "int8", "fp8", "nvfp4")  # the layouts the Triton linear kernels read (kernels/quant_linear.py)
+LAYOUTS = (*SCHEMES, "mxfp4")  # every layout; mxfp4 (GPT-OSS experts) has only the dequantize reference so far
 NVFP4_GROUP = 16
+MXFP4_GROUP = 32
+E8M0_BIAS = 127
 FP8_BLOCK = 128
 # E2M1 magnitudes by the 3 low bits of a code; bit 3 is the sign.
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -96,6 +104,9 @@ def dequantize(scheme: str, qweight: torch.Tensor, scales: torch.Tensor, zeros: 
         w = e2m1 * _per_group(scales.float(), NVFP4_GROUP, k)
         g = global_scale.float()
         w = w * (g.reshape(*g.shape, 1, 1) if g.dim() else g)
+    elif scheme == "mxfp4":
+        e2m1 = e2m1_table(qweight.device)[unpack_nibbles(qweight).long()]
+        w = torch.ldexp(e2m1, _per_group(scales.int() - E8M0_BIAS, MXFP4_GROUP, e2m1.shape[-1]))
     else:
         raise ValueError(f"unknown quantization scheme {scheme!r}")
     return w.to(dtype)
@@ -117,17 +128,22 @@ def layout_shapes(scheme: str, n: int, k: int, group_size: int, symmetric: bool
     if scheme == "nvfp4":
         return {"qweight": ((n, k // 2), torch.uint8), "scales": ((n, k // NVFP4_GROUP), torch.float8_e4m3fn),
                 "zeros": None, "global_scale": ((), torch.float32)}
+    if scheme == "mxfp4":
+        return {"qweight": ((n, k // 2), torch.uint8), "scales": ((n, k // MXFP4_GROUP), torch.uint8),
+                "zeros": None, "global_scale": None}
     raise ValueError(f"unknown quantization scheme {scheme!r}")
 
 
 def check_shape(scheme: str, n: int, k: int, group_size: int) -> str | None:
     """Why [N, K] cannot take this layout (None when it can)."""
-    if scheme in ("int4", "nvfp4") and k % 2:
+    if scheme in ("int4", "nvfp4", "mxfp4") and k % 2:
         return f"in_features {k} is odd (two 4-bit values per byte)"
     if scheme in ("int4", "int8") and (group_size <= 0 or k % group_size):
         return f"in_features {k} is not a multiple of the group size {group_size}"
     if scheme == "nvfp4" and k % NVFP4_GROUP:
         return f"in_features {k} is not a multiple of {NVFP4_GROUP}"
+    if scheme == "mxfp4" and k % MXFP4_GROUP:
+        return f"in_features {k} is not a multiple of {MXFP4_GROUP}"
     if scheme == "fp8" and group_size not in (0, FP8_BLOCK):
         return f"fp8 scales are per channel or per {FP8_BLOCK}x{FP8_BLOCK} block, not group size {group_size}"
     return None
@@ -140,7 +156,7 @@ class _QuantTensors(nn.Module):
                  shard_sizes: list[int] | None, leading: tuple[int, ...], dtype: torch.dtype,
                  device: torch.device | str | None) -> None:
         super().__init__()
-        if scheme not in SCHEMES:
+        if scheme not in LAYOUTS:
             raise ValueError(f"unknown quantization scheme {scheme!r}")
         problem = check_shape(scheme, out_features, in_features, group_size)
         if problem:
@@ -167,13 +183,14 @@ class _QuantTensors(nn.Module):
     def init_dummy(self) -> None:
         """Finite random contents of the right magnitude (what --load-format dummy serves; loading overwrites)."""
         gen_dev = self.qweight.device
-        if self.scheme in ("int4", "nvfp4"):
+        if self.scheme in ("int4", "nvfp4", "mxfp4"):
             self.qweight.copy_(torch.randint(0, 256, self.qweight.shape, device=gen_dev, dtype=torch.int32))
         elif self.scheme == "int8":
             self.qweight.copy_(torch.randint(-128, 128, self.qweight.shape, device=gen_dev, dtype=torch.int32))
         else:
             self.qweight.copy_(torch.randn(self.qweight.shape, device=gen_dev).clamp(-3, 3))
-        scale = {"int4": 0.02 / 4, "int8": 0.02 / 64, "fp8": 0.02, "nvfp4": 0.02 / 3}[self.scheme]
+        scale = {"int4": 0.02 / 4, "int8": 0.02 / 64, "fp8": 0.02, "nvfp4": 0.02 / 3,
+                 "mxfp4": E8M0_BIAS + round(math.log2(0.02 / 3))}[self.scheme]  # mxfp4: an exponent
         self.scales.copy_(torch.full(self.scales.shape, scale, device=gen_dev))
         if self.zeros is not None:
             self.zeros.fill_(8 if self.scheme == "int4" else 0)
@@ -271,16 +288,20 @@ class QuantExperts(nn.Module):
     as `gate_up_proj` [E, 2I, H] and `down_proj` [E, H, I] in one layout each.
 
     `forward` is the reference (loop over the experts that received tokens, dequantizing only those);
-    the grouped GPU path for quantized experts is not wired in yet.
+    the grouped GPU path for quantized experts is not wired in yet. With `bias` the experts carry
+    `gate_up_proj_bias` [E, 2I] and `down_proj_bias` [E, H] in the model dtype (GPT-OSS), and `activation`
+    joins the gate and up halves (moe.GatedActivation: SiLU, or GPT-OSS's clamped SwiGLU).
     """
 
     def __init__(self, scheme: str, num_experts: int, hidden_size: int, intermediate_size: int, group_size: int,
-                 down_group_size: int, *, symmetric: bool = True, dtype: torch.dtype | None = None,
+                 down_group_size: int, *, symmetric: bool = True, bias: bool = False,
+                 activation: GatedActivation = SILU, dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None) -> None:
         super().__init__()
         self.num_experts = num_experts
         self.intermediate_size = intermediate_size
         self.scheme = scheme
+        self.activation = activation
         # SparseMoeBlock reads experts.backend to pick its fused GPU path; "reference" keeps quantized
         # experts off the unquantized kernels until a quantized grouped path is wired in.
         self.backend = "reference"
@@ -289,15 +310,26 @@ class QuantExperts(nn.Module):
                                                symmetric=symmetric, shard_sizes=[i, i], dtype=dtype, device=device)
         self.down_proj = QuantExpertWeights(scheme, num_experts, i, hidden_size, down_group_size,
                                             symmetric=symmetric, dtype=dtype, device=device)
+        dtype = dtype or torch.get_default_dtype()
+        self.gate_up_proj_bias = nn.Parameter(torch.zeros(num_experts, 2 * i, dtype=dtype, device=device),
+                                              requires_grad=False) if bias else None
+        self.down_proj_bias = nn.Parameter(torch.zeros(num_experts, hidden_size, dtype=dtype, device=device),
+                                           requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros_like(x)
-        for e in torch.unique(ids).tolist():
-            token, slot = torch.where(ids == e)
-            gate, up = self.gate_up_proj.apply(x[token], e).chunk(2, dim=-1)
-            y = self.down_proj.apply(F.silu(gate) * up, e) * weights[token, slot, None]
-            out.index_add_(0, token, y.to(out.dtype))
-        return out
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"{self.scheme} MoE experts run the dequantize-then-matmul reference, which reads the "
+                               "routed experts back to the host and cannot be captured in a CUDA graph: serve with "
+                               "--enforce-eager until their kernel is wired in")
+
+        def project(holder: QuantExpertWeights, bias: torch.Tensor | None):
+            def fn(rows: torch.Tensor, e: int) -> torch.Tensor:
+                y = holder.apply(rows, e)
+                return y if bias is None else y + bias[e].to(y.dtype)
+            return fn
+
+        return experts_loop(x, weights, ids, project(self.gate_up_proj, self.gate_up_proj_bias),
+                            project(self.down_proj, self.down_proj_bias), self.activation)
 
     def dequantize(self, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(gate_up [E, 2I, H], down [E, H, I]) in full precision, for checks and the unfused fallback.

@@ -22,6 +22,10 @@ that is launched and then dropped (its sequence finished or the batch changed) h
 spare slot, so nothing needs undoing. The general path reads and writes `state_slot` in place. One
 more pair past the sequences' is the scratch pair that padded rows of a decode batch point at.
 Checkpoints (checkpoint mode) are kept per row of a step, not per slot.
+
+Prefix caching adds *snapshot entries* beside the slots: a prefill pass saves the state after chosen
+tokens of its spans into them (`StateMetadata.snapshots`, planned by engine/state_pool.py), and a
+sequence that starts on a cached prefix has its slot loaded from one before it runs.
 """
 
 from __future__ import annotations
@@ -52,6 +56,8 @@ class StateMetadata:
     starts/lengths: each sequence's contiguous run of tokens in the flat batch, in batch order.
     has_state: False for a sequence's first chunk (start from zeros, not from the slot).
     speculative: verify blocks, whose slot only advances at commit (by the committed count).
+    snapshots: per span, (tokens into the span, snapshot entry) after which the pass saves the state
+               (non-speculative spans only; empty lists when nothing is saved).
     Device index tensors are built once per step, on first use, and shared by all layers.
     """
 
@@ -61,6 +67,7 @@ class StateMetadata:
     has_state: list[bool]
     speculative: list[bool]
     device: torch.device
+    snapshots: list[list[tuple[int, int]]] | None = None
     _cache: dict[Any, Any] = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -70,9 +77,10 @@ class StateMetadata:
         if any(s is None for s in slots):
             raise RuntimeError("a sequence reached a hybrid model without a state slot: the engine's "
                                "allocator (engine/state_pool.py) assigns one at admission")
+        snapshots = [list(getattr(i, "snapshots", ())) for i in items]
         return cls(starts=list(offsets), lengths=[i.num_new + i.num_drafts for i in items], slots=slots,
                    has_state=[i.seq.num_computed > 0 for i in items], speculative=[i.num_drafts > 0 for i in items],
-                   device=device)
+                   device=device, snapshots=snapshots if any(snapshots) else None)
 
     @property
     def num_seqs(self) -> int:
@@ -81,10 +89,44 @@ class StateMetadata:
     def tensor(self, key: str, build) -> torch.Tensor:
         """A cached device tensor built from host lists by `build()` (called once per step)."""
         if key not in self._cache:
-            values, dtype = build()
-            host = torch.tensor(values, dtype=dtype)
-            self._cache[key] = host.to(self.device, non_blocking=True) if self.device.type == "cuda" else host
+            self._cache[key] = self._device(*build())
         return self._cache[key]
+
+    def pieces(self, b: int) -> list[tuple[int, int, int | None]]:
+        """Span b cut at its snapshot points: (first token, end token, snapshot entry saved at the end or None),
+        offsets within the span; one piece when it saves nothing."""
+        cuts = sorted(self.snapshots[b]) if self.snapshots else []
+        out, start = [], 0
+        for offset, entry in cuts:
+            out.append((start, offset, entry))
+            start = offset
+        if start < self.lengths[b]:
+            out.append((start, self.lengths[b], None))
+        return out
+
+    def piece_rounds(self) -> list[PieceRound]:
+        """The pieces as rounds (round r: the r-th piece of every span that has one), for kernels that take
+        one ragged batch per call; device tensors built once per step and shared by all layers."""
+        if "piece_rounds" not in self._cache:
+            pieces = [self.pieces(b) for b in range(self.num_seqs)]
+            rounds = []
+            for r in range(max(len(p) for p in pieces)):
+                spans = [b for b in range(self.num_seqs) if r < len(pieces[b])]
+                cuts = [pieces[b][r] for b in spans]
+                saves = [(i, entry) for i, (_, _, entry) in enumerate(cuts) if entry is not None]
+                tokens = [self.starts[b] + i for b, (a, e, _) in zip(spans, cuts) for i in range(a, e)]
+                lengths = [e - a for a, e, _ in cuts]
+                rounds.append(PieceRound(
+                    tokens=self._device(tokens), spans=self._device(spans),
+                    cu_seqlens=self._device(list(accumulate(lengths, initial=0))), longest=max(lengths),
+                    saved=self._device([i for i, _ in saves]) if saves else None,
+                    entries=self._device([e for _, e in saves]) if saves else None))
+            self._cache["piece_rounds"] = rounds
+        return self._cache["piece_rounds"]
+
+    def _device(self, values: list, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        host = torch.tensor(values, dtype=dtype)
+        return host.to(self.device, non_blocking=True) if self.device.type == "cuda" else host
 
     def spans(self, speculative: bool | None = None) -> list[int]:
         """Batch indices of the (non-)speculative spans; all of them for None."""
@@ -119,6 +161,19 @@ class StateMetadata:
         return self._cache[key]
 
 
+@dataclass
+class PieceRound:
+    """One round of `StateMetadata.piece_rounds`: the flat token rows of its pieces, the spans they belong to,
+    their cu_seqlens and longest length, and which of them end at a snapshot (row in the round, entry)."""
+
+    tokens: torch.Tensor
+    spans: torch.Tensor
+    cu_seqlens: torch.Tensor
+    longest: int
+    saved: torch.Tensor | None
+    entries: torch.Tensor | None
+
+
 SLOTS_PER_SEQUENCE = 2  # the current state and the one a decode step commits into
 
 
@@ -137,18 +192,27 @@ class LayerState:
 
     def __init__(self, num_slots: int, conv_dim: int, conv_width: int, heads: int, key_dim: int, value_dim: int,
                  dtype: torch.dtype, state_dtype: torch.dtype, device: torch.device, checkpoints: int,
-                 checkpoint_rows: int | None = None) -> None:
+                 checkpoint_rows: int | None = None, snapshots: int = 0) -> None:
         self.conv = torch.zeros(num_slots, conv_width, conv_dim, dtype=dtype, device=device)
         self.ssm = torch.zeros(num_slots, heads, key_dim, value_dim, dtype=state_dtype, device=device)
         rows = num_slots if checkpoint_rows is None else checkpoint_rows
         self.checkpoints = (torch.zeros(rows, checkpoints, heads, key_dim, value_dim, dtype=state_dtype,
                                         device=device) if checkpoints else None)
+        # prefix-cache snapshot entries: the same state, saved at block boundaries of cached prompts
+        self.snap_conv = torch.zeros(snapshots, conv_width, conv_dim, dtype=dtype, device=device)
+        self.snap_ssm = torch.zeros(snapshots, heads, key_dim, value_dim, dtype=state_dtype, device=device)
         self.pending: Any = None  # what the last pass kept of its speculative spans, until commit
 
     @property
     def nbytes(self) -> int:
-        tensors = [self.conv, self.ssm] + ([self.checkpoints] if self.checkpoints is not None else [])
+        tensors = [self.conv, self.ssm, self.snap_conv, self.snap_ssm]
+        tensors += [self.checkpoints] if self.checkpoints is not None else []
         return sum(t.numel() * t.element_size() for t in tensors)
+
+    def restore(self, slots: torch.Tensor, entries: torch.Tensor) -> None:
+        """Load snapshot entries into state slots (sequences starting on a cached prefix)."""
+        self.conv[slots] = self.snap_conv[entries]
+        self.ssm[slots] = self.snap_ssm[entries]
 
 
 def state_dtype_of(name: str | None, dtype: torch.dtype) -> torch.dtype:
@@ -172,11 +236,12 @@ def bytes_per_sequence(layers: list, dtype: torch.dtype, checkpoints: int) -> in
     return total
 
 
-def pool_size(plain: int, with_checkpoints: int, max_num_seqs: int) -> int:
+def pool_size(plain: int, with_checkpoints: int, max_num_seqs: int, snapshots: int = 0) -> int:
     """The whole pool `allocate_state` makes, from one sequence's state bytes without and with its
     checkpoints (bytes_per_sequence): a slot pair per sequence and the scratch pair, plus the
-    checkpoints of max_num_seqs rows. The planner (bench/plan.py) sizes it from config values alone."""
-    return physical_slots(max_num_seqs) * plain + max_num_seqs * (with_checkpoints - plain)
+    checkpoints of max_num_seqs rows, plus the prefix cache's snapshot entries. The planner
+    (bench/plan.py) sizes it from config values alone."""
+    return (physical_slots(max_num_seqs) + snapshots) * plain + max_num_seqs * (with_checkpoints - plain)
 
 
 @dataclass

@@ -40,13 +40,20 @@ def _yarn_inv_freq(rotary_dim: int, base: float, s: dict[str, Any], max_pos: int
     beta_slow = float(s.get("beta_slow") or 1)
     mscale = s.get("attention_factor")
     if mscale is None:
-        mscale = 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
+        def get_mscale(m: float) -> float:
+            return 0.1 * m * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+        both = s.get("mscale") and s.get("mscale_all_dim")
+        mscale = get_mscale(float(s["mscale"])) / get_mscale(float(s["mscale_all_dim"])) if both else get_mscale(1.0)
 
     def correction_dim(rotations: float) -> float:
         return (rotary_dim * math.log(old_len / (rotations * 2 * math.pi))) / (2 * math.log(base))
 
-    low = max(math.floor(correction_dim(beta_fast)), 0)
-    high = min(math.ceil(correction_dim(beta_slow)), rotary_dim - 1)
+    # `truncate` (default true) rounds the ramp's ends to whole dimensions; GPT-OSS keeps them fractional.
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
     if low == high:
         high += 0.001
     ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
