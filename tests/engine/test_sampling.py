@@ -43,6 +43,14 @@ def save_small_vocab(root) -> tuple:
     return target, {"dflash": draft, "dflash2": draft2}
 
 
+def small_vocab_engine(small_vocab: tuple, method: str) -> Engine:
+    """The 12-token target with its DFlash 1 or 2 drafter, k = 4, batches big enough for thousands of requests."""
+    target, drafts = small_vocab
+    spec = SpeculativeConfig(model=str(drafts[method]), num_speculative_tokens=4)
+    return Engine(EngineConfig(model=str(target), device="cpu", speculative=spec, max_num_seqs=512,
+                               max_num_batched_tokens=4096))
+
+
 @pytest.fixture(scope="module")
 def small_vocab(tmp_path_factory):
     return save_small_vocab(tmp_path_factory.mktemp("smallvocab"))
@@ -63,11 +71,8 @@ def exact_joint(target_dir) -> torch.Tensor:
 
 @pytest.mark.parametrize("method", ["dflash", "dflash2"])
 def test_sampled_output_follows_target_distribution(small_vocab, method):
-    target, drafts = small_vocab
-    joint = exact_joint(target)
-    spec = SpeculativeConfig(model=str(drafts[method]), num_speculative_tokens=4)
-    engine = Engine(EngineConfig(model=str(target), device="cpu", speculative=spec, max_num_seqs=512,
-                                 max_num_batched_tokens=4096))
+    joint = exact_joint(small_vocab[0])
+    engine = small_vocab_engine(small_vocab, method)
     n = 4000
     params = [SamplingParams(temperature=TEMPERATURE, max_tokens=4, seed=i, ignore_eos=True) for i in range(n)]
     outs = engine.generate([PROMPT] * n, params)
