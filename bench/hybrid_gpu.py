@@ -441,7 +441,7 @@ def task_model(args: argparse.Namespace, key: str, res: dict[str, Any], save: Ca
     res["decode_fast_path"] = getattr(engine.runner, "decode", None) is not None  # informational
     split = hp.weight_split(engine.runner.target)
     res["bytes"] = split
-    drafter = getattr(engine.runner, "drafter", None)
+    drafter = engine.runner.proposer
     res["drafter_weight_bytes"] = sum(p.numel() * p.element_size() for p in drafter.parameters()) if drafter else None
     res["kv_bytes_per_token"] = engine.model_config.kv_bytes_per_token  # bf16; read per step: x context
     state = getattr(engine.runner.target, "state_bytes_per_seq", None)

@@ -19,13 +19,19 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
           "float": torch.float32}
 
 
+# vLLM's method names: "mtp" (and its older per-model spellings) runs the target checkpoint's own MTP head
+MTP_METHODS = ("mtp", "qwen3_next_mtp", "qwen3_5_mtp")
+METHODS = ("dflash", *MTP_METHODS)
+
+
 @dataclass
 class SpeculativeConfig:
     """`--speculative-config` JSON: {"method": "dflash", "model": ..., "num_speculative_tokens": k,
-    "max_model_len": drafter context window}."""
+    "max_model_len": drafter context window}, or {"method": "mtp", "num_speculative_tokens": N}."""
 
     model: str | None = None
-    num_speculative_tokens: int | None = None  # None: the drafter's block_size - 1
+    num_speculative_tokens: int | None = None  # None: the drafter's block_size - 1; 1 for MTP
+    method: str = "dflash"  # dflash (DFlash 1 and 2 drafter checkpoints) | mtp (the target's own head)
     draft_window: int | None = None  # drafter sees at most this many context tokens
     load_format: str = "auto"  # dummy: random drafter weights in the checkpoint's shapes (benchmarks)
 
@@ -39,12 +45,24 @@ class SpeculativeConfig:
         if not isinstance(raw, dict):
             raise ConfigError("--speculative-config must be a JSON object")
         method = raw.get("method", "dflash")
-        if method != "dflash":
-            raise ConfigError(f"speculative method {method!r} is not supported: blockspec runs \"dflash\"")
+        if method not in METHODS:
+            raise ConfigError(f"speculative method {method!r} is not supported: blockspec runs \"dflash\" (DFlash 1 "
+                              f"and 2 drafters) and \"mtp\" (the target's own MTP head; also spelled "
+                              f"{', '.join(repr(m) for m in MTP_METHODS[1:])})")
+        method = "mtp" if method in MTP_METHODS else method
         k = raw.get("num_speculative_tokens")
         window = raw.get("max_model_len", raw.get("draft_window"))
-        return cls(model=raw.get("model"), num_speculative_tokens=None if k is None else int(k),
-                   draft_window=None if window is None else int(window))
+        model = raw.get("model")
+        if method == "mtp" and window is not None:
+            raise ConfigError("\"max_model_len\" (the drafter context window) applies to DFlash drafters, "
+                              "not to method \"mtp\": drop it")
+        return cls(model=model, num_speculative_tokens=None if k is None else int(k),
+                   draft_window=None if window is None else int(window), method=method)
+
+    @property
+    def enabled(self) -> bool:
+        """Whether a proposer is configured (a drafter checkpoint, or the target's MTP head)."""
+        return self.method == "mtp" or self.model is not None
 
 
 @dataclass

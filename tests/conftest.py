@@ -78,30 +78,56 @@ def save_tiny_model(out: Path, arch: str, seed: int = 0, **overrides) -> Path:
     return out
 
 
+# DFlash 2 fields of the tiny drafters (z-lab's real ones: taps 2, groups of 16, rank 256, top 16)
+TINY_DFLASH2 = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 8, "selector_top_k": 4}
+
+
 def save_tiny_drafter(out: Path, target_cfg, seed: int = 1, num_layers: int = 2, block_size: int = 16,
-                      target_layer_ids: list[int] | None = None, mask_token_id: int = 300, **overrides) -> Path:
-    """A random z-lab-format DFlash drafter for a tiny target, written with the reference package."""
-    from dflash.model import DFlashDraftModel
+                      target_layer_ids: list[int] | None = None, mask_token_id: int = 300,
+                      dflash2: dict | None = None, selector_scale: float = 1.0, **overrides) -> Path:
+    """A random z-lab-format DFlash drafter for a tiny target, written with the reference package.
+
+    dflash2 (e.g. TINY_DFLASH2): a DFlash2DraftModel instead, in the published layout (sliding-window,
+    non-causal layers; selector codebooks stored without ".weight"), its selector weighted so that its
+    pairwise term, not only the logits, decides the path (selector_scale < 1: a gentler walk, whose
+    sampled q spreads over the candidates)."""
+    from dflash.model import DFlash2DraftModel, DFlashDraftModel
     from transformers import Qwen3Config
 
     layer_ids = target_layer_ids or [1, 3]
+    if dflash2:
+        overrides = {"layer_types": ["sliding_attention"] * num_layers, "sliding_window": 12,
+                     "use_sliding_window": True, **overrides}
     cfg = Qwen3Config(
         vocab_size=target_cfg.vocab_size, hidden_size=target_cfg.hidden_size, intermediate_size=96,
         num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
         max_position_embeddings=512, rms_norm_eps=1e-6, **overrides)
-    cfg.architectures = ["DFlashDraftModel"]
+    cfg.architectures = ["DFlash2DraftModel" if dflash2 else "DFlashDraftModel"]
     cfg.block_size = block_size
     cfg.num_target_layers = target_cfg.num_hidden_layers
-    cfg.dflash_config = {"mask_token_id": mask_token_id, "target_layer_ids": layer_ids}
+    cfg.dflash_config = {"mask_token_id": mask_token_id, "target_layer_ids": layer_ids, **(dflash2 or {})}
+    if dflash2:
+        cfg.is_causal = False
     torch.manual_seed(seed)
-    model = DFlashDraftModel(cfg).float()
+    model = (DFlash2DraftModel if dflash2 else DFlashDraftModel)(cfg).float()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.copy_(1 + 0.1 * torch.randn_like(p))
+            elif "codebook" in name:
+                p.copy_(torch.randn_like(p) * selector_scale)
+            elif "base_kernel" in name:
+                p.copy_(0.2 * torch.randn_like(p))
+                p[:, 0] += 1.0  # near identity on the row itself, as trained ones start
             else:
-                p.copy_(torch.randn_like(p) * 0.08)
+                p.copy_(torch.randn_like(p) * (0.3 if "hidden_projection" in name else 0.08))
     model.save_pretrained(out, safe_serialization=True)
+    if dflash2:
+        from safetensors.torch import load_file, save_file
+
+        tensors = load_file(out / "model.safetensors")
+        save_file({k.replace("codebook.weight", "codebook"): v for k, v in tensors.items()},
+                  out / "model.safetensors", metadata={"format": "pt"})
     return out
 
 
@@ -155,6 +181,16 @@ def tiny_drafter(tmp_path_factory, tiny_models) -> Path:
 
     root = tmp_path_factory.mktemp("draft")
     return save_tiny_drafter(root / "qwen3_draft", AutoConfig.from_pretrained(tiny_models["qwen3"]))
+
+
+@pytest.fixture(scope="session")
+def tiny_drafter2(tmp_path_factory, tiny_models) -> Path:
+    """A random DFlash 2 drafter (block size 8) for the tiny Qwen3 target."""
+    from transformers import AutoConfig
+
+    root = tmp_path_factory.mktemp("draft2")
+    return save_tiny_drafter(root / "qwen3_draft2", AutoConfig.from_pretrained(tiny_models["qwen3"]), block_size=8,
+                             dflash2=TINY_DFLASH2)
 
 
 @pytest.fixture(scope="session")

@@ -223,7 +223,9 @@ def target_footprint(config: dict[str, Any], dtype_name: str, model_dir: Path | 
 
 
 def drafter_footprint(config: dict[str, Any], dtype_name: str) -> Footprint:
-    """Counts for a z-lab DFlash drafter: decoder layers + fc + norms; embedding and LM head are the target's."""
+    """Counts for a z-lab DFlash drafter: decoder layers + fc + norms (DFlash 2: + the convolutions and the
+    candidate selector); embedding and LM head are the target's. A step reads all of it but the selector's
+    codebooks, of which it reads a few rows."""
     elem_bytes = kv_elem = DTYPE_BYTES[dtype_name]
     h = int(config["hidden_size"])
     nh = int(config["num_attention_heads"])
@@ -234,10 +236,15 @@ def drafter_footprint(config: dict[str, Any], dtype_name: str) -> Footprint:
     n_ctx = len(dflash.get("target_layer_ids") or config.get("target_layer_ids") or [None] * n_layers)
     qwen3_like = {**config, "model_type": "qwen3"}  # drafter layers are Qwen3 blocks (q/k norm)
     per_layer = _attention_params(qwen3_like) + 3 * h * int(config["intermediate_size"]) + 2 * h
-    total = n_layers * per_layer + n_ctx * h * h + 2 * h
+    taps, group = int(dflash.get("conv_kernel_size") or 0), int(dflash.get("conv_group_size") or 1)
+    per_layer += 2 * (2 * taps * h + h * 2 * taps * (h // group))  # attention_conv, mlp_conv
+    rank = int(dflash.get("selector_rank") or 0)
+    codebooks = 2 * int(config["vocab_size"]) * rank
+    total = n_layers * per_layer + n_ctx * h * h + 2 * h + codebooks + h * rank
+    read = total - codebooks
     return Footprint(
-        total_params=total, active_params=total, embedding_params=0, lm_head_params=0,
-        weight_bytes=total * elem_bytes, read_bytes_per_token=total * elem_bytes, full_attention_layers=n_layers,
+        total_params=total, active_params=read, embedding_params=0, lm_head_params=0,
+        weight_bytes=total * elem_bytes, read_bytes_per_token=read * elem_bytes, full_attention_layers=n_layers,
         linear_attention_layers=0, kv_bytes_per_token=n_layers * 2 * nkv * hd * kv_elem, state_bytes_per_seq=0,
         bytes_source="config", notes=[])
 

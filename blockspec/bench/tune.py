@@ -1,7 +1,8 @@
 """`blockspec tune`: sweep k per prompt class against the autoregressive baseline and pick k.
 
 In-process mode builds one engine with the largest k, then switches k between sweeps (k = 0 takes
-the drafter out of the step entirely, so the baseline pays no drafting cost). Requests run one at a
+the drafter out of the step entirely, so the baseline pays no drafting cost). With --method mtp the
+proposer is the target's own MTP head and k is its number of drafts N, swept the same way. Requests run one at a
 time (the conc=1 regime the choice of k matters for); each cell is the median of its runs.
 Against --base-url the server's k is fixed at start-up, so one call measures one k and merges it
 into the sweep already in --out: restart the server with each k and call tune again.
@@ -32,12 +33,14 @@ from blockspec.bench.tune_report import JSON_NAME, choose, format_tune_table, sp
 from blockspec.errors import ConfigError
 
 DEFAULT_KS = [4, 6, 8, 10, 12, 15]
+DEFAULT_MTP_NS = [1, 2, 3, 4]  # MTP heads are trained for one step ahead: acceptance falls fast with N
 
 
 @dataclass
 class TuneSettings:
     model: str | None = None
     draft: str | None = None
+    method: str = "dflash"  # dflash (--draft DIR) | mtp (the target's own MTP head)
     ks: list[int] = field(default_factory=lambda: list(DEFAULT_KS))
     prompts: str = DEFAULT_CLASSES
     max_tokens: int = 256
@@ -62,7 +65,9 @@ class EngineSweep:
         from blockspec.config import EngineConfig, SpeculativeConfig
         from blockspec.engine.engine import Engine
 
-        spec = SpeculativeConfig(model=s.draft, num_speculative_tokens=max_k if s.draft else None)
+        proposes = s.draft is not None or s.method == "mtp"
+        spec = SpeculativeConfig(model=s.draft, num_speculative_tokens=max_k if proposes and max_k else None,
+                                 method=s.method)
         self.engine = Engine(EngineConfig(model=s.model, speculative=spec, device=s.device, dtype=s.dtype,
                                           max_model_len=s.max_model_len, max_num_seqs=1,
                                           gpu_memory_utilization=s.gpu_memory_utilization,
@@ -82,7 +87,6 @@ class EngineSweep:
         if s.synthetic_accept is not None and k:
             eng.enable_synthetic_drafts({}, s.synthetic_accept, k)
         else:
-            eng.runner.synthetic = None
             eng.set_num_speculative_tokens(k)
 
     def run(self, prompt: Prompt) -> dict[str, Any]:
@@ -91,8 +95,8 @@ class EngineSweep:
         eng, s = self.engine, self.settings
         self.counter += 1
         rid = f"tune-{self.counter}"
-        if eng.runner.synthetic is not None:
-            eng.runner.synthetic.references[rid] = self.references.get(prompt.id, [])
+        if eng.synthetic is not None:
+            eng.synthetic.references[rid] = self.references.get(prompt.id, [])
         params = SamplingParams(max_tokens=prompt.max_tokens or s.max_tokens, temperature=s.temperature, seed=0)
         eng.add_request(rid, self.text(prompt), params)
         final = None
@@ -129,7 +133,14 @@ def sweep_in_process(s: TuneSettings, sets: dict[str, list[Prompt]], notes: list
                      quiet: bool) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     ks = sorted({k for k in s.ks if k > 0})
     block = None
-    if s.draft:
+    if s.method == "mtp":
+        from blockspec.spec.mtp import MAX_DRAFTS
+
+        dropped = [k for k in ks if k > MAX_DRAFTS]
+        if dropped:
+            notes.append(f"N {', '.join(map(str, dropped))} skipped: at most {MAX_DRAFTS} MTP drafts per step")
+        ks = [k for k in ks if k <= MAX_DRAFTS]
+    elif s.draft:
         from blockspec.spec.dflash import DrafterConfig
 
         block = DrafterConfig.from_dir(Path(s.draft)).block_size
@@ -232,13 +243,14 @@ def run_tune(s: TuneSettings, out_dir: Path | None = None, quiet: bool = False) 
         mode = "in-process"
     chosen = choose(points)
     spec_k = chosen["best_k"] or chosen["best_speculative_k"]
-    config = speculative_config(s.draft, spec_k) if s.synthetic_accept is None else None
-    if s.draft is None and spec_k and s.base_url:
+    config = speculative_config(s.draft, spec_k, s.method) if s.synthetic_accept is None else None
+    if s.draft is None and s.method != "mtp" and spec_k and s.base_url:
         notes.append("pass --draft DIR to have the --speculative-config line printed with the drafter path")
     settings = {k: v for k, v in vars(s).items() if k != "api_key"}
     return {"tool": "blockspec tune", "started_at": started, "client_commit": client_commit(), "mode": mode,
             "model": s.model or s.server_model or env.get("model_path") or "embedded default",
-            "drafter": s.draft, "device": env["device"], "settings": settings,
+            "drafter": "the target's MTP head" if s.method == "mtp" else s.draft, "method": s.method,
+            "device": env["device"], "settings": settings,
             "synthetic": None if s.synthetic_accept is None else {"accept_prob": s.synthetic_accept},
             "points": points, **chosen, "speculative_config": config, "notes": notes}
 
@@ -249,8 +261,13 @@ def add_tune_parser(sub: argparse._SubParsersAction) -> None:
                                    "num_speculative_tokens per prompt class with k = 0 as the baseline, report tau, "
                                    "tok/s and speedup, and print the --speculative-config to serve with.")
     p.add_argument("--model", default=None, help="HF model directory or .gguf (default: the embedded model)")
-    p.add_argument("--draft", default=None, help="DFlash drafter directory")
-    p.add_argument("--k", type=int_list, default=list(DEFAULT_KS), help="k values to sweep, e.g. 4,6,8,10,12,15")
+    p.add_argument("--draft", default=None, help="DFlash drafter directory (DFlash 1 or 2)")
+    p.add_argument("--method", choices=("dflash", "mtp"), default="dflash",
+                   help="mtp: draft with the target checkpoint's own MTP head (Qwen3-Next, Qwen3.5/3.6), sweeping "
+                        "its N drafts per step as k")
+    p.add_argument("--k", type=int_list, default=None,
+                   help=f"k values to sweep (default {','.join(map(str, DEFAULT_KS))}; for --method mtp, N: "
+                        f"{','.join(map(str, DEFAULT_MTP_NS))})")
     p.add_argument("--prompts", default=DEFAULT_CLASSES, help="as for bench: classes, humaneval, FILE.jsonl, NAME:N")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--runs", type=int, default=3)
@@ -274,7 +291,11 @@ def add_tune_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
-    s = TuneSettings(model=args.model, draft=args.draft, ks=args.k, prompts=args.prompts, max_tokens=args.max_tokens,
+    if args.method == "mtp" and args.draft is not None:
+        raise ConfigError("--method mtp drafts with the target's own MTP head: drop --draft")
+    ks = args.k or (DEFAULT_MTP_NS if args.method == "mtp" else DEFAULT_KS)
+    s = TuneSettings(model=args.model, draft=args.draft, method=args.method, ks=ks, prompts=args.prompts,
+                     max_tokens=args.max_tokens,
                      runs=args.runs, warmup=args.warmup, temperature=args.temperature, device=args.device,
                      dtype=args.dtype, max_model_len=args.max_model_len,
                      gpu_memory_utilization=args.gpu_memory_utilization, load_format=args.load_format,

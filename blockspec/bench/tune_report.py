@@ -66,7 +66,10 @@ def choose(points: list[dict[str, Any]]) -> dict[str, Any]:
     return {"best_k_per_class": per_class, "best_k": best, "best_speculative_k": best_spec, "by_k": summary}
 
 
-def speculative_config(draft: str | None, k: int | None) -> str | None:
+def speculative_config(draft: str | None, k: int | None, method: str = "dflash") -> str | None:
+    """The --speculative-config to serve the chosen k with (N drafts of the target's own MTP head)."""
+    if method == "mtp" and k:
+        return json.dumps({"method": "mtp", "num_speculative_tokens": k})
     if not draft or not k:
         return None
     return json.dumps({"method": "dflash", "model": str(draft), "num_speculative_tokens": k})

@@ -34,6 +34,8 @@ from blockspec.models.model_config import ModelConfig
 from blockspec.models.registry import model_class
 from blockspec.runner.model_runner import ModelRunner
 from blockspec.spec.dflash import DFlashDrafter, DrafterConfig
+from blockspec.spec.proposer import Proposer
+from blockspec.spec.synthetic import SyntheticProposer
 
 log = logging.getLogger("blockspec")
 
@@ -65,26 +67,26 @@ class Engine:
         torch.manual_seed(config.seed)
 
         try:
-            drafter, self.drafter_config = self._load_drafter()
-            self._drafter = drafter  # kept when k is set to 0, so k can come back
-            block = self.drafter_config.block_size if self.drafter_config else 1
-            k = config.speculative.num_speculative_tokens
-            self.num_speculative_tokens = (block - 1 if k is None else k) if drafter is not None else 0
-            if self.num_speculative_tokens > block - 1:
-                raise ConfigError(f"num_speculative_tokens {self.num_speculative_tokens} exceeds the drafter's "
-                                  f"block_size - 1 = {block - 1}: lower it")
+            drafter = self._load_drafter()
             target = self._load_target()
+            # the configured proposer, kept when k is set to 0 or drafts turn synthetic, so it can come back
+            self.proposer: Proposer | None = drafter if drafter is not None else self._load_mtp(target)
         except torch.OutOfMemoryError:
             raise OutOfMemoryError(self._weights_oom_message()) from None
-        self.runner = ModelRunner(target, drafter, self.device, self.dtype, config.block_size,
+        self.num_speculative_tokens = self._initial_k()
+        self.synthetic: SyntheticProposer | None = None  # benchmark/test mode: drafts from known tokens
+        # the proposer's K/V is planned and allocated even at k = 0, so a later k > 0 finds it
+        self.runner = ModelRunner(target, self.proposer, self.device, self.dtype, config.block_size,
                                   config.speculative.draft_window)
         allocate_state(self)  # hybrid models: recurrent-state slots, before the KV cache is sized
         num_blocks = plan_kv_blocks(self)
         self.runner.allocate_kv_cache(num_blocks)
+        if not self.num_speculative_tokens:
+            self.runner.proposer = None
         self.runner.num_speculative_tokens = self.num_speculative_tokens
         self.runner.prepare_decode(config.max_num_seqs, self.max_model_len, not config.enforce_eager, log.info)
         self.allocator = block_allocator(self, num_blocks)  # + a state slot per sequence for hybrids
-        self.allocator.tracks_drafter = self.runner.drafter is not None
+        self.allocator.tracks_drafter = self.runner.keeps_context
         self.scheduler = Scheduler(self.allocator, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, self.num_speculative_tokens)
         self._set_lookahead()
@@ -126,10 +128,41 @@ class Engine:
             finalize_quantized(model)
         return model
 
-    def _load_drafter(self) -> tuple[DFlashDrafter | None, DrafterConfig | None]:
+    def _initial_k(self) -> int:
+        """num_speculative_tokens as configured: a DFlash drafter's block_size - 1 by default, 1 for MTP."""
+        proposer, k = self.proposer, self.config.speculative.num_speculative_tokens
+        if proposer is None:
+            return 0
+        if k is None:
+            k = proposer.max_drafts if proposer.method.startswith("dflash") else 1
+        self._check_k(k, proposer)
+        return k
+
+    @staticmethod
+    def _check_k(k: int, proposer: Proposer) -> None:
+        limit = proposer.max_drafts
+        if limit is not None and k > limit:
+            what = "the drafter's block_size - 1" if proposer.method.startswith("dflash") else "the MTP maximum"
+            raise ConfigError(f"num_speculative_tokens {k} exceeds {what} = {limit}: lower it")
+
+    def _load_mtp(self, target: torch.nn.Module) -> Proposer | None:
+        """The target checkpoint's own MTP head, when --speculative-config asks for method mtp."""
         spec = self.config.speculative
-        if spec.model is None:
-            return None, None
+        if spec.method != "mtp":
+            return None
+        from blockspec.spec.mtp import build_mtp
+
+        if spec.model is not None and Path(spec.model).resolve() != self.model_dir.resolve():
+            raise ConfigError(f"method \"mtp\" drafts with the served checkpoint's own MTP head, but \"model\" names "
+                              f"{spec.model}: drop \"model\" (or name the served model)")
+        rope_len = self.max_model_len + self.config.block_size
+        return build_mtp(self.model_config, target, self.model_dir, rope_len, self.device, self.dtype,
+                         load=self.config.load_format != "dummy")
+
+    def _load_drafter(self) -> DFlashDrafter | None:
+        spec = self.config.speculative
+        if spec.model is None or spec.method != "dflash":
+            return None
         draft_dir = Path(spec.model)
         if not draft_dir.is_dir():
             raise ConfigError(f"draft model {spec.model} is not a directory: pass a z-lab DFlash checkpoint directory")
@@ -139,37 +172,38 @@ class Engine:
         drafter = build_module(lambda: DFlashDrafter(cfg, rope_len), self.device, self.dtype)
         if "dummy" not in (self.config.load_format, spec.load_format):
             load_weights(drafter, draft_dir, self.device, self.dtype)
-        return drafter, cfg
+        return drafter
 
     def enable_synthetic_drafts(self, references: dict[str, list[int]], accept_prob: float, k: int) -> None:
         """Benchmark/test mode: drafts come from known continuations (see spec/synthetic.py)."""
-        from blockspec.spec.synthetic import SyntheticProposer
-
-        self.runner.synthetic = SyntheticProposer(references, accept_prob, self.model_config.vocab_size,
-                                                  self.config.seed)
-        self.set_num_speculative_tokens(k)
+        synthetic = SyntheticProposer(references, accept_prob, self.model_config.vocab_size, self.config.seed)
+        self._use_proposer(synthetic, k)
 
     def set_num_speculative_tokens(self, k: int) -> None:
-        """Change k between requests (`blockspec tune` sweeps it); k = 0 decodes without the drafter.
+        """Change k between requests (`blockspec tune` sweeps it; for MTP it is N); k = 0 decodes without
+        a proposer. Synthetic drafts end: the configured proposer drafts again.
 
-        The drafter's weights and KV cache stay allocated; the step's static buffers and CUDA graphs
+        The proposer's weights and KV cache stay allocated; the step's static buffers and CUDA graphs
         are rebuilt for the new block size.
         """
+        if k and self.proposer is None:
+            raise ConfigError("k > 0 needs a proposer: pass --draft, or a --speculative-config with a drafter "
+                              "\"model\" or \"method\": \"mtp\"")
+        if k < 0:
+            raise ConfigError(f"num_speculative_tokens {k} must be 0 or more")
+        if k:
+            self._check_k(k, self.proposer)
+        self._use_proposer(self.proposer, k)
+
+    def _use_proposer(self, proposer: Proposer | None, k: int) -> None:
         if self.has_unfinished_requests():
             raise ConfigError("k can only change while no request is running")
-        synthetic = self.runner.synthetic is not None
-        if k and not synthetic and self._drafter is None:
-            raise ConfigError("k > 0 needs a drafter: pass --draft or a --speculative-config with a model")
-        limit = self.drafter_config.block_size - 1 if self.drafter_config and not synthetic else k
-        if not 0 <= k <= limit:
-            raise ConfigError(f"num_speculative_tokens {k} is outside 0..{limit} (the drafter's block_size - 1)")
-        use_drafter = bool(k) and not synthetic
-        self.runner.drafter = self._drafter if use_drafter else None
-        self.runner.capture_layer_ids = tuple(self.drafter_config.target_layer_ids) if use_drafter else ()
+        self.synthetic = proposer if isinstance(proposer, SyntheticProposer) else None
+        self.runner.proposer = proposer if k else None
         resize_for_k(self, k)  # checkpoint mode keeps k + 1 states per slot
         # cached blocks hold drafter context only if the drafter ran; snapshots may have been re-made
         self.reset_prefix_cache()
-        self.allocator.tracks_drafter = use_drafter
+        self.allocator.tracks_drafter = self.runner.keeps_context
         self.num_speculative_tokens = self.scheduler.k = self.runner.num_speculative_tokens = k
         self.spec_counters = SpecDecodeCounters(accepted_per_pos=[0] * k)
         self.runner.prepare_decode(self.config.max_num_seqs, self.max_model_len, not self.config.enforce_eager,

@@ -78,8 +78,9 @@ def weights_report(engine: Engine) -> str:
     line = f"weights: target {_size(total)}"
     if quantized:
         line += f" ({_size(quantized)} of it quantized layers: packed weights + scales)"
-    if engine.runner.drafter is not None:
-        line += f", drafter {_size(weight_bytes(engine.runner.drafter)[0])}"
+    proposer = engine.runner.proposer
+    if proposer is not None and any(True for _ in proposer.parameters()):
+        line += f", {proposer.describe()} proposer {_size(weight_bytes(proposer)[0])}"
     return line
 
 

@@ -14,9 +14,12 @@ take it on the GPU (SDPA has neither); the others keep the SDPA paths of models/
 
 Masks: `causal` (query i sees keys up to its own position) for the target; non-causal for the DFlash
 drafter, whose block queries see every block key. `kv_start[b]` hides keys before that position (the
-drafter's context window). `window` (sliding-window layers, GPT-OSS): a query at position p sees keys at
-positions > p - window only. `sinks` [H] (GPT-OSS): a learned logit per head that joins every row's
-softmax as one more key with a zero value, so attention weights may sum to less than one.
+drafter's context window). `window` (sliding-window layers: GPT-OSS, DFlash 2 drafters): query and key
+fewer than `window` positions apart (for causal layers: keys at positions > p - window). `q_start[b]`,
+when given, is the position of row b's first query (a DFlash 2 drafter block shorter than q_len ends
+before seq_len, its padding queries after it); else queries end at seq_len. `sinks` [H] (GPT-OSS): a
+learned logit per head that joins every row's softmax as one more key with a zero value, so attention
+weights may sum to less than one.
 """
 
 from __future__ import annotations
@@ -41,7 +44,8 @@ def softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor | None) -> torc
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                         seq_lens: torch.Tensor, kv_start: torch.Tensor, q_len: int, scale: float,
-                        causal: bool, sinks: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
+                        causal: bool, sinks: torch.Tensor | None = None, window: int | None = None,
+                        q_start: torch.Tensor | None = None) -> torch.Tensor:
     """q [B * q_len, H, D] -> [B * q_len, H, D]; one sequence at a time, in float32.
 
     Each KV head's group of query heads attends as one matrix (no repeated K/V copies): this is also
@@ -63,12 +67,15 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         qb = qb.permute(1, 2, 0, 3).reshape(num_kv, group * q_len, head_dim)  # rows: (head in group, query)
         scores = torch.matmul(qb, k.transpose(1, 2)) * scale  # [Hkv, G * q_len, n]
         key_pos = torch.arange(n, device=q.device)
-        query_pos = (n - q_len + torch.arange(q_len, device=q.device)).repeat(group)
+        first = n - q_len if q_start is None else int(q_start[b])
+        query_pos = (first + torch.arange(q_len, device=q.device)).repeat(group)
         visible = key_pos[None, :] >= int(kv_start[b])
         if causal:
             visible = visible & (key_pos[None, :] <= query_pos[:, None])
         if window is not None:
             visible = visible & (query_pos[:, None] - key_pos[None, :] < window)
+            if not causal:
+                visible = visible & (key_pos[None, :] - query_pos[:, None] < window)
         scores = scores.masked_fill(~visible[None], float("-inf"))
         o = torch.matmul(softmax_with_sinks(scores, row_sinks), v).view(num_kv, group, q_len, head_dim)
         out[b * q_len:(b + 1) * q_len] = o.permute(2, 0, 1, 3).reshape(q_len, num_heads, head_dim).to(q.dtype)
@@ -121,12 +128,12 @@ if HAVE_TRITON:
 
     @triton.jit
     def _paged_attention_kernel(
-        Q, K, V, Out, M, L, BT, SEQ_LENS, KV_START,
+        Q, K, V, Out, M, L, BT, SEQ_LENS, KV_START, Q_START,
         stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
         stride_bt, stride_ob, stride_oh, stride_os, stride_om,
         scale, q_len, num_splits, window,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr,
+        BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, HAS_Q_START: tl.constexpr,
     ):
         b = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -137,13 +144,17 @@ if HAVE_TRITON:
         qi = rows // GROUP
         head = kvh * GROUP + rows % GROUP
         row_ok = qi < q_len
-        q_pos = seq_len - q_len + qi
+        if HAS_Q_START:
+            q0 = tl.load(Q_START + b)
+        else:
+            q0 = seq_len - q_len
+        q_pos = q0 + qi
         d = tl.arange(0, HEAD_DIM)
         q = tl.load(Q + (b * q_len + qi)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                     mask=row_ok[:, None], other=0.0)
         lo = kv_start
-        if WINDOWED:  # the first query sees keys after seq_len - q_len - window: earlier tiles are skipped
-            lo = tl.maximum(lo, seq_len - q_len + 1 - window)
+        if WINDOWED:  # the first query sees keys after q0 - window: earlier tiles are skipped
+            lo = tl.maximum(lo, q0 + 1 - window)
         # This split's share of the key range [lo, seq_len), in BLOCK_N tiles.
         first_tile = lo // BLOCK_N
         tiles = tl.cdiv(seq_len, BLOCK_N) - first_tile
@@ -167,6 +178,8 @@ if HAVE_TRITON:
                 visible = visible & (n[None, :] <= q_pos[:, None])
             if WINDOWED:
                 visible = visible & (q_pos[:, None] - n[None, :] < window)
+                if not CAUSAL:
+                    visible = visible & (n[None, :] - q_pos[:, None] < window)
             v = tl.load(V + blk[:, None] * stride_vb + slot[:, None] * stride_vs + kvh * stride_vh + d[None, :],
                         mask=n_ok[:, None], other=0.0)
             m_i, l_i, acc = _online_softmax_step(s, visible, v, m_i, l_i, acc)
@@ -271,12 +284,12 @@ def _next_pow2(x: int) -> int:
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     seq_lens: torch.Tensor, kv_start: torch.Tensor, q_len: int, scale: float, causal: bool,
-                    num_splits: int = 8, sinks: torch.Tensor | None = None,
-                    window: int | None = None) -> torch.Tensor:
+                    num_splits: int = 8, sinks: torch.Tensor | None = None, window: int | None = None,
+                    q_start: torch.Tensor | None = None) -> torch.Tensor:
     """Triton paged attention on CUDA (the reference elsewhere); same contract as paged_attention_ref."""
     if not use_triton(q):
         return paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, kv_start, q_len, scale, causal,
-                                   sinks, window)
+                                   sinks, window, q_start)
     b_count = seq_lens.shape[0]
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv = k_cache.shape[2]
@@ -286,13 +299,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     m = torch.empty(b_count, num_kv, num_splits, block_m, device=q.device, dtype=torch.float32)
     ll = torch.empty_like(m)
     _paged_attention_kernel[(b_count, num_kv, num_splits)](
-        q, k_cache, v_cache, o, m, ll, block_tables, seq_lens, kv_start,
+        q, k_cache, v_cache, o, m, ll, block_tables, seq_lens, kv_start, seq_lens if q_start is None else q_start,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0), o.stride(0), o.stride(1), o.stride(2), o.stride(3),
         scale, q_len, num_splits, window or 0,
         GROUP=group, HEAD_DIM=head_dim, PAGE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_N=64, CAUSAL=causal,
-        WINDOWED=window is not None, num_warps=4, num_stages=2,
+        WINDOWED=window is not None, HAS_Q_START=q_start is not None, num_warps=4, num_stages=2,
     )
     out = torch.empty_like(q)
     _merge_splits_kernel[(b_count, num_kv, q_len * group)](

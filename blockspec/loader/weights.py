@@ -1,13 +1,15 @@
 """Find a model's files and load its weights into a blockspec model.
 
-Checkpoint names are normalised here (VLM wrapper prefixes removed, vision and MTP weights never
-read) so model code only knows plain Hugging Face causal-LM names; the model's own
-``load_weight(name, tensor) -> bool`` does the copy, because only it knows fused or sharded layouts.
+Checkpoint names are normalised here (VLM wrapper prefixes removed, vision and MTP weights not read
+into the target; the MTP head loads them on its own, spec/mtp.py) so model code only knows plain Hugging
+Face causal-LM names; the model's own ``load_weight(name, tensor) -> bool`` does the copy, because only it
+knows fused or sharded layouts.
 """
 
 import hashlib
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -76,9 +78,17 @@ def is_skipped(name: str) -> bool:
     return any(marker in name for marker in SKIPPED_MARKERS)
 
 
-def load_weights(model: torch.nn.Module, model_dir: Path, device: torch.device | str, dtype: torch.dtype) -> None:
-    """Stream every checkpoint tensor of ``model_dir`` into ``model`` and check nothing is missing."""
+def load_weights(model: torch.nn.Module, model_dir: Path, device: torch.device | str, dtype: torch.dtype,
+                 names: Callable[[str], str | None] | None = None) -> None:
+    """Stream every checkpoint tensor of ``model_dir`` into ``model`` and check nothing is missing.
+
+    ``names`` maps a checkpoint name to the model's (None: not this model's tensor); the default reads the
+    text model (wrapper prefixes removed, vision and MTP tensors skipped). A part of a checkpoint, such as
+    its MTP head (spec/mtp.py), loads with its own mapping.
+    """
     model_dir = Path(model_dir)
+    rename = checkpoint_name if names is None else names
+    skip = is_skipped if names is None else (lambda raw: names(raw) is None)
     versions = _param_versions(model)
     from blockspec.loader.quant.apply import QuantLoader
 
@@ -87,8 +97,8 @@ def load_weights(model: torch.nn.Module, model_dir: Path, device: torch.device |
     own_layout = getattr(model, "checkpoint_tensor", None)
     loaded: set[str] = set()
     unknown: list[str] = []
-    for raw_name, tensor in iter_safetensors(model_dir, device, skip=is_skipped):
-        name = checkpoint_name(raw_name)
+    for raw_name, tensor in iter_safetensors(model_dir, device, skip=skip):
+        name = rename(raw_name)
         if own_layout is not None:
             name, tensor = own_layout(name, tensor)
         if quant and quant.load(raw_name, name, tensor):

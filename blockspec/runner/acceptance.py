@@ -28,10 +28,12 @@ def _min_tokens_left(seq: Sequence) -> bool:
 
 
 def accept(seqs: list[Sequence], num_drafts: list[int], logits: torch.Tensor, tokens_in: torch.Tensor,
-           device: torch.device) -> list[tuple[int, list[int], list[TokenLogprob] | None]]:
+           device: torch.device, draft_probs: torch.Tensor | None = None
+           ) -> list[tuple[int, list[int], list[TokenLogprob] | None]]:
     """Per row: (accepted drafts a, the a + 1 committed tokens, their log-probs if asked).
 
-    logits [R, K+1, V] at the verified positions; tokens_in [R, K+1] = anchor, d_1..d_K.
+    logits [R, K+1, V] at the verified positions; tokens_in [R, K+1] = anchor, d_1..d_K; draft_probs
+    [R, K, V] the q sampled drafts were drawn from (None: greedy drafts, q one-hot).
     """
     logits = _rules(logits.float(), seqs, tokens_in, num_drafts, device)
     params = [s.params for s in seqs]
@@ -48,7 +50,8 @@ def accept(seqs: list[Sequence], num_drafts: list[int], logits: torch.Tensor, to
         for j, r in enumerate(sampled):
             uniforms[j, :num_drafts[r]] = _rand(seqs[r], (num_drafts[r],), device)
         noise = torch.stack([_rand(seqs[r], (logits.shape[-1],), device, exponential=True) for r in sampled])
-        acc_s, out_s = verify_sampled(probs, drafts[sub], nd[sub], uniforms, noise)
+        q = None if draft_probs is None else draft_probs[sub]
+        acc_s, out_s = verify_sampled(probs, drafts[sub], nd[sub], uniforms, noise, q)
         accepted = accepted.index_copy(0, sub, acc_s)
         out = out.index_copy(0, sub, out_s)
     host = torch.cat([accepted[:, None].to(out.dtype), out], dim=1).tolist()  # the step's one sync

@@ -18,9 +18,12 @@ there; sampled steps commit again once the host has decided), and the host flips
 when it consumes the step. A dropped chained step has then only written spare slots.
 
 Context features stay on the device between steps: the target graph writes every verified position's
-features into a persistent buffer, and the next step's drafter graph gathers the committed rows from
-it. A sequence that is not in the next decode step gets its rows copied out (`pending_features`)
-before the buffer is overwritten, so the general path can pick them up.
+features (what the proposer needs: spec/proposer.py) into a persistent buffer, and the next step's
+drafter graph gathers the committed rows from it. A sequence that is not in the next decode step gets its
+rows copied out (`pending_features`) before the buffer is overwritten, so the general path can pick them
+up. Context a general-path step left (`pending_features`) is taken by the proposer eagerly before the
+launch, except each sequence's last position, which joins the step through a carry row of the buffer (the
+MTP head drafts from that position's output).
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from blockspec.models.layers.attention import AttentionMetadata, DecodeMetadata,
 from blockspec.models.layers.recurrent_state import DecodeStateMetadata
 from blockspec.runner.acceptance import accept, greedy_only
 from blockspec.runner.decode_graphs import DecodeGraphs, DecodeViews
-from blockspec.spec.dflash import DraftMetadata
+from blockspec.spec.proposer import DecodeInputs, Drafts, exponential_noise
 
 if TYPE_CHECKING:
     from blockspec.runner.model_runner import ModelRunner, StepResult
@@ -54,6 +57,7 @@ class _Launch:
     event: torch.cuda.Event | None
     logits: torch.Tensor | None = None
     state: DecodeStateMetadata | None = None  # hybrids: what a re-commit with sampled counts needs
+    drafts: Drafts | None = None  # the proposer's output (its q, when it sampled, for the sampled accept)
 
     def wait(self) -> torch.Tensor:
         if self.event is not None:
@@ -69,11 +73,22 @@ class DecodeStep:
         self.max_model_len = max_model_len
         max_blocks = -(-(max_model_len + self.q) // runner.block_size)
         self.graphs = DecodeGraphs(runner.device, max_batch, self.q, max_blocks, use_graphs)
-        self.uses_drafter = runner.drafter is not None and self.k > 0
+        self.proposer = runner.proposer if self.k > 0 else None
+        self.uses_drafter = self.proposer is not None
         self.recurrent = bool(getattr(runner.target, "has_recurrent_state", False))
         self.scratch_state = runner.target.state_scratch_slot if self.recurrent else 0
-        width = len(runner.capture_layer_ids) * runner.target.config.hidden_size if self.uses_drafter else 0
-        self.features = torch.zeros(max_batch * self.q, width, device=runner.device, dtype=runner.dtype)
+        needs = runner.needs
+        width = needs.width(runner.target.config.hidden_size) if self.uses_drafter else 0
+        # verify rows, then one carry row per batch row (a general-path step's last context position)
+        rows = max_batch * self.q + max_batch
+        self.carry_row0 = max_batch * self.q
+        self.features = torch.zeros(rows, width, device=runner.device, dtype=runner.dtype)
+        self.feature_tokens = (torch.zeros(rows, dtype=torch.int64, device=runner.device)
+                               if self.uses_drafter and needs.next_tokens else None)
+        candidates = self.proposer.num_candidates if self.uses_drafter else 0
+        # proposers that sample their drafts: each row's temperature (0: greedy) and its Exp(1) draws
+        self.temperature = torch.zeros(max_batch, device=runner.device) if candidates else None
+        self.draft_noise = torch.ones(max_batch, self.k, candidates, device=runner.device) if candidates else None
         self.holders: list[Sequence] = []  # sequences whose committed features sit in self.features
         # Chain the next step before reading this one (only worth it where the device runs ahead).
         self.pipelined = self.graphs.use_graphs
@@ -86,6 +101,7 @@ class DecodeStep:
         self._staged: list[torch.cuda.Event | None] = [None, None]
         self._results = [torch.zeros(max_batch, self.q + 1, dtype=torch.int64, pin_memory=cuda) for _ in range(2)]
         self._turn = 0
+        self._sampling_staged = False  # the temperature buffer holds a sampled step's temperatures
         self._greedy: torch.Tensor | None = None  # eager mode: the last verify pass's [accepted, argmax]
 
     @property
@@ -94,7 +110,7 @@ class DecodeStep:
 
     def capture(self, log) -> float:
         fns = {"prepare": self._prepare_fn}
-        if self.uses_drafter and self.r.synthetic is None:
+        if self.uses_drafter and self.proposer.in_graph:
             fns["draft"] = self._draft_fn
         fns["target"] = self._target_fn
         if self.pipelined:
@@ -120,10 +136,14 @@ class DecodeStep:
         meta = AttentionMetadata(slot_mapping=v.slots, decode=DecodeMetadata(v.tables, v.seq_lens, v.kv_start, q))
         if self.recurrent:
             meta.state_decode = DecodeStateMetadata(v.state_slot, v.state_slot ^ 1, q)
+        needs = r.needs
         with forward_context(meta):
-            hidden, features = r.target(v.tokens, v.positions, r.capture_layer_ids)
-        if features is not None and self.uses_drafter:
-            self.features[: bp * q].copy_(features)
+            hidden, features = r.target(v.tokens, v.positions, needs.layer_ids)
+        kept = needs.select(hidden, features) if self.uses_drafter else None
+        if kept is not None:
+            self.features[: bp * q].copy_(kept)
+            if self.feature_tokens is not None:
+                self.feature_tokens[: bp * q].copy_(v.tokens)
         logits = r.target.compute_logits(hidden)
         # Greedy acceptance inside the graph: [accepted, argmax_0..argmax_k] per row.
         argmax = logits.argmax(-1).view(bp, q)
@@ -134,16 +154,13 @@ class DecodeStep:
             r.target.commit_decode(meta.state_decode, accepted.to(torch.int64) + 1)
         return torch.cat([accepted[:, None].to(argmax.dtype), argmax], dim=1), logits, meta.state_decode
 
-    def _draft_fn(self, v: DecodeViews) -> torch.Tensor:
-        r, bp, q = self.r, v.batch, v.q_len
-        r.drafter.write_context(self.features[v.ctx_rows], v.ctx_positions, v.ctx_slots)
-        meta = DraftMetadata(ctx_positions=v.ctx_positions, ctx_slots=v.ctx_slots, block_positions=v.positions,
-                             block_slots=v.slots,
-                             decode=DecodeMetadata(v.tables, v.draft_seq_lens, v.draft_kv_start, q))
-        hidden = r.drafter.forward_blocks(r.target.embed(v.draft_tokens), meta)
-        hidden = hidden.view(bp, q, -1)[:, 1:]
-        drafts = r.drafter.compute_logits(hidden, r.target.lm_head_weight).argmax(-1)
-        v.tokens.view(bp, q)[:, 1:].copy_(drafts)  # straight into the verify input
+    def _draft_fn(self, v: DecodeViews) -> Drafts:
+        bp, q = v.batch, v.q_len
+        sampling = self.temperature is not None
+        inputs = DecodeInputs(v, self.features, self.feature_tokens, self.temperature[:bp] if sampling else None,
+                              self.draft_noise[:bp] if sampling else None)
+        drafts = self.proposer.propose_decode(inputs, self.r.target)
+        v.tokens.view(bp, q)[:, 1:].copy_(drafts.tokens)  # straight into the verify input
         return drafts
 
     def _fill_dummy(self, v: DecodeViews) -> None:
@@ -200,19 +217,23 @@ class DecodeStep:
         return staging
 
     def _launch(self, bp: int, rows: list[Sequence | None], num_drafts: list[int], chained: bool,
-                synthetic_items: list[ScheduledSeq] | None = None) -> _Launch:
-        """Queue a step whose host sections are staged: derive the indices, draft, verify, copy back."""
+                host_items: list[ScheduledSeq] | None = None) -> _Launch:
+        """Queue a step whose host sections are staged: derive the indices, draft, verify, copy back.
+        `host_items`: the step's items, for a proposer that drafts on the host (outside the graphs)."""
         r, q = self.r, self.q
         v = self.graphs.upload(bp, self._staging[self._turn], "num_drafts" if chained else "anchor")
         self._staged_now()
         self.graphs.run("advance" if chained else "prepare", bp, self._advance_fn if chained else self._prepare_fn)
-        if synthetic_items is not None:
-            drafts = r._synthetic_drafts(synthetic_items)
+        drafts = None
+        if host_items is not None:
+            drafts = self.proposer.propose(host_items, r.step_context())
             if drafts is not None:
-                index = [b * q + 1 + i for b, item in enumerate(synthetic_items) for i in range(item.num_drafts)]
-                v.tokens.index_copy_(0, r._tensor(index), drafts)
+                drafting = [(b, item.num_drafts) for b, item in enumerate(host_items) if item.num_drafts]
+                index = [b * q + 1 + i for b, n in drafting for i in range(n)]
+                values = torch.cat([drafts.tokens[j, :n] for j, (_, n) in enumerate(drafting)])
+                v.tokens.index_copy_(0, r._tensor(index), values)
         elif self.uses_drafter:
-            self.graphs.run("draft", bp, self._draft_fn)
+            drafts = self.graphs.run("draft", bp, self._draft_fn)
         greedy, logits, state = self.graphs.run("target", bp, self._target_fn)
         self._greedy = greedy
         if r.device.type == "cuda":
@@ -222,7 +243,7 @@ class DecodeStep:
             event.record()
         else:
             result, event = greedy[:bp], None
-        return _Launch(bp, rows, num_drafts, result, event, logits, state)
+        return _Launch(bp, rows, num_drafts, result, event, logits, state, drafts)
 
     def release_features(self, keep: set[int] | None = None) -> None:
         """Copy the committed feature rows of held sequences out of the shared buffer (before it is reused)."""
@@ -266,7 +287,7 @@ class DecodeStep:
     def _chainable(self, launch: _Launch) -> bool:
         """Whether the step after `launch` is already known up to its acceptance: every row greedy, with
         the same number of drafts however many tokens this step commits, and blocks for it allocated."""
-        if not self.pipelined or self.r.synthetic is not None:
+        if not self.pipelined or (self.uses_drafter and not self.proposer.in_graph):
             return False
         seqs = [s for s in launch.rows if s is not None]
         if not seqs or not greedy_only(seqs):
@@ -279,17 +300,47 @@ class DecodeStep:
         return True
 
     def _launch_fresh(self, items: list[ScheduledSeq]) -> _Launch:
-        r = self.r
         bp = self.graphs.bucket(len(items))
         self.release_features(keep={id(i.seq) for i in items})
-        # Features committed through the general path (e.g. a prefill) are projected eagerly, once.
         if self.uses_drafter:
-            r.project_pending([i.seq for i in items])
+            self._take_pending(items)
+            self._stage_sampling(items)
         rows: list[Sequence | None] = [i.seq for i in items] + [None] * (bp - len(items))
         num_drafts = [i.num_drafts for i in items] + [0] * (bp - len(items))
         self._stage(bp, rows, num_drafts, items)
-        synthetic = items if self.k and r.synthetic is not None else None
-        return self._launch(bp, rows, num_drafts, chained=False, synthetic_items=synthetic)
+        host = items if self.uses_drafter and not self.proposer.in_graph else None
+        return self._launch(bp, rows, num_drafts, chained=False, host_items=host)
+
+    def _take_pending(self, items: list[ScheduledSeq]) -> None:
+        """Context a general-path step committed (e.g. a prefill): the proposer takes all but each sequence's
+        last position now, eagerly; the last goes to the sequence's carry row, read by the step's graph."""
+        pending = [i.seq for i in items if i.seq.pending_features is not None]
+        if not pending:
+            return
+        self.proposer.write_pending(pending, self.r.step_context())
+        for b, item in enumerate(items):
+            seq = item.seq
+            if seq.pending_features is None:
+                continue
+            row = self.carry_row0 + b
+            self.features[row].copy_(seq.pending_features[-1])
+            seq.feature_rows, seq.pending_features = (row, 1), None
+
+    def _stage_sampling(self, items: list[ScheduledSeq]) -> None:
+        """A proposer that samples its drafts: each row's temperature and its own Exp(1) draws (a seeded
+        request draws the same numbers whatever shares the batch)."""
+        if self.temperature is None:
+            return
+        sampled = [(b, i) for b, i in enumerate(items) if not i.seq.params.greedy and i.num_drafts]
+        if not sampled and not self._sampling_staged:
+            return  # the buffer already holds zeros: every row greedy
+        temps = [0.0] * self.temperature.shape[0]
+        for b, item in sampled:
+            temps[b] = item.seq.params.temperature
+            shape = (item.num_drafts, self.draft_noise.shape[-1])
+            self.draft_noise[b, :item.num_drafts].copy_(exponential_noise(item.seq, shape, self.r.device))
+        self.temperature.copy_(self.r._tensor(temps, torch.float32))
+        self._sampling_staged = bool(sampled)
 
     def _launch_chained(self, prev: _Launch) -> _Launch:
         self._stage(prev.bp, prev.rows, prev.num_drafts)
@@ -329,7 +380,8 @@ class DecodeStep:
             n = len(items)  # a fresh step: rows 0..n-1
             logits = launch.logits.view(launch.bp, q, -1)[:n]
             tokens_in = self.graphs.views(launch.bp).tokens.view(launch.bp, q)[:n]
-            rows = accept(seqs, [i.num_drafts for i in items], logits, tokens_in, r.device)
+            draft_probs = launch.drafts.dense_q(logits.shape[-1], n) if launch.drafts is not None else None
+            rows = accept(seqs, [i.num_drafts for i in items], logits, tokens_in, r.device, draft_probs)
         results = [StepResult(item.seq, tokens, item.num_drafts, a, lps) for item, (a, tokens, lps) in zip(items, rows)]
         committed = [1 + res.num_accepted for res in results]
         if self.recurrent:

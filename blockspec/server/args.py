@@ -113,7 +113,8 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="one more served name with its own default sampling parameters, e.g. fast:temperature=0")
     s.add_argument("--speculative-config", default=None,
                    help='JSON, e.g. {"method": "dflash", "model": "/draft", "num_speculative_tokens": 15, '
-                        '"max_model_len": 1024}')
+                        '"max_model_len": 1024} (DFlash 1 or 2 drafters), or {"method": "mtp", '
+                        '"num_speculative_tokens": 3} (the checkpoint\'s own MTP head: Qwen3-Next, Qwen3.5/3.6)')
     s.add_argument("--kv-cache-dtype", default="auto", help="auto: the model dtype")
     s.add_argument("--quantization", "-q", default=None,
                    help="the checkpoint's quantization method (vLLM's names: compressed-tensors, modelopt, "
@@ -188,10 +189,10 @@ def build_engine_config(args: argparse.Namespace) -> EngineConfig:
                               "same thing: use one")
         config.speculative = SpeculativeConfig.from_json(args.speculative_config)
         if args.no_draft:
-            config.speculative.model = None
-        elif config.speculative.model is None:
+            config.speculative = SpeculativeConfig()
+        elif not config.speculative.enabled:
             log.warning("warning: --speculative-config names no draft \"model\": decoding without speculation")
-    if args.model is None and config.speculative.model is None and not args.no_draft:
+    if args.model is None and not config.speculative.enabled and not args.no_draft:
         log.info("note: no drafter found for the embedded model; decoding without speculation")
     return config
 

@@ -6,13 +6,16 @@ features. Context K/V are projected once per committed token and kept in a paged
 the target's block tables (same positions, same slots); block K/V live for one pass only.
 Projections are fused like the target's (q|k|v, gate|up), so decode steps run the same skinny kernels;
 z-lab's separate checkpoint names load into the fused slices and train/export.py splits them back.
+DFlash 2 checkpoints (DFlash2DraftModel) add a dynamic convolution around every sublayer and a candidate
+selector over the drafts (spec/dflash2.py); both are parts of this drafter when the config names them.
+The drafter is a Proposer (spec/proposer.py): the runner hands it the step's sequences and takes drafts.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -22,12 +25,31 @@ from blockspec.errors import ConfigError
 from blockspec.kernels.paged_attention import paged_attention
 from blockspec.kernels.rotary import rope_qk
 from blockspec.kernels.skinny_linear import linear, skinny_linear, skinny_supported
-from blockspec.models.layers.attention import DecodeMetadata, gather_kv, sdpa, store_kv
+from blockspec.models.layers.attention import DecodeMetadata, gather_kv, pad_index, sdpa, store_kv
 from blockspec.models.layers.linear import FusedLinear, Linear, fused_attention_residual, fused_swiglu_residual
 from blockspec.models.layers.norm import RMSNorm
 from blockspec.models.layers.rotary import RotaryEmbedding
 from blockspec.models.model_config import ModelConfig, read_config_json
 from blockspec.models.weight_utils import copy_named
+from blockspec.spec.dflash2 import CandidateSelector, GroupedDynamicConv
+from blockspec.spec.proposer import (
+    DecodeInputs,
+    Drafts,
+    Proposer,
+    StepContext,
+    TargetNeeds,
+    exponential_noise,
+    sampling_temperatures,
+)
+
+if TYPE_CHECKING:
+    from blockspec.engine.scheduler import ScheduledSeq
+    from blockspec.engine.sequence import Sequence
+
+ARCHITECTURES = ("DFlashDraftModel", "DFlash2DraftModel")
+DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+# z-lab stores the selector's codebooks without the nn.Embedding ".weight" suffix
+CODEBOOKS = ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook")
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -51,19 +73,43 @@ class DrafterConfig:
     input_embedding_scale: float = 1.0
     output_multiplier: float = 1.0
     final_logit_softcapping: float | None = None
+    architecture: str = "DFlashDraftModel"
+    # DFlash 2 (all zero for DFlash 1): convolution taps and channels per group, selector rank and K
+    conv_kernel_size: int = 0
+    conv_group_size: int = 0
+    selector_rank: int = 0
+    selector_top_k: int = 0
     raw: dict[str, Any] = field(repr=False, default_factory=dict)
+
+    @property
+    def method(self) -> str:
+        return "dflash2" if self.architecture == "DFlash2DraftModel" else "dflash"
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> DrafterConfig:
         archs = cfg.get("architectures") or []
-        if archs and archs[0] not in ("DFlashDraftModel",):
-            hint = " (DFlash 2 drafters are not supported yet)" if archs[0] == "DFlash2DraftModel" else ""
-            raise ConfigError(f"draft model architecture {archs[0]!r} is not a DFlash drafter{hint}: "
-                              "pass a z-lab DFlash checkpoint (architectures: DFlashDraftModel)")
+        if archs and archs[0] not in ARCHITECTURES:
+            raise ConfigError(f"draft model architecture {archs[0]!r} is not a DFlash drafter: pass a z-lab DFlash "
+                              "checkpoint (architectures: DFlashDraftModel or DFlash2DraftModel)")
+        architecture = archs[0] if archs else ARCHITECTURES[0]
         dcfg = cfg.get("dflash_config") or {}
 
         def value(name: str, default: Any = None) -> Any:
             return dcfg.get(name, cfg.get(name, default))
+
+        dflash2 = {name: int(value(name) or 0) for name in DFLASH2_FIELDS}
+        if architecture == "DFlash2DraftModel":
+            missing = [name for name, v in dflash2.items() if v <= 0]
+            if missing:
+                raise ConfigError(f"DFlash 2 drafter config lacks {', '.join(missing)} (in dflash_config): "
+                                  "not a complete DFlash2DraftModel checkpoint")
+            if int(cfg["hidden_size"]) % dflash2["conv_group_size"]:
+                raise ConfigError(f"conv_group_size {dflash2['conv_group_size']} does not divide hidden_size "
+                                  f"{cfg['hidden_size']}: the DFlash 2 config is inconsistent")
+            if dflash2["selector_top_k"] > int(cfg["vocab_size"]):
+                raise ConfigError(f"selector_top_k {dflash2['selector_top_k']} exceeds vocab_size {cfg['vocab_size']}")
+        else:
+            dflash2 = dict.fromkeys(DFLASH2_FIELDS, 0)
 
         model = ModelConfig.from_dict({**cfg, "architectures": ["DFlashDraftModel"]})
         n_layers = model.num_hidden_layers
@@ -90,6 +136,8 @@ class DrafterConfig:
             input_embedding_scale=float(value("input_embedding_scale", 1.0)),
             output_multiplier=float(value("output_multiplier", 1.0)),
             final_logit_softcapping=None if not softcap else float(softcap),
+            architecture=architecture,
+            **dflash2,
             raw=cfg,
         )
 
@@ -131,7 +179,8 @@ class DraftMetadata:
     kv_slots:  [B, Lc] cache slots of the visible context keys; key_pos: [B, Lc + Qmax] absolute
                position of every key (context keys first, then the block), -1 where padding.
     query_pos: [B, Qmax] absolute position of every block query.
-    (Those five are the reference path's; the fast path uses `decode` and `block_slots` instead.)
+    (Those five are the reference path's; the fast path uses `decode`, `block_slots` and `block_start`.)
+    block_index: [Tb] each block token's index in its block (DFlash 2's convolution stays inside blocks).
     """
 
     ctx_positions: torch.Tensor
@@ -146,6 +195,8 @@ class DraftMetadata:
     # attends non-causally over [kv_start, anchor + q_len).
     decode: DecodeMetadata | None = None
     block_slots: torch.Tensor | None = None
+    block_start: torch.Tensor | None = None  # [B] each block's anchor position (its first query)
+    block_index: torch.Tensor | None = None
     _masks: dict[tuple[bool, int | None], torch.Tensor] = field(default_factory=dict)
 
     def mask(self, causal: bool, window: int | None) -> torch.Tensor:
@@ -216,8 +267,16 @@ class DFlashAttention(nn.Module):
         return self.rotary.rotary_dim == self.head_dim and self.k_cache is not None and self.v_cache is not None
 
     def decode_fusable(self, meta: DraftMetadata) -> bool:
-        """The uniform-block fast path (non-causal, no window) with the fused kernels."""
-        return meta.decode is not None and self.window is None and not self.causal and self.can_fuse()
+        """The uniform-block fast path with the fused kernels."""
+        return meta.decode is not None and self.can_fuse()
+
+    def paged(self, q: torch.Tensor, meta: DraftMetadata) -> torch.Tensor:
+        """Uniform blocks: the block's queries over the cache (context and block K/V already stored), with
+        this layer's mask: non-causal or causal, sliding window or not, queries from each anchor on."""
+        d = meta.decode
+        return paged_attention(q, self.k_cache, self.v_cache, d.block_tables, d.seq_lens, d.kv_start, d.q_len,
+                               self.head_dim**-0.5, causal=self.causal, window=self.window,
+                               q_start=meta.block_start)
 
     def write_context_fused(self, ctx_raw: torch.Tensor, norm: RMSNorm, positions: torch.Tensor,
                             slots: torch.Tensor) -> None:
@@ -238,22 +297,16 @@ class DFlashAttention(nn.Module):
         rope_qk(qkv, meta.block_positions, self.rotary.cos, self.rotary.sin, nq, nk, d, self.q_norm.weight,
                 self.k_norm.weight, self.q_norm.eps, self.k_cache, self.v_cache, meta.block_slots)
         q = qkv[:, : nq * d].view(t, nq, d)
-        dm = meta.decode
-        out = paged_attention(q, self.k_cache, self.v_cache, dm.block_tables, dm.seq_lens, dm.kv_start, dm.q_len,
-                              self.head_dim**-0.5, causal=False)
-        return out.reshape(t, -1)
+        return self.paged(q, meta).reshape(t, -1)
 
     def forward(self, x: torch.Tensor, meta: DraftMetadata) -> torch.Tensor:
         t = x.shape[0]
         q = self.q_norm(self.proj_q(x).view(t, self.num_heads, self.head_dim))
         (q,) = self.rotary(meta.block_positions, q)
         kb, vb = self._kv(x, meta.block_positions)
-        if meta.decode is not None and self.window is None and not self.causal:
-            d = meta.decode
+        if meta.decode is not None:
             store_kv(self.k_cache, self.v_cache, meta.block_slots, kb, vb)
-            out = paged_attention(q, self.k_cache, self.v_cache, d.block_tables, d.seq_lens, d.kv_start, d.q_len,
-                                  self.head_dim**-0.5, causal=False)
-            return self.o_proj(out.reshape(t, -1))
+            return self.o_proj(self.paged(q, meta).reshape(t, -1))
         k = torch.cat([gather_kv(self.k_cache, meta.kv_slots), kb[meta.query_index].transpose(1, 2)], dim=2)
         v = torch.cat([gather_kv(self.v_cache, meta.kv_slots), vb[meta.query_index].transpose(1, 2)], dim=2)
         qp = q[meta.query_index].transpose(1, 2)
@@ -278,18 +331,26 @@ class DFlashMLP(nn.Module):
 
 
 class DFlashLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, causal: bool, window: int | None) -> None:
+    def __init__(self, cfg: DrafterConfig, rotary: RotaryEmbedding, causal: bool, window: int | None) -> None:
         super().__init__()
-        self.self_attn = DFlashAttention(cfg, rotary, causal, window)
-        self.mlp = DFlashMLP(cfg)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        m = cfg.model
+        self.self_attn = DFlashAttention(m, rotary, causal, window)
+        self.mlp = DFlashMLP(m)
+        self.input_layernorm = RMSNorm(m.hidden_size, m.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(m.hidden_size, m.rms_norm_eps)
+        conv = (m.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size)
+        self.attention_conv = GroupedDynamicConv(*conv) if cfg.conv_kernel_size else None
+        self.mlp_conv = GroupedDynamicConv(*conv) if cfg.conv_kernel_size else None
 
     def forward(self, h: torch.Tensor, meta: DraftMetadata) -> torch.Tensor:
         """The block's residual stream in, the layer's output out. Decode steps (<= 16 block rows on GPU,
         fast-path layers) take the target layers' fused kernels and update h IN PLACE (the caller owns
-        it); everything else the unfused ops."""
+        it); everything else the unfused ops (DFlash 2's convolutions sit between the norms and the GEMMs
+        the fused kernels fold them into)."""
         attn, mlp = self.self_attn, self.mlp
+        if self.attention_conv is not None:
+            h = h + self.convolved(attn, self.attention_conv, self.input_layernorm(h), meta)
+            return h + self.convolved(mlp, self.mlp_conv, self.post_attention_layernorm(h), meta)
         if not (attn.decode_fusable(meta) and skinny_supported(h, attn.qkv_proj.weight)):
             h = h + attn(self.input_layernorm(h), meta)
             return h + mlp(self.post_attention_layernorm(h))
@@ -297,17 +358,34 @@ class DFlashLayer(nn.Module):
                                      lambda qkv: attn.attend_fused(qkv, meta))
         return fused_swiglu_residual(h, self.post_attention_layernorm, mlp.gate_up_proj, mlp.down_proj)
 
+    @staticmethod
+    def convolved(sublayer: nn.Module, conv: GroupedDynamicConv, x: torch.Tensor, meta: DraftMetadata
+                  ) -> torch.Tensor:
+        x, post = conv.prepare(x, meta.block_index)
+        y = sublayer(x, meta) if isinstance(sublayer, DFlashAttention) else sublayer(x)
+        return conv.finish(y, post, meta.block_index)
 
-class DFlashDrafter(nn.Module):
+
+class DFlashDrafter(Proposer):
     def __init__(self, cfg: DrafterConfig, max_positions: int) -> None:
         super().__init__()
         self.config = cfg
         m = cfg.model
         rotary = RotaryEmbedding(m.head_dim, max_positions, m.rope_theta, m.rope_scaling)
-        self.layers = nn.ModuleList(DFlashLayer(m, rotary, *cfg.layer_mask_kind(i)) for i in range(m.num_hidden_layers))
+        self.layers = nn.ModuleList(DFlashLayer(cfg, rotary, *cfg.layer_mask_kind(i))
+                                    for i in range(m.num_hidden_layers))
         self.fc = Linear(len(cfg.target_layer_ids) * m.hidden_size, m.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(m.hidden_size, m.rms_norm_eps)
         self.norm = RMSNorm(m.hidden_size, m.rms_norm_eps)
+        self.candidate_selector = (CandidateSelector(m.vocab_size, m.hidden_size, cfg.selector_rank,
+                                                     cfg.selector_top_k) if cfg.selector_top_k else None)
+        self.method = cfg.method
+        self.needs = TargetNeeds(layer_ids=tuple(cfg.target_layer_ids))
+        self.num_candidates = cfg.selector_top_k
+
+    @property
+    def max_drafts(self) -> int:
+        return self.config.block_size - 1
 
     @property
     def attention_layers(self) -> list[DFlashAttention]:
@@ -356,8 +434,125 @@ class DFlashDrafter(nn.Module):
             logits = torch.tanh(logits / cap) * cap
         return logits
 
+    def select(self, hidden: torch.Tensor, anchors: torch.Tensor, lm_head_weight: torch.Tensor,
+               temperature: torch.Tensor | None = None, noise: torch.Tensor | None = None) -> Drafts:
+        """hidden [R, P, H] of the draft slots -> drafts: an argmax per slot (DFlash 1), or the candidate
+        selector's walk from the anchor token (DFlash 2: greedy, or sampled with q where temperature > 0)."""
+        logits = self.compute_logits(hidden, lm_head_weight)
+        if self.candidate_selector is None:
+            return Drafts(logits.argmax(-1))
+        path, candidates, q = self.candidate_selector.walk(hidden, logits, anchors, temperature, noise)
+        return Drafts(path, candidates, q)
+
+    # ---- the proposer interface (spec/proposer.py) ----------------------------------------------
+
+    def propose(self, items: list[ScheduledSeq], ctx: StepContext) -> Drafts | None:
+        inputs = self.general_inputs(items, ctx)
+        if inputs is None:
+            return None
+        features, embeds, meta, rows = inputs
+        hidden = self(features, embeds, meta)
+        if not rows:
+            return None
+        drafting = [item for item in items if item.num_drafts]
+        width = max(len(r) for r in rows)
+        index = ctx.tensor([r + [r[-1]] * (width - len(r)) for r in rows])
+        anchors = ctx.tensor([item.seq.output_ids[-1] for item in drafting])
+        temperature = noise = None
+        if self.candidate_selector is not None:
+            temperature = sampling_temperatures([item.seq for item in drafting], ctx.device)
+        if temperature is not None:
+            noise = torch.ones(len(rows), width, self.num_candidates, device=ctx.device)
+            for r, item in enumerate(drafting):
+                if not item.seq.params.greedy:
+                    noise[r, :item.num_drafts] = exponential_noise(item.seq, (item.num_drafts, self.num_candidates),
+                                                                   ctx.device)
+        return self.select(hidden[index], anchors, ctx.target.lm_head_weight, temperature, noise)
+
+    def general_inputs(self, items: list[ScheduledSeq], ctx: StepContext
+                       ) -> tuple[torch.Tensor, torch.Tensor, DraftMetadata, list[list[int]]] | None:
+        """Drafter inputs for a general-path step, consuming the sequences' pending features.
+
+        Returns (context features, block embeddings, metadata, per drafting block the rows of its outputs
+        that become drafts: offsets 1..k), or None when the drafter has nothing to do.
+        """
+        feats, ctx_pos, ctx_slots = [], [], []
+        block_tokens, block_pos, q_lens, kv_slots, key_pos, query_pos = [], [], [], [], [], []
+        for item in items:
+            seq = item.seq
+            if seq.pending_features is not None:
+                feats.append(seq.pending_features)
+                ctx_pos.extend(range(seq.drafter_computed, seq.num_computed))
+                ctx_slots.extend(ctx.slots(seq, seq.drafter_computed, seq.num_computed))
+                seq.drafter_computed, seq.pending_features = seq.num_computed, None
+            if item.num_drafts:
+                anchor = seq.num_tokens - 1
+                lo = 0 if ctx.draft_window is None else max(0, anchor - ctx.draft_window)
+                block_tokens.append(seq.output_ids[-1])
+                block_tokens.extend([self.config.mask_token_id] * item.num_drafts)
+                block_pos.extend(range(anchor, anchor + item.num_drafts + 1))
+                q_lens.append(item.num_drafts + 1)
+                kv_slots.append(ctx.slots(seq, lo, anchor))
+                key_pos.append(list(range(lo, anchor)))
+                query_pos.append(list(range(anchor, anchor + item.num_drafts + 1)))
+        if not feats and not block_tokens:
+            return None
+        starts = [sum(q_lens[:b]) for b in range(len(q_lens))]
+        query_index, query_unpad = pad_index(q_lens, starts)
+        lc = max((len(s) for s in kv_slots), default=0)
+        qmax = max(q_lens, default=0)
+        keys = [kp + [-1] * (lc - len(kp)) + qp + [-1] * (qmax - len(qp)) for kp, qp in zip(key_pos, query_pos)]
+        b = len(q_lens)
+        meta = DraftMetadata(
+            ctx_positions=ctx.tensor(ctx_pos),
+            ctx_slots=ctx.tensor(ctx_slots),
+            block_positions=ctx.tensor(block_pos),
+            query_index=ctx.tensor(query_index).view(b, qmax),
+            query_unpad=ctx.tensor(query_unpad),
+            kv_slots=ctx.tensor([s + [0] * (lc - len(s)) for s in kv_slots]).view(b, lc),
+            key_pos=ctx.tensor(keys).view(b, lc + qmax),
+            query_pos=ctx.tensor([q + [q[-1]] * (qmax - len(q)) for q in query_pos]).view(b, qmax),
+            block_index=ctx.tensor([i for n in q_lens for i in range(n)]),
+        )
+        hidden_size = self.config.model.hidden_size
+        features = torch.cat(feats) if feats else torch.zeros(0, 1, device=ctx.device, dtype=ctx.dtype)
+        embeds = ctx.target.embed(ctx.tensor(block_tokens)) if block_tokens else \
+            torch.zeros(0, hidden_size, device=ctx.device, dtype=ctx.dtype)
+        rows = [[s + i for i in range(1, n)] for s, n in zip(starts, q_lens)]
+        return features, embeds, meta, rows
+
+    def write_pending(self, seqs: list[Sequence], ctx: StepContext, keep_last: bool = True) -> None:
+        feats, pos, slots = [], [], []
+        for seq in seqs:
+            rows = seq.pending_features
+            n = 0 if rows is None else rows.shape[0] - int(keep_last)
+            if n <= 0:
+                continue
+            feats.append(rows[:n])
+            pos += range(seq.drafter_computed, seq.drafter_computed + n)
+            slots += ctx.slots(seq, seq.drafter_computed, seq.drafter_computed + n)
+            seq.drafter_computed += n
+            seq.pending_features = rows[n:] if keep_last else None
+        if feats:
+            self.write_context(torch.cat(feats), ctx.tensor(pos), ctx.tensor(slots))
+
+    def propose_decode(self, inputs: DecodeInputs, target: nn.Module) -> Drafts:
+        """Project the rows the previous step committed, denoise the [anchor, MASK * k] blocks, select."""
+        v = inputs.views
+        bp, q = v.batch, v.q_len
+        self.write_context(inputs.features[v.ctx_rows], v.ctx_positions, v.ctx_slots)
+        conv = self.layers[0].attention_conv is not None
+        meta = DraftMetadata(ctx_positions=v.ctx_positions, ctx_slots=v.ctx_slots, block_positions=v.positions,
+                             block_slots=v.slots, block_start=v.anchor,
+                             decode=DecodeMetadata(v.tables, v.draft_seq_lens, v.draft_kv_start, q),
+                             block_index=torch.arange(q, device=v.anchor.device).repeat(bp) if conv else None)
+        hidden = self.forward_blocks(target.embed(v.draft_tokens), meta).view(bp, q, -1)[:, 1:]
+        return self.select(hidden, v.token, target.lm_head_weight, inputs.temperature, inputs.noise)
+
     def load_weight(self, name: str, tensor: torch.Tensor) -> bool:
         if name.startswith("model."):
             name = name[len("model."):]
+        if name in CODEBOOKS:
+            name += ".weight"
         return copy_named(self, name, tensor)
 

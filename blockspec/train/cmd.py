@@ -38,8 +38,15 @@ def add_train_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="stop generating after the shard that crosses this many minutes")
     g.add_argument("--data-dir", type=Path, default=None, help="where data shards live (default OUT/data)")
     d = p.add_argument_group("drafter")
+    d.add_argument("--arch", choices=("dflash", "dflash2"), default="dflash",
+                   help="dflash2: DFlash 2 (DFlash2DraftModel): grouped dynamic convolutions around every sublayer "
+                        "and a candidate selector over the top-K tokens per slot, trained with a K-way loss")
     d.add_argument("--num-layers", type=int, default=2, help="drafter decoder layers")
-    d.add_argument("--block-size", type=int, default=16, help="B: anchor + B-1 drafts")
+    d.add_argument("--block-size", type=int, default=None, help="B: anchor + B-1 drafts (default 16; 8 for dflash2)")
+    d.add_argument("--conv-kernel-size", type=int, default=2, help="dflash2: convolution taps")
+    d.add_argument("--conv-group-size", type=int, default=16, help="dflash2: channels sharing a dynamic tap")
+    d.add_argument("--selector-rank", type=int, default=64, help="dflash2: rank of the pairwise scores (z-lab: 256)")
+    d.add_argument("--selector-top-k", type=int, default=16, help="dflash2: candidates kept per slot")
     d.add_argument("--target-layer-ids", default=None,
                    help="target layers to read, e.g. 1,8,14,21,27 (default: 5 spread from 1 to L-3)")
     d.add_argument("--init-from", type=Path, default=None,
@@ -78,8 +85,17 @@ def config_from_args(args: argparse.Namespace):
         raise ConfigError("--self-prompts must be between 0 and 1")
     if args.sampled_prefix < 0:
         raise ConfigError("--sampled-prefix must be 0 or more")
+    if args.block_size is None:
+        args.block_size = 8 if args.arch == "dflash2" else 16
     if args.block_size < 2:
         raise ConfigError("--block-size must be at least 2 (one anchor and one draft)")
+    dflash2 = None
+    if args.arch == "dflash2":
+        names = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+        dflash2 = {name: getattr(args, name) for name in names}
+        bad = [name for name, value in dflash2.items() if value < 1]
+        if bad:
+            raise ConfigError(f"--{bad[0].replace('_', '-')} must be at least 1")
     gen = GenerationConfig(num_samples=args.num_samples, response_len=args.response_len,
                            temperature=args.temperature, sampled_prefix=args.sampled_prefix,
                            self_prompts=args.self_prompts, seed=args.seed,
@@ -90,6 +106,7 @@ def config_from_args(args: argparse.Namespace):
                         max_time_s=None if args.max_time is None else args.max_time * 60)
     return PipelineConfig(out=args.out, target=args.target, prompts=args.prompts, data_dir=args.data_dir,
                           generation=gen, training=train, num_layers=args.num_layers, block_size=args.block_size,
+                          dflash2=dflash2,
                           target_layer_ids=args.target_layer_ids, mask_token_id=args.mask_token_id,
                           gen_batch=args.gen_batch, gen_workers=args.gen_workers, init_from=args.init_from,
                           max_prompt_len=args.max_prompt_len,

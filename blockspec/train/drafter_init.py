@@ -53,7 +53,8 @@ def pick_mask_token(tokenizer, response_counts: torch.Tensor, vocab_size: int) -
 
 
 def init_weights(drafter: nn.Module, std: float = 0.02, seed: int = 0) -> None:
-    """Linear weights N(0, std), norms one (the usual Qwen3 initialisation), reproducibly.
+    """Linear weights N(0, std), norms one (the usual Qwen3 initialisation), reproducibly; DFlash 2's
+    convolutions start as the identity (tap 0 one, the others and the dynamic part near zero).
 
     A fused projection (q|k|v, gate|up) draws shard by shard, so the random stream and the weights are
     those of the unfused layout (z-lab's tensor order) for a given seed."""
@@ -62,6 +63,9 @@ def init_weights(drafter: nn.Module, std: float = 0.02, seed: int = 0) -> None:
         for name, p in drafter.named_parameters():
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
+            elif name.endswith("base_kernel"):
+                p.zero_()
+                p[:, 0] = 1.0
             elif p.dim() == 2:
                 owner = drafter.get_submodule(name.rpartition(".")[0])
                 sizes = owner.shard_sizes if isinstance(owner, FusedLinear) else [p.shape[0]]

@@ -49,13 +49,13 @@ class TauEvaluator:
     """Periodic evaluation during training: copy the training weights into the engine's drafter."""
 
     def __init__(self, engine: Engine, prompts: Sequence[str], max_tokens: int) -> None:
-        if engine.runner.drafter is None:
+        if engine.runner.proposer is None:
             raise ValueError("the evaluation engine needs a drafter")
         self.engine, self.prompts, self.max_tokens = engine, list(prompts), max_tokens
 
     @torch.no_grad()
     def __call__(self, drafter: DFlashDrafter) -> dict[str, Any]:
-        self.engine.runner.drafter.load_state_dict(drafter.state_dict())
+        self.engine.runner.proposer.load_state_dict(drafter.state_dict())
         self.engine.reset_prefix_cache()  # cached blocks hold the old weights' drafter context
         t0 = time.perf_counter()
         result = measure_tau(self.engine, self.prompts, self.max_tokens)

@@ -3,8 +3,10 @@
 config.json carries the Qwen3-style fields plus block_size, num_target_layers and dflash_config
 {mask_token_id, target_layer_ids}; model.safetensors holds the z-lab tensor names (fc, hidden_norm,
 layers.{i}.*, norm). DFlashDrafter keeps those names except for its fused projections (qkv_proj,
-gate_up_proj), which are split back into q_proj/k_proj/v_proj and gate_proj/up_proj here. blockspec
-(--draft) and the `dflash` reference package both load the result.
+gate_up_proj), which are split back into q_proj/k_proj/v_proj and gate_proj/up_proj here. DFlash 2
+drafters (DFlash2DraftModel) add their convolution and selector fields to dflash_config and store the
+selector's codebooks as z-lab does (without ".weight"). blockspec (--draft) and the `dflash` reference
+package both load the result.
 """
 
 from __future__ import annotations
@@ -18,15 +20,16 @@ from safetensors.torch import save_file
 
 from blockspec.models.layers.linear import FUSED_SHARDS, FusedLinear
 from blockspec.models.model_config import ModelConfig
-from blockspec.spec.dflash import DFlashDrafter
+from blockspec.spec.dflash import CODEBOOKS, DFlashDrafter
 
 WEIGHTS = "model.safetensors"
 
 
 def drafter_config_json(target: ModelConfig, num_layers: int, block_size: int, mask_token_id: int,
                         target_layer_ids: list[int], max_position_embeddings: int | None = None,
-                        dtype: str = "bfloat16") -> dict[str, Any]:
-    """A drafter of the target's width and head layout, non-causal full attention in every layer."""
+                        dtype: str = "bfloat16", dflash2: dict[str, int] | None = None) -> dict[str, Any]:
+    """A drafter of the target's width and head layout, non-causal full attention in every layer; with
+    `dflash2` (conv_kernel_size, conv_group_size, selector_rank, selector_top_k) a DFlash 2 drafter."""
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": target.rope_theta}
     if target.rope_scaling:
         rope = {**target.rope_scaling, "rope_theta": target.rope_theta}
@@ -56,6 +59,10 @@ def drafter_config_json(target: ModelConfig, num_layers: int, block_size: int, m
         "num_target_layers": target.num_hidden_layers,
         "dflash_config": {"mask_token_id": mask_token_id, "target_layer_ids": list(target_layer_ids)},
     }
+    if dflash2:
+        cfg["architectures"] = ["DFlash2DraftModel"]
+        cfg["is_causal"] = False
+        cfg["dflash_config"] |= {"block_size": block_size, **dflash2}
     if target.rope_scaling:
         cfg["rope_scaling"] = dict(target.rope_scaling)
     return cfg
@@ -71,7 +78,7 @@ def zlab_state_dict(drafter: DFlashDrafter) -> dict[str, torch.Tensor]:
         owner, _, rest = name.rpartition(".")  # rest: weight | bias
         layer = fused.get(owner)
         if layer is None:
-            out[name] = tensor
+            out[owner if owner in CODEBOOKS else name] = tensor
             continue
         parent, _, attr = owner.rpartition(".")
         for shard, size in enumerate(layer.shard_sizes):

@@ -3,7 +3,8 @@
 It runs the very modules (and parameter names) of blockspec.spec.dflash.DFlashDrafter, so what is
 trained is what serves. At inference the drafter projects context K/V into a paged cache and
 attends one block per sequence; here context K/V are projected for the whole sequence and all
-blocks attend at once under the DFlash training mask (mask.BlockAttention).
+blocks attend at once under the DFlash training mask (mask.BlockAttention). DFlash 2 drafters run their
+convolutions around each sublayer, inside each block (spec/dflash2.py).
 """
 
 from __future__ import annotations
@@ -35,9 +36,13 @@ def train_forward(drafter: DFlashDrafter, features: torch.Tensor, block_embeds: 
     ctx_positions = torch.arange(s, device=features.device).expand(n, s)
     scale = drafter.config.input_embedding_scale
     h = block_embeds * scale if scale != 1.0 else block_embeds
+    block = drafter.config.block_size
+    block_index = torch.arange(block, device=h.device).repeat(h.shape[1] // block)
     for layer in drafter.layers:
         attn = layer.self_attn
         x = layer.input_layernorm(h)
+        if layer.attention_conv is not None:
+            x, post = layer.attention_conv.prepare(x, block_index)
         q = _rope(attn.rotary, attn.q_norm(_heads(attn.proj_q(x), attn.num_heads, attn.head_dim)), block_positions)
         keys, values = [], []
         for src, pos in ((ctx, ctx_positions), (x, block_positions)):  # context vectors skip the input norm
@@ -47,6 +52,13 @@ def train_forward(drafter: DFlashDrafter, features: torch.Tensor, block_embeds: 
         k = torch.cat(keys, dim=1).transpose(1, 2)
         v = torch.cat(values, dim=1).transpose(1, 2)
         out = attention(q.transpose(1, 2), k, v, attn.head_dim**-0.5)
-        h = h + attn.o_proj(out.transpose(1, 2).reshape(n, -1, attn.num_heads * attn.head_dim))
+        out = attn.o_proj(out.transpose(1, 2).reshape(n, -1, attn.num_heads * attn.head_dim))
+        if layer.attention_conv is not None:
+            out = layer.attention_conv.finish(out, post, block_index)
+            h = h + out
+            x, post = layer.mlp_conv.prepare(layer.post_attention_layernorm(h), block_index)
+            h = h + layer.mlp_conv.finish(layer.mlp(x), post, block_index)
+            continue
+        h = h + out
         h = h + layer.mlp(layer.post_attention_layernorm(h))
     return drafter.norm(h)

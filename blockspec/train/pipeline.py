@@ -50,6 +50,7 @@ class PipelineConfig:
     training: TrainConfig | None = None
     num_layers: int = 2
     block_size: int = 16
+    dflash2: dict[str, int] | None = None  # --arch dflash2: conv_kernel_size, conv_group_size, selector_*
     target_layer_ids: str | None = None  # "1,8,14,21,27"; None: 5 spread from 1 to L-3
     mask_token_id: int | None = None  # None: an unused special token
     gen_batch: int | None = None  # max_num_seqs while generating (default 256 on CUDA, 32 on CPU)
@@ -111,7 +112,7 @@ def drafter_config(cfg: PipelineConfig, target_dir: Path, target_cfg: ModelConfi
         tokenizer = load_tokenizer(target_dir, None, None)
         mask_id = pick_mask_token(tokenizer, token_counts(samples, target_cfg.vocab_size), target_cfg.vocab_size)
     layer_ids = parse_layer_ids(cfg.target_layer_ids, target_cfg.num_hidden_layers)
-    return drafter_config_json(target_cfg, cfg.num_layers, cfg.block_size, mask_id, layer_ids)
+    return drafter_config_json(target_cfg, cfg.num_layers, cfg.block_size, mask_id, layer_ids, dflash2=cfg.dflash2)
 
 
 def init_config(init_from: Path, target_cfg: ModelConfig) -> dict[str, Any]:
@@ -146,6 +147,10 @@ def run(cfg: PipelineConfig) -> dict[str, Any]:
     block = dcfg.block_size
     longest = -(-max(len(s.ids) for s in samples) // 128) * 128
     drafter = build_training_drafter(dcfg, longest + block, device, cfg.seed)
+    windows = [w for w in (dcfg.layer_mask_kind(i)[1] for i in range(len(dcfg.layer_types))) if w]
+    if windows and min(windows) < longest + block:
+        log.warning("the drafter's sliding window (%d) is shorter than the training sequences (%d tokens): "
+                    "training attends over the whole context, serving over the window", min(windows), longest)
     if cfg.init_from is not None and not cfg.resume:
         load_weights(drafter, cfg.init_from, device, torch.float32)
     save_drafter(drafter, config_json, cfg.out)  # the evaluation engine loads the drafter from here
@@ -180,8 +185,9 @@ def _summary(cfg: PipelineConfig, target_dir: Path, config_json: dict[str, Any],
     dev = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     return {
         "target": target_dir.name,
-        "drafter": {k: config_json[k] for k in ("num_hidden_layers", "hidden_size", "intermediate_size",
-                                                "block_size")} | dict(config_json["dflash_config"]),
+        "drafter": {k: config_json.get(k) for k in ("architectures", "num_hidden_layers", "hidden_size",
+                                                    "intermediate_size", "block_size")}
+        | dict(config_json["dflash_config"]),
         "data": {"prompts": cfg.prompts, "samples": len(samples), "response_tokens": response_tokens,
                  **asdict(cfg.generation)},
         "training": {**asdict(cfg.training or TrainConfig(seed=cfg.seed)), "steps": result.steps,
@@ -217,12 +223,19 @@ def _init_from(summary: dict[str, Any]) -> str:
     return f"Starting from the weights of the drafter in {src} (see its own card): " if src else ""
 
 
+def _kind(m: dict[str, Any]) -> str:
+    if "DFlash2DraftModel" not in (m.get("architectures") or []):
+        return "DFlash"
+    return (f"DFlash 2 ({m['conv_kernel_size']}-tap grouped dynamic convolutions, a candidate selector over the "
+            f"top {m['selector_top_k']} tokens with rank-{m['selector_rank']} pairwise scores)")
+
+
 def card_sections(summary: dict[str, Any]) -> dict[str, str]:
     """Model-card sections from a pipeline summary (callers may add their own evaluation)."""
     d, t, m = summary["data"], summary["training"], summary["drafter"]
     ev = summary.get("heldout_eval") or {}
     sections = {
-        "Model": (f"A {m['num_hidden_layers']}-layer DFlash block-diffusion drafter (hidden {m['hidden_size']}, "
+        "Model": (f"A {m['num_hidden_layers']}-layer {_kind(m)} block-diffusion drafter (hidden {m['hidden_size']}, "
                   f"block size {m['block_size']}) for {summary['target']}. It reads target layers "
                   f"{m['target_layer_ids']}; its mask token is id {m['mask_token_id']}, an existing token the target "
                   "never writes in the training data. z-lab format: loads with `blockspec --draft DIR` and with "

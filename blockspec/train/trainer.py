@@ -134,10 +134,12 @@ class Trainer:
             embeds = self.target.embed(b.block_ids).float()
         attention = BlockAttention(b.anchors, b.input_ids.shape[1], self.block_size, self.backend)
         lm_head = self.target.lm_head_weight
+        n, a = b.anchors.shape
         with self._autocast():
             hidden = train_forward(self.drafter, features, embeds, b.block_positions, attention)
             return dflash_loss(hidden, labels, label_mask, b.anchor_valid, self.weights,
-                               lambda rows: self.drafter.compute_logits(rows, lm_head))
+                               lambda rows: self.drafter.compute_logits(rows, lm_head),
+                               self.drafter.candidate_selector, b.block_ids.view(n, a, -1)[:, :, 0])
 
     def train_step(self, batch: TrainBatch):
         try:
@@ -240,11 +242,15 @@ class Trainer:
                                 tau_est=f"{tau_avg:.2f}", lr=f"{lr:.1e}", ep=f"{self.step / self.steps_per_epoch:.2f}")
                 bar.update(1)
                 if self.step % 10 == 0 or self.step == 1:
-                    self._log({"step": self.step, "epoch": round(self.step / self.steps_per_epoch, 3),
-                               "loss": round(loss, 5), "tau_est": round(tau, 4), "lr": lr,
-                               "grad_norm": round(float(grad_norm), 4),
-                               "accuracy": [round(a, 4) for a in out.accuracy.tolist()],
-                               "elapsed_s": round(time.perf_counter() - start, 1)})
+                    record = {"step": self.step, "epoch": round(self.step / self.steps_per_epoch, 3),
+                              "loss": round(loss, 5), "tau_est": round(tau, 4), "lr": lr,
+                              "grad_norm": round(float(grad_norm), 4),
+                              "accuracy": [round(a, 4) for a in out.accuracy.tolist()],
+                              "elapsed_s": round(time.perf_counter() - start, 1)}
+                    if out.selector_loss is not None:
+                        record |= {name: round(getattr(out, name).item(), 4)
+                                   for name in ("selector_loss", "selector_recall", "selector_accuracy")}
+                    self._log(record)
                 if self.step % eval_every == 0 and self.step < self.total_steps:
                     self._evaluate(bar)
                 if self.step % self.cfg.save_every == 0:

@@ -68,8 +68,8 @@ def case(name: str, model: str, draft: str | None, k: int, max_len: int, batched
         per_block = engine.runner.kv_bytes_per_block()
         kv_engine = engine.allocator.num_blocks * per_block if hasattr(engine.allocator, "num_blocks") else None
         weights = sum(p.numel() * p.element_size() for p in engine.runner.target.parameters())
-        if engine.runner.drafter is not None:
-            weights += sum(p.numel() * p.element_size() for p in engine.runner.drafter.parameters())
+        if engine.runner.proposer is not None:
+            weights += sum(p.numel() * p.element_size() for p in engine.runner.proposer.parameters())
     finally:
         memory.profile_step_peak, memory.cuda_kv_budget = peak_fn, budget_fn
     plan = make_plan(PlanInputs(model=model, draft=draft, num_speculative_tokens=k, max_model_len=max_len,

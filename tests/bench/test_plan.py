@@ -183,10 +183,14 @@ def test_moe_roofline_reads_active_experts_only():
     assert fp.read_bytes_per_token == 2 * (fp.total_params - 1000 * 64) - 2 * experts * 6 // 8
 
 
-def test_plan_agrees_with_the_engine(tiny_models, tiny_drafter):
-    """KV bytes per token and weight bytes: plan's arithmetic against a built engine's tensors."""
+@pytest.mark.parametrize("arch", ["dflash", "dflash2"])
+def test_plan_agrees_with_the_engine(tiny_models, tiny_drafter, tiny_drafter2, arch):
+    """KV bytes per token and weight bytes: plan's arithmetic against a built engine's tensors (a DFlash 2
+    drafter's convolutions and selector included)."""
     from blockspec.config import EngineConfig, SpeculativeConfig
     from blockspec.engine.engine import Engine
+
+    tiny_drafter = tiny_drafter2 if arch == "dflash2" else tiny_drafter
 
     engine = Engine(EngineConfig(model=str(tiny_models["qwen3"]), device="cpu", max_model_len=256, max_num_seqs=2,
                                  speculative=SpeculativeConfig(model=str(tiny_drafter))))
@@ -196,7 +200,7 @@ def test_plan_agrees_with_the_engine(tiny_models, tiny_drafter):
     per_block = engine.runner.kv_bytes_per_block()
     assert (target.kv_bytes_per_token + drafter.kv_bytes_per_token) * engine.config.block_size == per_block
     assert target.total_params == sum(p.numel() for p in engine.runner.target.parameters())
-    assert drafter.total_params == sum(p.numel() for p in engine.runner.drafter.parameters())
+    assert drafter.total_params == sum(p.numel() for p in engine.runner.proposer.parameters())
 
 
 def test_plan_cli_json_and_table(tmp_path, capsys):

@@ -42,7 +42,7 @@ def test_tune_picks_k_and_serve_accepts_the_config(tiny_models, tiny_drafter, tm
     args = build_parser().parse_args(["serve", model, "--speculative-config", config, "--device", "cpu",
                                       "--max-model-len", "256"])
     engine = Engine(build_engine_config(args))
-    assert engine.num_speculative_tokens == k and engine.runner.drafter is not None
+    assert engine.num_speculative_tokens == k and engine.runner.proposer is not None
 
 
 def test_tune_without_drafter_reports_the_baseline_only(tiny_models, tmp_path, capsys):
@@ -63,10 +63,28 @@ def test_switching_k_keeps_greedy_output_identical(tiny_models, tiny_drafter):
     outputs = {}
     for k in (0, 6, 3, 0):
         sweep.use_k(k)
-        assert (sweep.engine.runner.drafter is None) == (k == 0)
+        assert (sweep.engine.runner.proposer is None) == (k == 0)
         sweep.engine.add_request(f"r{k}", sweep.text(prompt), SamplingParams(max_tokens=20, temperature=0))
         while sweep.engine.has_unfinished_requests():
             for out in sweep.engine.step():
                 if out.finished:
                     outputs.setdefault(k, []).append(out.token_ids)
     assert outputs[0][0] == outputs[6][0] == outputs[3][0] == outputs[0][1]
+
+
+def test_tune_sweeps_mtp_n_and_prints_an_mtp_config(tmp_path, capsys):
+    """--method mtp: the target's own MTP head, its N swept as k beside the k = 0 baseline."""
+    from tests.tiny_hybrid import save_tiny_hybrid
+    from tests.tiny_mtp import add_mtp_head
+
+    model = save_tiny_hybrid(tmp_path / "qwen3_5", "qwen3_5", num_layers=2)
+    add_mtp_head(model, "qwen3_5")
+    rc = main(["tune", "--model", str(model), "--method", "mtp", "--k", "1,3", "--prompts", "code:1",
+               "--max-tokens", "8", "--runs", "1", "--warmup", "0", "--device", "cpu", "--out", str(tmp_path / "out"),
+               "--json"])
+    assert rc == 0
+    data = json.loads(capsys.readouterr().out)
+    assert sorted({p["k"] for p in data["points"]}) == [0, 1, 3]
+    assert all(len(p["acceptance_per_position"]) == p["k"] for p in data["points"])
+    config = json.loads(data["speculative_config"])
+    assert config == {"method": "mtp", "num_speculative_tokens": data["best_k"] or data["best_speculative_k"]}

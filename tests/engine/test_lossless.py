@@ -43,6 +43,16 @@ def test_dflash_greedy_equals_autoregressive(tiny_models, tiny_drafter, ar_refer
     assert engine.allocator.num_free == engine.allocator.num_blocks
 
 
+def test_dflash2_greedy_equals_autoregressive(tiny_models, tiny_drafter2, ar_reference):
+    """A DFlash 2 drafter (convolutions, candidate selector, sliding-window layers) through chunked prefill,
+    a ragged batch and the decode path: greedy output is the target's."""
+    spec = SpeculativeConfig(model=str(tiny_drafter2), num_speculative_tokens=7)
+    engine = Engine(EngineConfig(model=str(tiny_models["qwen3"]), device="cpu", speculative=spec,
+                                 max_num_batched_tokens=24))
+    assert run_all(engine, PROMPTS) == ar_reference
+    assert engine.allocator.num_free == engine.allocator.num_blocks
+
+
 @pytest.mark.parametrize("k,accept_prob", [(1, 0.7), (4, 0.8), (15, 0.9), (15, 1.0)])
 def test_high_acceptance_greedy_equals_autoregressive(tiny_models, ar_reference, k, accept_prob):
     # ~40 KV blocks for 5 sequences of up to 100 tokens: the scheduler has to preempt and recompute.

@@ -28,7 +28,7 @@ class DraftLog:
 
     def __init__(self, engine: Engine) -> None:
         self.steps: list[list[int]] = []
-        drafter = engine.runner.drafter
+        drafter = engine.runner.proposer
         compute = drafter.compute_logits
 
         def recording(hidden, weight):

@@ -12,7 +12,7 @@ from blockspec.config import EngineConfig, SpeculativeConfig
 from blockspec.engine.engine import Engine
 from blockspec.engine.sampling_params import SamplingParams
 
-from ..conftest import save_tiny_drafter, save_tiny_model
+from ..conftest import TINY_DFLASH2, save_tiny_drafter, save_tiny_model
 
 VOCAB = 12
 PROMPT = [3, 1, 4, 1, 5]
@@ -36,7 +36,19 @@ def save_small_vocab(root) -> tuple:
     target = save_tiny_model(root / "target", "qwen3", seed=4, vocab_size=VOCAB, num_hidden_layers=4)
     cfg = transformers.AutoConfig.from_pretrained(target)
     draft = save_tiny_drafter(root / "draft", cfg, seed=9, mask_token_id=VOCAB - 1, target_layer_ids=[0, 2])
-    return target, draft
+    # DFlash 2: the walk samples among the top 4 of 12 tokens (a gentle selector: q spread over them, not
+    # nearly one-hot) and hands verification its q
+    draft2 = save_tiny_drafter(root / "draft2", cfg, seed=9, mask_token_id=VOCAB - 1, target_layer_ids=[0, 2],
+                               block_size=8, dflash2=TINY_DFLASH2, selector_scale=0.3)
+    return target, {"dflash": draft, "dflash2": draft2}
+
+
+def small_vocab_engine(small_vocab: tuple, method: str) -> Engine:
+    """The 12-token target with its DFlash 1 or 2 drafter, k = 4, batches big enough for thousands of requests."""
+    target, drafts = small_vocab
+    spec = SpeculativeConfig(model=str(drafts[method]), num_speculative_tokens=4)
+    return Engine(EngineConfig(model=str(target), device="cpu", speculative=spec, max_num_seqs=512,
+                               max_num_batched_tokens=4096))
 
 
 @pytest.fixture(scope="module")
@@ -57,12 +69,10 @@ def exact_joint(target_dir) -> torch.Tensor:
     return p1[:, None, None] * p2[:, :, None] * p3
 
 
-def test_sampled_output_follows_target_distribution(small_vocab):
-    target, draft = small_vocab
-    joint = exact_joint(target)
-    spec = SpeculativeConfig(model=str(draft), num_speculative_tokens=4)
-    engine = Engine(EngineConfig(model=str(target), device="cpu", speculative=spec, max_num_seqs=512,
-                                 max_num_batched_tokens=4096))
+@pytest.mark.parametrize("method", ["dflash", "dflash2"])
+def test_sampled_output_follows_target_distribution(small_vocab, method):
+    joint = exact_joint(small_vocab[0])
+    engine = small_vocab_engine(small_vocab, method)
     n = 4000
     params = [SamplingParams(temperature=TEMPERATURE, max_tokens=4, seed=i, ignore_eos=True) for i in range(n)]
     outs = engine.generate([PROMPT] * n, params)
@@ -76,9 +86,10 @@ def test_sampled_output_follows_target_distribution(small_vocab):
     assert chi2_pvalue(counts.sum(0).flatten(), n * joint.sum(0).flatten()) > 1e-3, "(t2, t3)"
 
 
-def test_fixed_seed_reproduces_output(small_vocab):
-    target, draft = small_vocab
-    spec = SpeculativeConfig(model=str(draft), num_speculative_tokens=5)
+@pytest.mark.parametrize("method", ["dflash", "dflash2"])
+def test_fixed_seed_reproduces_output(small_vocab, method):
+    target, drafts = small_vocab
+    spec = SpeculativeConfig(model=str(drafts[method]), num_speculative_tokens=5)
     engine = Engine(EngineConfig(model=str(target), device="cpu", speculative=spec))
     p = SamplingParams(temperature=1.0, top_p=0.95, max_tokens=40, seed=1234, ignore_eos=True)
     first = engine.generate([PROMPT], p)[0].token_ids

@@ -91,7 +91,6 @@ def test_triton_matches_reference(batch, q_len, heads, kv_heads, head_dim, causa
         assert torch.isfinite(out).all()
 
 
-
 def attend_one(keys: torch.Tensor, values: torch.Tensor, q: torch.Tensor, scale: float,
                sink: torch.Tensor | None) -> torch.Tensor:
     """One query head over its visible keys [n, D]; a sink is one more logit whose value is zero."""
@@ -210,3 +209,59 @@ def test_triton_ragged_matches_reference(heads, kv_heads, window):
         ref = ragged_paged_attention_ref(q, kc, vc, index, pos, slots, unpad, d**-0.5, s, window)
         err = (out.float() - ref.float()).norm() / ref.float().norm()
         assert err < (1e-5 if DEVICE == "cpu" else 1e-2), err
+
+
+def window_case(device, dtype, batch, q_len, heads, kv_heads, head_dim, max_len=600, seed=0):
+    """A case with a short block per row (q_start: its first query's position), as DFlash 2 drafter blocks
+    that draft fewer than q_len - 1 tokens: seq_len ends at the block's last real query."""
+    q, kc, vc, tables, seq_lens, kv_start = random_case(device, dtype, batch, q_len, heads, kv_heads, head_dim,
+                                                         max_len=max_len, seed=seed)
+    g = torch.Generator().manual_seed(seed + 100)
+    shorter = torch.randint(0, q_len, (batch,), generator=g).to(seq_lens.device)
+    q_start = seq_lens - q_len  # the row's block ends `shorter` keys before seq_len: drop those keys
+    return q, kc, vc, tables, seq_lens - shorter, kv_start.zero_(), q_start
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_window_and_q_start_match_per_head_definition(causal):
+    """Sliding window: query at p sees keys k with p - k < W (and k - p < W without causal); with q_start the
+    queries sit at q_start + i whatever seq_len is (a block shorter than q_len)."""
+    q_len, heads, kv_heads, d, window = 4, 4, 2, 8, 37
+    q, kc, vc, tables, seq_lens, kv_start, q_start = window_case("cpu", torch.float32, 3, q_len, heads, kv_heads, d)
+    ours = paged_attention_ref(q, kc, vc, tables, seq_lens, kv_start, q_len, d**-0.5, causal, window=window,
+                               q_start=q_start)
+    for b in range(3):
+        n = int(seq_lens[b])
+        keys = kc[tables[b]].flatten(0, 1)[:n]
+        values = vc[tables[b]].flatten(0, 1)[:n]
+        for i in range(q_len):
+            p = int(q_start[b]) + i
+            last = min(p, n - 1) if causal else min(p + window - 1, n - 1)
+            if last < p - window + 1:
+                continue  # a padding query past the block's end sees nothing
+            first = max(0, p - window + 1)
+            for h in range(heads):
+                kv = h // (heads // kv_heads)
+                want = attend_one(keys[first:last + 1, kv], values[first:last + 1, kv], q[b * q_len + i, h],
+                                  d**-0.5, None)
+                torch.testing.assert_close(ours[b * q_len + i, h], want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(DEVICE is None, reason="Triton kernel needs a CUDA GPU (or TRITON_INTERPRET=1)")
+@pytest.mark.parametrize("causal", [True, False])
+def test_triton_window_and_q_start_match_reference(causal):
+    """DFlash 2's use: short blocks (q_start) under a sliding window, causal and not; with a sink as well."""
+    q_len, heads, kv_heads = 8, 8, 2
+    d, max_len, dtype = (16, 100, torch.float32) if DEVICE == "cpu" else (64, 600, torch.bfloat16)
+    for window in (5, 70):
+        q, kc, vc, tables, seq_lens, kv_start, q_start = window_case(DEVICE, dtype, 3, q_len, heads, kv_heads, d,
+                                                                     max_len=max_len, seed=window)
+        for s in (None, torch.randn(heads, device=DEVICE)):
+            with torch.no_grad():
+                out = paged_attention(q, kc, vc, tables, seq_lens, kv_start, q_len, d**-0.5, causal, sinks=s,
+                                      window=window, q_start=q_start)
+            ref = paged_attention_ref(q, kc, vc, tables, seq_lens, kv_start, q_len, d**-0.5, causal, s, window,
+                                      q_start)
+            real = torch.cat([torch.arange(b * q_len, b * q_len + int(seq_lens[b] - q_start[b])) for b in range(3)])
+            err = (out[real].float() - ref[real].float()).norm() / ref[real].float().norm()
+            assert err < (1e-5 if DEVICE == "cpu" else 1e-2), err

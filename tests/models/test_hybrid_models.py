@@ -18,6 +18,7 @@ from blockspec.loader.weights import load_weights
 from blockspec.models.model_config import ModelConfig
 from blockspec.models.registry import model_class
 from blockspec.runner.model_runner import ModelRunner
+from blockspec.spec.proposer import Drafts
 from blockspec.train.features import target_features
 from tests.tiny_hybrid import FAMILIES, save_all
 
@@ -123,7 +124,7 @@ def test_verify_blocks_roll_back_to_the_accepted_prefix(checkpoints, monkeypatch
         for k, a in [(15, 3), (7, 7), (1, 0), (15, 15), (7, 0), (15, 9), (1, 1), (11, 4)]:
             p = seq.num_computed
             drafts = ids[p + 1:p + 1 + a] + [(t + 1) % 256 for t in ids[p + 1 + a:p + 1 + k]]
-            hidden, _, _ = runner._target([ScheduledSeq(seq, 1, k)], torch.tensor(drafts))
+            hidden, _, _ = runner._target([ScheduledSeq(seq, 1, k)], Drafts(torch.tensor([drafts])))
             got = model.compute_logits(hidden[:a + 1])
             torch.testing.assert_close(got, ref[p:p + a + 1], **TOL)
             model.commit_state([seq], [a + 1])

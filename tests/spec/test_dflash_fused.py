@@ -25,19 +25,22 @@ TABLES = [[3, 0, 5, 1, 7], [2, 6, 4, 8, 9]]  # page 9 is padding (seq 1 needs 4 
 KV_START = [2, 0]  # seq 0 with a drafter window: keys before position 2 hidden
 
 
-def _config(bias: bool) -> DrafterConfig:
+def _config(bias: bool, sliding: bool = False) -> DrafterConfig:
+    """sliding: layer 0 is a sliding-window layer (window 6, non-causal as DFlash 2 checkpoints set it)."""
+    window = {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 6,
+              "is_causal": False} if sliding else {}
     return DrafterConfig.from_dict({
         "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "vocab_size": 64, "hidden_size": 64,
         "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
         "head_dim": 16, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 64,
-        "attention_bias": bias, "block_size": Q, "num_target_layers": 4,
+        "attention_bias": bias, "block_size": Q, "num_target_layers": 4, **window,
         "dflash_config": {"mask_token_id": 1, "target_layer_ids": [1, 2]}})
 
 
-def _step(device: str, bias: bool):
+def _step(device: str, bias: bool, sliding: bool = False):
     """A drafter with random weights and random cache contents, and one decode step's inputs."""
     g = torch.Generator().manual_seed(0)
-    drafter = DFlashDrafter(_config(bias), 64).to(device).eval()
+    drafter = DFlashDrafter(_config(bias, sliding), 64).to(device).eval()
     with torch.no_grad():
         for name, p in drafter.named_parameters():
             noise = torch.randn(p.shape, generator=g)
@@ -56,6 +59,7 @@ def _step(device: str, bias: bool):
     meta = DraftMetadata(
         ctx_positions=t(ctx_pos, device=device), ctx_slots=t(ctx_slots, device=device),
         block_positions=t(block_pos, device=device), block_slots=t(block_slots, device=device),
+        block_start=t(ANCHORS, device=device),
         decode=DecodeMetadata(t(TABLES, device=device), t([a + Q for a in ANCHORS], device=device),
                               t(KV_START, device=device), Q))
     features = torch.randn(len(ctx_pos), 2 * m.hidden_size, generator=g).to(device)
@@ -85,10 +89,10 @@ def _paged_attention(q: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     return (paged_attention if q.is_cuda else paged_attention_ref)(q, *args, **kwargs)
 
 
-def _compare(monkeypatch, device: str, bias: bool, force: bool) -> dict[str, int]:
+def _compare(monkeypatch, device: str, bias: bool, force: bool, sliding: bool = False) -> dict[str, int]:
     """Reference (fused path off) vs fused path; `force` takes the fused path's wiring even where the
     kernels cannot run (skinny_linear and rope_qk then run their PyTorch references)."""
-    drafter, caches, features, embeds, meta = _step(device, bias)
+    drafter, caches, features, embeds, meta = _step(device, bias, sliding)
     before = embeds.clone()
     monkeypatch.setattr(dflash, "paged_attention", _paged_attention)
     monkeypatch.setattr(dflash, "skinny_supported", lambda x, w: False)
@@ -123,11 +127,11 @@ def _compare(monkeypatch, device: str, bias: bool, force: bool) -> dict[str, int
     return calls
 
 
-@pytest.mark.parametrize("bias", [False, True])
-def test_fused_wiring_matches_unfused(monkeypatch, bias):
+@pytest.mark.parametrize("bias,sliding", [(False, False), (True, False), (False, True)])
+def test_fused_wiring_matches_unfused(monkeypatch, bias, sliding):
     """Runs everywhere: the fused path's data flow (weight slices, folded norms, in-place residual,
-    rope_qk's cache write) on whatever implementations this machine has."""
-    _compare(monkeypatch, DEVICE or "cpu", bias, force=True)
+    rope_qk's cache write) on whatever implementations this machine has; a sliding-window layer too."""
+    _compare(monkeypatch, DEVICE or "cpu", bias, force=True, sliding=sliding)
 
 
 @pytest.mark.skipif(DEVICE is None, reason="Triton kernels need a CUDA GPU (or TRITON_INTERPRET=1)")
@@ -141,6 +145,8 @@ def test_fused_kernels_match_unfused(monkeypatch, bias):
 
 
 def test_fused_path_only_for_decode_fast_path_layers():
+    """Uniform decode blocks with a bound cache take the fused kernels, whatever the layer's mask (the paged
+    kernel applies causal and sliding windows); ragged general-path blocks do not."""
     drafter = DFlashDrafter(_config(False), 64)
     attn = drafter.attention_layers[0]
     meta = DraftMetadata(ctx_positions=torch.zeros(0), ctx_slots=torch.zeros(0), block_positions=torch.zeros(0),
@@ -148,10 +154,7 @@ def test_fused_path_only_for_decode_fast_path_layers():
     assert not attn.decode_fusable(meta)  # no cache bound yet
     attn.k_cache = attn.v_cache = torch.zeros(1, PAGE, 2, 16)
     assert attn.decode_fusable(meta)
-    attn.causal = True
-    assert not attn.decode_fusable(meta)
-    attn.causal, attn.window = False, 8
-    assert not attn.decode_fusable(meta)
-    attn.window = None
+    attn.causal, attn.window = True, 8
+    assert attn.decode_fusable(meta)
     meta.decode = None
     assert not attn.decode_fusable(meta)

@@ -11,7 +11,8 @@ dflash_model = pytest.importorskip("dflash.model", reason="test-only oracle: pip
 from blockspec.config import EngineConfig, SpeculativeConfig  # noqa: E402
 from blockspec.engine.engine import Engine  # noqa: E402
 from blockspec.engine.sampling_params import SamplingParams  # noqa: E402
-from blockspec.engine.scheduler import ScheduledSeq, SchedulerOutput  # noqa: E402
+from blockspec.engine.scheduler import ScheduledSeq  # noqa: E402
+from tests.spec.proposer_helpers import prefill  # noqa: E402
 
 
 def _reference(target_dir, draft_dir):
@@ -43,17 +44,14 @@ def test_drafter_matches_reference(tiny_models, tiny_drafter):
 
     # Our path: prefill through the engine's runner (captures features), then one drafter pass.
     runner = engine.runner
-    engine.add_request("r", ids, SamplingParams(temperature=0, max_tokens=k + 1))
-    seq = engine.requests["r"]
-    engine.allocator.ensure(seq, len(ids) + k + 1)
-    runner.execute(SchedulerOutput([ScheduledSeq(seq, len(ids), 0)]))
-    seq.output_ids.append(anchor)
+    seq = prefill(engine, ids, anchor, k)
     features = seq.pending_features
     torch.testing.assert_close(features, ctx[0], rtol=1e-5, atol=1e-5)
+    drafter = runner.proposer
     with torch.inference_mode():
-        feats, embeds, meta, rows = runner.draft_inputs([ScheduledSeq(seq, 1, k)])
-        hidden = runner.drafter(feats, embeds, meta)
-        logits = runner.drafter.compute_logits(hidden[rows], runner.target.lm_head_weight)
+        feats, embeds, meta, rows = drafter.general_inputs([ScheduledSeq(seq, 1, k)], runner.step_context())
+        hidden = drafter(feats, embeds, meta)
+        logits = drafter.compute_logits(hidden[rows[0]], runner.target.lm_head_weight)
     torch.testing.assert_close(hidden, ref_hidden, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
 
@@ -84,12 +82,9 @@ def test_draft_window_limits_context_like_a_truncated_reference(tiny_models, tin
         noise = target.get_input_embeddings()(torch.tensor([[anchor] + [ref_drafter.mask_token_id] * k]))
         positions = torch.arange(len(ids) - window, len(ids) + k + 1)[None]
         ref_hidden = ref_drafter(target_hidden=ctx, noise_embedding=noise, position_ids=positions)[0]
-    engine.add_request("w", ids, SamplingParams(temperature=0, max_tokens=k + 1))
-    seq = engine.requests["w"]
-    engine.allocator.ensure(seq, len(ids) + k + 1)
-    engine.runner.execute(SchedulerOutput([ScheduledSeq(seq, len(ids), 0)]))
-    seq.output_ids.append(anchor)
+    seq = prefill(engine, ids, anchor, k)
     with torch.inference_mode():
-        feats, embeds, meta, _ = engine.runner.draft_inputs([ScheduledSeq(seq, 1, k)])
-        hidden = engine.runner.drafter(feats, embeds, meta)
+        drafter = engine.runner.proposer
+        feats, embeds, meta, _ = drafter.general_inputs([ScheduledSeq(seq, 1, k)], engine.runner.step_context())
+        hidden = drafter(feats, embeds, meta)
     torch.testing.assert_close(hidden, ref_hidden, rtol=1e-4, atol=1e-4)

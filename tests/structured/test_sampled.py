@@ -13,11 +13,9 @@ import pytest
 import torch
 import transformers
 
-from blockspec.config import EngineConfig, SpeculativeConfig
-from blockspec.engine.engine import Engine
 from blockspec.engine.sampling_params import SamplingParams
 from blockspec.structured.spec import StructuredSpec
-from tests.engine.test_sampling import PROMPT, VOCAB, chi2_pvalue, save_small_vocab
+from tests.engine.test_sampling import PROMPT, VOCAB, chi2_pvalue, save_small_vocab, small_vocab_engine
 
 TEMPERATURE = 0.9
 REGEX = r"""([!"][%&]|[#$]['()])[*+,]+"""  # ids: ! " # $ = 0-3, % & = 4-5, ' ( ) = 6-8, * + , = 9-11
@@ -57,12 +55,11 @@ def masked_joint(target_dir) -> torch.Tensor:
     return joint
 
 
-def test_sampled_constrained_output_follows_the_masked_target_distribution(small_vocab):
-    target, draft = small_vocab
-    joint = masked_joint(target)
-    spec = SpeculativeConfig(model=str(draft), num_speculative_tokens=4)
-    engine = Engine(EngineConfig(model=str(target), device="cpu", speculative=spec, max_num_seqs=512,
-                                 max_num_batched_tokens=4096))
+@pytest.mark.parametrize("method", ["dflash", "dflash2"])
+def test_sampled_constrained_output_follows_the_masked_target_distribution(small_vocab, method):
+    """DFlash 2's drafts are sampled with their own q (verification reads it) and masked by the grammar."""
+    joint = masked_joint(small_vocab[0])
+    engine = small_vocab_engine(small_vocab, method)
     n = 2000
     grammar = StructuredSpec("regex", REGEX)
     params = [SamplingParams(temperature=TEMPERATURE, max_tokens=4, seed=i, ignore_eos=True, structured=grammar)

@@ -14,6 +14,7 @@ from blockspec.spec.dflash import DFlashDrafter, DrafterConfig
 from blockspec.train.batching import make_batch
 from blockspec.train.data import Sample
 from blockspec.train.features import target_features
+from blockspec.train.loss import dflash_loss, position_weights
 from blockspec.train.mask import BlockAttention, dense_block_mask
 from blockspec.train.model import train_forward
 
@@ -55,14 +56,18 @@ def test_train_forward_matches_reference_many_blocks(tiny_drafter):
             torch.testing.assert_close(got[b], want[0], rtol=1e-4, atol=1e-4)
 
 
-def test_single_block_equals_reference_decode_pass(tiny_drafter):
-    """One anchor with all context before it is exactly a decode-time draft pass of the reference."""
-    ref = dflash_model.DFlashDraftModel.from_pretrained(tiny_drafter, dtype=torch.float32).eval()
-    ours = _our_drafter(tiny_drafter)
+@pytest.mark.parametrize("arch", ["dflash", "dflash2"])
+def test_single_block_equals_reference_decode_pass(tiny_drafter, tiny_drafter2, arch):
+    """One anchor with all context before it is exactly a decode-time draft pass of the reference (DFlash 2:
+    the convolutions inside the block; its sliding window, 12, spans this context and block)."""
+    path = tiny_drafter2 if arch == "dflash2" else tiny_drafter
+    cls = dflash_model.DFlash2DraftModel if arch == "dflash2" else dflash_model.DFlashDraftModel
+    ref = cls.from_pretrained(path, dtype=torch.float32).eval()
+    ours = _our_drafter(path)
     block = ours.config.block_size
     n_feat = len(ours.config.target_layer_ids) * ours.config.model.hidden_size
     torch.manual_seed(1)
-    s, anchor = 30, 17
+    s, anchor = 30, 4
     features = torch.randn(1, s, n_feat)
     embeds = torch.randn(1, block, ours.config.model.hidden_size)
     positions = torch.arange(anchor, anchor + block)[None]
@@ -94,8 +99,10 @@ def test_right_padding_does_not_change_real_positions(tiny_models):
     torch.testing.assert_close(target_features(ours, padded, [2])[0][:, :15], target_features(ours, ids, [2])[0])
 
 
-def test_batch_gradients_reach_every_drafter_parameter(tiny_drafter):
-    ours = _our_drafter(tiny_drafter)
+@pytest.mark.parametrize("arch", ["dflash", "dflash2"])
+def test_batch_gradients_reach_every_drafter_parameter(tiny_drafter, tiny_drafter2, arch):
+    """Through the training forward and the loss (DFlash 2: the selector's K-way loss too)."""
+    ours = _our_drafter(tiny_drafter2 if arch == "dflash2" else tiny_drafter)
     block = ours.config.block_size
     n_feat = len(ours.config.target_layer_ids) * ours.config.model.hidden_size
     ids = torch.arange(40) % 250
@@ -105,6 +112,12 @@ def test_batch_gradients_reach_every_drafter_parameter(tiny_drafter):
     embeds = torch.randn(1, 6 * block, ours.config.model.hidden_size)
     h = train_forward(ours, features, embeds, batch.block_positions,
                       BlockAttention(batch.anchors, 40, block, "sdpa"))
-    h.square().mean().backward()
+    lm_head = torch.randn(ours.config.model.vocab_size, ours.config.model.hidden_size)
+    n, a = batch.anchors.shape
+    labels = (h.detach().view(n, a, block, -1)[:, :, 1:] @ lm_head.T).argmax(-1)  # inside the unary top-K
+    out = dflash_loss(h, labels, batch.label_mask, batch.anchor_valid, position_weights(block, 7.0),
+                      lambda rows: rows @ lm_head.T, ours.candidate_selector, batch.block_ids.view(n, a, -1)[:, :, 0])
+    (out.loss + h.square().mean()).backward()
+    assert (out.selector_loss is not None) == (arch == "dflash2")
     missing = [n for n, p in ours.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0]
     assert not missing

@@ -108,3 +108,35 @@ def test_init_from_a_directory_without_a_drafter_is_refused(trained, tmp_path, c
     args += ["--data-dir", str(trained["out"] / "data"), "--init-from", str(tmp_path)]
     assert main(args) != 0
     assert "has no config.json" in capsys.readouterr().err
+
+
+def test_dflash2_training_exports_what_the_reference_loads(trained, tmp_path):
+    """--arch dflash2 on the same data: the selector's K-way loss falls, and the export is a DFlash2DraftModel
+    checkpoint the `dflash` package loads with every tensor as trained, which serves losslessly here."""
+    out = tmp_path / "d2"
+    args = _arg(_arg(trained["args"], "--out", str(out)), "--epochs", "6")
+    args += ["--data-dir", str(trained["out"] / "data"), "--arch", "dflash2", "--selector-top-k", "4",
+             "--selector-rank", "8"]
+    assert main(args) == 0
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlash2DraftModel"]
+    assert {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 8, "selector_top_k": 4,
+            "block_size": 8}.items() <= cfg["dflash_config"].items()
+    log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+    selector = [r["selector_loss"] for r in log if "selector_loss" in r]
+    assert len(selector) >= 2 and selector[-1] < selector[0]
+    assert "DFlash 2" in (out / "README.md").read_text()
+
+    ref = dflash_model.DFlash2DraftModel.from_pretrained(out, dtype=torch.float32)
+    sp = Engine(EngineConfig(model=str(trained["target"]), device="cpu", speculative=SpeculativeConfig(model=str(out))))
+    ours = sp.runner.proposer
+    assert ours.method == "dflash2" and sp.num_speculative_tokens == 7
+    ref_params = dict(ref.named_parameters())
+    for name, p in ours.named_parameters():  # fused q|k|v and gate|up against z-lab's separate projections
+        if "qkv_proj" in name or "gate_up_proj" in name:
+            continue
+        torch.testing.assert_close(p, ref_params[name].detach(), rtol=0, atol=0)
+    ar = Engine(EngineConfig(model=str(trained["target"]), device="cpu"))
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    prompt = ar.apply_chat_template([{"role": "user", "content": "Name a teal thing."}])
+    assert sp.generate([prompt], params)[0].token_ids == ar.generate([prompt], params)[0].token_ids

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.bias import causal_lower_right
 
+from blockspec.device import upload
 from blockspec.kernels.paged_attention import paged_attention, ragged_paged_attention, softmax_with_sinks
 
 if TYPE_CHECKING:
@@ -80,6 +81,47 @@ class DenseCausalMetadata:
 
 
 _CONTEXT: list[AttentionMetadata | DenseCausalMetadata] = []
+
+
+def ragged_metadata(spans: list[tuple[list[int], int, int]], block_size: int, device: torch.device
+                    ) -> AttentionMetadata:
+    """Causal attention metadata for a ragged batch: per sequence (block table, start, n), queries at
+    positions [start, start + n) over keys [0, start + n) of its paged cache (new K/V written first)."""
+    def slots(table: list[int], lo: int, hi: int) -> list[int]:
+        return [table[p // block_size] * block_size + p % block_size for p in range(lo, hi)]
+
+    q_lens = [n for _, _, n in spans]
+    offsets = [sum(q_lens[:b]) for b in range(len(spans))]
+    kv = [slots(table, 0, start + n) for table, start, n in spans]
+    lmax, qmax = max(len(s) for s in kv), max(q_lens)
+    query_index, query_unpad = pad_index(q_lens, offsets)
+
+    def t(values: list) -> torch.Tensor:
+        return upload(values, torch.int64, device)
+
+    query_pos = t([[start + (i if i < n else 0) for i in range(qmax)] for _, start, n in spans])
+    key = torch.arange(lmax, device=device)
+    kv_len = t([len(s) for s in kv])
+    mask = (key[None, None, :] <= query_pos[:, :, None]) & (key[None, None, :] < kv_len[:, None, None])
+    return AttentionMetadata(
+        slot_mapping=t([s for (table, start, n) in spans for s in slots(table, start, start + n)]),
+        query_index=t(query_index).view(len(spans), qmax),
+        query_unpad=t(query_unpad),
+        kv_slots=t([s + [0] * (lmax - len(s)) for s in kv]).view(len(spans), lmax),
+        mask=mask[:, None],
+        query_pos=query_pos,
+    )
+
+
+def pad_index(lengths: list[int], starts: list[int]) -> tuple[list[list[int]], list[int]]:
+    """Ragged rows of a flat array -> padded [B, max(lengths)] indices into it (padding repeats the row's
+    first index) and the padded-flat position of every real entry."""
+    width = max(lengths) if lengths else 0
+    index, unpad = [], []
+    for b, (n, s) in enumerate(zip(lengths, starts)):
+        index.append([s + i for i in range(n)] + [s] * (width - n))
+        unpad.extend(b * width + i for i in range(n))
+    return index, unpad
 
 
 @contextmanager
