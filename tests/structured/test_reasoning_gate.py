@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from tokenizers import AddedToken, Tokenizer
 from transformers import AutoTokenizer
 
 from blockspec.config import EngineConfig, SpeculativeConfig
@@ -28,27 +27,11 @@ from blockspec.structured.reasoning_tags import ReasoningTokens, reasoning_token
 from blockspec.structured.spec import StructuredSpec
 from tests.conftest import VOCAB, write_tokenizer
 from tests.engine import test_lossless as unconstrained
-from tests.structured.test_lossless import EMAIL, PROMPTS, SPECS, check_follows
+from tests.structured.structured_cases import EMAIL, END, PROMPTS, SPECS, START, write_think_tokenizer
+from tests.structured.test_lossless import check_follows
 
-END, START = 272, 273  # </think>, <think>: the tiny qwen3 target emits 272 and never 273 in these tests
 EOS = 258
 REGEX = StructuredSpec("regex", r"(ab|ac)d+")
-
-
-def write_think_tokenizer(out: Path, end_id: int = END, start_id: int = START) -> Path:
-    """The byte tokenizer with `</think>` and `<think>` as single (not special) tokens at the given ids,
-    reserved tokens filling the ids between its specials and them."""
-    write_tokenizer(out)
-    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
-    names = {end_id: "</think>", start_id: "<think>"}
-    for i in range(tok.get_vocab_size(), max(names) + 1):
-        name = names.get(i, f"<|reserved_{i}|>")
-        assert tok.add_tokens([AddedToken(name, special=False, normalized=False)]) == 1
-        assert tok.token_to_id(name) == i
-    fast = AutoTokenizer.from_pretrained(out)
-    fast._tokenizer = tok
-    fast.save_pretrained(out)
-    return out
 
 
 @pytest.fixture(scope="module")
