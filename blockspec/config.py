@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from blockspec.errors import ConfigError
+from blockspec.structured.reasoning_tags import check_reasoning_parser
 
 MAMBA_CACHE_MODES = ("align", "all", "none")
 DEFAULT_MAMBA_BLOCK_SIZE = 256  # tokens between the state snapshots of a hybrid's cached prompt (align mode)
@@ -91,6 +92,8 @@ class EngineConfig:
     mamba_cache_mode: str = "align"
     mamba_block_size: int | None = None  # None: DEFAULT_MAMBA_BLOCK_SIZE
     mamba_cache_snapshots: int = DEFAULT_MAMBA_CACHE_SNAPSHOTS  # snapshot entries kept (LRU), each one sequence's state
+    # --reasoning-parser: a constrained request's grammar starts after the reasoning-end token (as vLLM)
+    reasoning_parser: str | None = None
 
     def snapshot_interval(self) -> int:
         """Tokens between a hybrid prompt's state snapshots; 0 when none are taken."""
@@ -139,6 +142,7 @@ class EngineConfig:
             raise ConfigError("--block-size must be one of 8, 16, 32, 64, 128")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError("--max-model-len must be at least 2")
+        check_reasoning_parser(self.reasoning_parser)
         k = self.speculative.num_speculative_tokens
         if k is not None and k < 0:
             raise ConfigError("num_speculative_tokens must be non-negative")

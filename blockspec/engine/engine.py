@@ -236,6 +236,31 @@ class Engine:
 
         return GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_ids)
 
+    @functools.cached_property
+    def reasoning_tokens(self):
+        """The reasoning parser's tag ids, for grammars that start after the reasoning; None without a
+        parser, or where the tokenizer has no single end token (then grammars start at the first token)."""
+        from blockspec.structured.reasoning_tags import reasoning_tokens
+
+        if self.config.reasoning_parser is None:
+            return None
+        found = reasoning_tokens(self.tokenizer, self.config.reasoning_parser)
+        if found is None:
+            log.warning("the tokenizer has no single token for the end of reasoning of --reasoning-parser %s: "
+                        "structured outputs are enforced from the first output token, thought included",
+                        self.config.reasoning_parser)
+        return found
+
+    def _grammar(self, spec, prompt_ids: list[int]):
+        """A new sequence's grammar; behind its reasoning where a reasoning parser is set."""
+        matcher = self.grammar_compiler.matcher(spec)
+        tags = self.reasoning_tokens
+        if tags is None:
+            return matcher
+        from blockspec.structured.reasoning_gate import ReasoningGatedGrammar
+
+        return ReasoningGatedGrammar(matcher, tags.end_id, ended=tags.ended_in(prompt_ids))
+
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
         """Queue a request; raises RequestError (with the numbers) if it cannot run."""
         if request_id in self.requests:
@@ -265,7 +290,7 @@ class Engine:
         detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens) if params.detokenize else None
         seq = Sequence(request_id, ids, params, detok, self.eos_ids, generator)
         if params.structured is not None:
-            seq.grammar = self.grammar_compiler.matcher(params.structured)
+            seq.grammar = self._grammar(params.structured, ids)
         self.requests[request_id] = seq
         self.scheduler.add(seq)
 

@@ -14,6 +14,7 @@ from blockspec.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from blockspec.structured.matcher import GrammarMatcher
+    from blockspec.structured.reasoning_gate import ReasoningGatedGrammar
 
 
 class SequenceStatus(enum.Enum):
@@ -118,7 +119,8 @@ class Sequence:
         self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))
         self.eos_ids = set(eos_ids)
         self.generator = generator
-        self.grammar: GrammarMatcher | None = None  # structured output: the grammar state after output_ids
+        # structured output: the grammar state after output_ids (behind the reasoning, with a reasoning parser)
+        self.grammar: GrammarMatcher | ReasoningGatedGrammar | None = None
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.logprobs: list[TokenLogprob] = []

@@ -183,6 +183,7 @@ def build_engine_config(args: argparse.Namespace) -> EngineConfig:
     config = engine_config_from_args(args)
     config.generation_config = "vllm" if args.generation_config == "vllm" else "auto"
     config.quantization = args.quantization
+    config.reasoning_parser = args.reasoning_parser  # constrained output starts after the reasoning
     if args.speculative_config is not None:
         if args.draft is not None or args.num_speculative_tokens is not None or args.draft_window is not None:
             raise ConfigError("--speculative-config and --draft/--num-speculative-tokens/--draft-window say the "

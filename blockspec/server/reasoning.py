@@ -9,15 +9,11 @@ Tags may arrive split across stream deltas; a possible partial tag is held back 
 
 from __future__ import annotations
 
-from blockspec.errors import ConfigError
 from blockspec.server.tool_parsers.base import partial_tag
+from blockspec.structured.reasoning_tags import REASONING_TAGS as PARSERS
+from blockspec.structured.reasoning_tags import check_reasoning_parser as check_parser
 
-PARSERS = {"qwen3": ("<think>", "</think>"), "deepseek_r1": ("<think>", "</think>")}
-
-
-def check_parser(name: str | None) -> None:
-    if name is not None and name not in PARSERS:
-        raise ConfigError(f"--reasoning-parser {name!r} is not supported: use one of {', '.join(PARSERS)}")
+__all__ = ["PARSERS", "ReasoningParser", "check_parser"]
 
 
 class ReasoningParser:

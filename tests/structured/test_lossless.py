@@ -21,19 +21,7 @@ from blockspec.engine.engine import Engine
 from blockspec.engine.sampling_params import SamplingParams
 from blockspec.structured.spec import StructuredSpec
 from tests.engine import test_lossless as unconstrained
-
-PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
-                                           "age": {"type": "integer", "minimum": 0, "maximum": 150}},
-          "required": ["name", "age"]}
-EMAIL = r"[a-z]{3,8}@[a-z]{2,5}\.(com|org)"
-SPECS = {
-    "json_schema": StructuredSpec("json_schema", PERSON),
-    "regex": StructuredSpec("regex", EMAIL),
-    "choice": StructuredSpec("choice", ["yes", "no", "maybe \"so\""]),
-    "json_object": StructuredSpec("json_object"),
-    "lark": StructuredSpec("grammar", 'start: "(" NUM ("+" NUM)* ")"\nNUM: /[1-9][0-9]?/'),
-}
-PROMPTS = ["hello world", "The quick brown fox jumps over", "x", "def f(n):\n    return"]
+from tests.structured.structured_cases import EMAIL, PERSON, PROMPTS, SPECS
 
 
 def constrained(kind: str, max_tokens: int = 40) -> SamplingParams:

@@ -14,7 +14,7 @@ from blockspec.config import EngineConfig, SpeculativeConfig
 from blockspec.engine.engine import Engine
 from blockspec.engine.sampling_params import SamplingParams
 from blockspec.structured.spec import StructuredSpec
-from tests.structured.test_lossless import EMAIL, PERSON, PROMPTS
+from tests.structured.structured_cases import EMAIL, END, PERSON, PROMPTS, write_think_tokenizer
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -24,17 +24,18 @@ PARAMS = [SamplingParams(temperature=0, max_tokens=48, structured=StructuredSpec
           SamplingParams(temperature=0, max_tokens=48, structured=StructuredSpec("json_object"))]
 
 
-def generate(target, drafter, k: int, eager: bool, general: bool = False) -> list[list[int]]:
+def generate(target, drafter, k: int, eager: bool, general: bool = False, **config) -> list[list[int]]:
     spec = SpeculativeConfig(model=str(drafter), num_speculative_tokens=k) if k else SpeculativeConfig()
     engine = Engine(EngineConfig(model=str(target), device="cuda", dtype="float32", max_num_seqs=4,
-                                 enforce_eager=eager, speculative=spec, gpu_memory_utilization=0.3))
+                                 enforce_eager=eager, speculative=spec, gpu_memory_utilization=0.3, **config))
     if general:
         engine.runner.decode = None
         engine._set_lookahead()
     outs = engine.generate(PROMPTS, PARAMS)
     engine.release()
-    assert re.fullmatch(EMAIL, outs[0].text) or outs[0].finish_reason == "length"
-    assert outs[2].text in ("alpha", "beta")
+    answers = [o.text.split("</think>")[-1] for o in outs]  # behind a reasoning parser: after the thought
+    assert re.fullmatch(EMAIL, answers[0]) or outs[0].finish_reason == "length"
+    assert answers[2] in ("alpha", "beta")
     return [o.token_ids for o in outs]
 
 
@@ -46,7 +47,19 @@ def test_graphs_equal_eager_and_general_path_under_grammars(tiny_models, tiny_dr
     assert graphs == generate(target, tiny_drafter, k, eager=False, general=True)
 
 
+@pytest.mark.parametrize("k", [0, 7])
+def test_graphs_equal_eager_behind_the_reasoning(tiny_models, tiny_drafter, tmp_path, k):
+    """--reasoning-parser: free thought, the grammar after </think> (an id the tiny target emits early)."""
+    target = tiny_models["qwen3"]
+    gate = {"tokenizer": str(write_think_tokenizer(tmp_path / "tok")), "reasoning_parser": "qwen3"}
+    graphs = generate(target, tiny_drafter, k, eager=False, **gate)
+    assert any(END in graphs[i] for i in (0, 2, 3))  # some constrained row ended its thought
+    assert graphs == generate(target, tiny_drafter, k, eager=True, **gate)
+    assert graphs == generate(target, tiny_drafter, k, eager=False, general=True, **gate)
+
+
 def test_embedded_model_json_schema_on_gpu(default_model):
+    pytest.importorskip("jsonschema", reason="the engine checks a JSON schema against its meta-schema (jsonschema)")
     from blockspec.loader.default_model import default_drafter_dir
 
     spec = SpeculativeConfig(model=str(default_drafter_dir()), num_speculative_tokens=15)
