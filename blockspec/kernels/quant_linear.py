@@ -22,7 +22,7 @@ is dequantize + F.linear. `quant_linear` is the entry point:
   of weights (`_unpack_int4_fast` / `_unpack_e2m1_fast`): with Triton's own integer ops the dequantization
   costs ~8 instructions per weight (NVFP4: ~24), more than an H100 can issue while streaming 4-bit weights
   at full bandwidth (~7 per weight at 80% of it). One row of int8 / fp8 (1 byte per weight, half the
-  element rate) takes a reduction path like skinny_linear's instead (`_M1_PATH`).
+  element rate) and of NVFP4 (measured faster) takes a reduction path like skinny_linear's (`_M1_PATH`).
 - 17 to PREFILL_DEQUANT_MIN_M - 1 rows: the same kernel with 32-64-row tiles (Hopper: wgmma).
 - more rows (prefill): the whole weight is dequantized to the activation dtype once per call, then cuBLAS.
 float32 accumulation throughout. Native Blackwell FP4 / FP8 tensor-core GEMMs have one dispatch point
@@ -42,7 +42,7 @@ from blockspec.models.layers.quant_linear import FP8_BLOCK, NVFP4_GROUP, SCHEMES
 from blockspec.models.layers.quant_linear import dequantize as layout_dequantize
 
 PREFILL_DEQUANT_MIN_M = 1024  # rows: from here dequantize + cuBLAS beats the in-register tl.dot GEMM (to tune)
-_M1_PATH = {"int4": "dot", "nvfp4": "dot", "int8": "reduce", "fp8": "reduce"}  # one-row kernel per scheme
+_M1_PATH = {"int4": "dot", "nvfp4": "reduce", "int8": "reduce", "fp8": "reduce"}  # one-row kernel per scheme
 _NUM_SMS = 132  # H100 / H200
 _MIN_PROGRAMS = 2 * _NUM_SMS
 _TARGET_WARPS = 8 * _NUM_SMS  # warps that hide the dequantizing dot path's ALU chains and load latency
@@ -601,9 +601,10 @@ def _balance(programs: int) -> float:
 
 
 def launch_config(meta: QuantMeta, m: int) -> LaunchConfig:
-    """A hand heuristic (CUDA graphs are captured after warm-up, so no autotuning), reasoned from sm_90 SASS
-    instruction counts per weight (an H100 issues ~128 instructions per SM-clock; streaming 4-bit weights at
-    80% of its bandwidth leaves ~7 per weight), not yet measured: bench/quant_gemm.py --sweep.
+    """A hand heuristic (CUDA graphs are captured after warm-up, so no autotuning), first reasoned from sm_90
+    SASS instruction counts per weight, then corrected where `bench/quant_gemm.py --sweep` on an H100 (Qwen3-8B
+    qkv / o / down, weights rotated past the L2) measured better: NVFP4 one row on the reduction path (BLOCK_N
+    8, BLOCK_K 512, 4 warps) and 2-16 rows as two 2-warp slices of 128; int4 slices of 128 up to K = 4096.
     - m == 1 on the reduction path (int8 / fp8, _M1_PATH): skinny_linear's one-row config, BLOCK_N 4-16 rows
       by >= 2 programs per SM, BLOCK_K 512, 8 warps from 8192-element tiles.
     - m <= 16 (dot path): rows padded to 8 (m <= 8: mma n = 8, half the x fragments of 16) or 16.
@@ -620,15 +621,25 @@ def launch_config(meta: QuantMeta, m: int) -> LaunchConfig:
       (19 per weight with BLOCK_N 32). Fewer programs than SMs on 4096-wide projections below 128 rows.
     """
     n, k = meta.n, meta.k
-    # int8 with groups along K gave wrong sums on the reduction path on an H100 (the dot path is right): only
-    # per-row int8 and fp8 take it until that is found
-    if m == 1 and _M1_PATH[meta.scheme] == "reduce" and (meta.per_row or meta.scheme == "fp8"):
+    # int8 with groups along K gave wrong sums on the reduction path on an H100 (the dot path is right), and so
+    # did int4 at BLOCK_N 4 / BLOCK_K 1024 (not at 8 / 512): only per-row int8, fp8 and NVFP4 (right at every
+    # swept config) take it until that is found
+    if m == 1 and _M1_PATH[meta.scheme] == "reduce" and (meta.per_row or meta.scheme in ("fp8", "nvfp4")) \
+            and (meta.scheme != "nvfp4" or k >= 512):
+        if meta.scheme == "nvfp4":  # bench/quant_gemm.py --sweep (H100): 12.1 / 10.5 / 25.9 us on qkv / o / down
+            return LaunchConfig(False, 1, 8, 512, 1, 4, 3)
         block_k = min(512, max(64, _next_pow2(k)))
         block_n = next((b for b in (16, 8) if _cdiv(n, b) >= _MIN_PROGRAMS), 4)
         return LaunchConfig(False, 1, block_n, block_k, 1, 8 if block_n * block_k >= 8192 else 4, 3)
     if m <= 16:
-        wide = k >= 2048 and (m <= 8 or meta.scheme in ("int4", "nvfp4"))  # 8-bit tiles at 16 rows: 128 KB
-        block_k = 256 if wide else (128 if k >= 128 else max(32, _next_pow2(k)))
+        if meta.scheme == "nvfp4":  # two slices of 128, two warps: 2x faster than four of 256 at 16 rows (sweep)
+            block_k = 128 if k >= 128 else max(32, _next_pow2(k))
+            split = _max_split(k, block_k, 2)
+            return LaunchConfig(True, 8 if m <= 8 else 16, 16, block_k, split, split, 4)
+        # 4-bit: slices of 128 up to K = 4096 (qkv / o at 1 and 16 rows: 10-30% faster than 256), 256 beyond
+        wide = k >= 2048 and (m <= 8 or meta.scheme == "int4")  # 8-bit tiles at 16 rows: 128 KB
+        block_k = (128 if meta.scheme == "int4" and k <= 4096 else 256) if wide else \
+            (128 if k >= 128 else max(32, _next_pow2(k)))
         split = _max_split(k, block_k, 4)
         p32 = _cdiv(n, 32)
         block_n = 32 if p32 * split >= _TARGET_WARPS and _balance(p32) >= 0.9 else 16

@@ -209,9 +209,9 @@ def test_launch_config(scheme, m, n, k):
         assert cfg.block_m >= min(m, 16) or cfg.block_m == 64
     else:
         assert m == 1 and cfg.split == 1 and cfg.block_m == 1
-    if m <= 16 and n >= 4096:  # a decode projection keeps >= 8 warps per SM busy
+    if m <= 16 and n >= 4096:  # a decode projection keeps >= 4 warps per SM busy (NVFP4's best 2-warp tiles)
         progs = -(-n // cfg.block_n)
-        assert progs * cfg.num_warps >= 1024 or not cfg.use_dot
+        assert progs * cfg.num_warps >= 512 or not cfg.use_dot
 
 
 # ------------------------------------------------------------------------------------------------------------
