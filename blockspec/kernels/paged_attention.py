@@ -134,13 +134,16 @@ if HAVE_TRITON:
         scale, q_len, num_splits, window,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, HAS_Q_START: tl.constexpr,
+        ROW_TILES: tl.constexpr,
     ):
+        """One (sequence, KV head, tile of BLOCK_M query rows, split of the key range): its rows are the
+        (query, head of the group) pairs tile * BLOCK_M.. of that KV head, all queries' heads in one matrix."""
         b = tl.program_id(0)
-        kvh = tl.program_id(1)
+        kvh = tl.program_id(1) // ROW_TILES
+        rows = (tl.program_id(1) % ROW_TILES) * BLOCK_M + tl.arange(0, BLOCK_M)
         split = tl.program_id(2)
         seq_len = tl.load(SEQ_LENS + b)
         kv_start = tl.load(KV_START + b)
-        rows = tl.arange(0, BLOCK_M)
         qi = rows // GROUP
         head = kvh * GROUP + rows % GROUP
         row_ok = qi < q_len
@@ -185,8 +188,10 @@ if HAVE_TRITON:
             m_i, l_i, acc = _online_softmax_step(s, visible, v, m_i, l_i, acc)
         base = b * stride_ob + kvh * stride_oh + split * stride_os
         tl.store(Out + base + rows[:, None] * stride_om + d[None, :], acc)
-        tl.store(M + (b * tl.num_programs(1) + kvh) * num_splits * BLOCK_M + split * BLOCK_M + rows, m_i)
-        tl.store(L + (b * tl.num_programs(1) + kvh) * num_splits * BLOCK_M + split * BLOCK_M + rows, l_i)
+        TOTAL_M: tl.constexpr = ROW_TILES * BLOCK_M
+        ml = (b * (tl.num_programs(1) // ROW_TILES) + kvh) * num_splits * TOTAL_M + split * TOTAL_M + rows
+        tl.store(M + ml, m_i)
+        tl.store(L + ml, l_i)
 
 
 if HAVE_TRITON:
@@ -294,23 +299,30 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv = k_cache.shape[2]
     group = num_heads // num_kv
-    block_m = max(16, _next_pow2(q_len * group))
-    o = torch.empty(b_count, num_kv, num_splits, block_m, head_dim, device=q.device, dtype=torch.float32)
-    m = torch.empty(b_count, num_kv, num_splits, block_m, device=q.device, dtype=torch.float32)
+    # Row tiles of at most 8192 / head_dim rows (a [BLOCK_M, HEAD_DIM] float32 accumulator of <= 64 registers a
+    # thread): a 27B verify (16 queries x 6 heads, head_dim 256) as 3 programs of 32 rows a (KV head, split),
+    # not one of 128 whose accumulator spilled.
+    rows = q_len * group
+    block_m = min(max(16, _next_pow2(rows)), max(16, 8192 // head_dim))
+    row_tiles = -(-rows // block_m)
+    total_m = row_tiles * block_m
+    o = torch.empty(b_count, num_kv, num_splits, total_m, head_dim, device=q.device, dtype=torch.float32)
+    m = torch.empty(b_count, num_kv, num_splits, total_m, device=q.device, dtype=torch.float32)
     ll = torch.empty_like(m)
-    _paged_attention_kernel[(b_count, num_kv, num_splits)](
+    _paged_attention_kernel[(b_count, num_kv * row_tiles, num_splits)](
         q, k_cache, v_cache, o, m, ll, block_tables, seq_lens, kv_start, seq_lens if q_start is None else q_start,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0), o.stride(0), o.stride(1), o.stride(2), o.stride(3),
         scale, q_len, num_splits, window or 0,
         GROUP=group, HEAD_DIM=head_dim, PAGE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_N=64, CAUSAL=causal,
-        WINDOWED=window is not None, HAS_Q_START=q_start is not None, num_warps=4, num_stages=2,
+        WINDOWED=window is not None, HAS_Q_START=q_start is not None, ROW_TILES=row_tiles, num_warps=4,
+        num_stages=2,
     )
     out = torch.empty_like(q)
     _merge_splits_kernel[(b_count, num_kv, q_len * group)](
         o, m, ll, out, q if sinks is None else sinks, o.stride(0), o.stride(1), o.stride(2), o.stride(3),
-        out.stride(0), out.stride(1), q_len, num_splits, GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m,
+        out.stride(0), out.stride(1), q_len, num_splits, GROUP=group, HEAD_DIM=head_dim, BLOCK_M=total_m,
         SPLITS=_next_pow2(num_splits), HAS_SINKS=sinks is not None, num_warps=1)
     return out
 

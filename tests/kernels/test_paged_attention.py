@@ -73,7 +73,8 @@ def test_reference_matches_per_head_definition(causal):
 
 @pytest.mark.skipif(DEVICE is None, reason="Triton kernel needs a CUDA GPU (or TRITON_INTERPRET=1)")
 @pytest.mark.parametrize("batch,q_len,heads,kv_heads,head_dim", [
-    (1, 1, 32, 8, 128), (1, 16, 32, 8, 128), (3, 16, 9, 3, 64), (4, 8, 16, 16, 64), (2, 1, 14, 2, 64)])
+    (1, 1, 32, 8, 128), (1, 16, 32, 8, 128), (3, 16, 9, 3, 64), (4, 8, 16, 16, 64), (2, 1, 14, 2, 64),
+    (1, 16, 24, 4, 256)])  # the last: Qwen3.6-27B's verify, 96 rows a KV head in three row tiles
 @pytest.mark.parametrize("causal", [True, False])
 def test_triton_matches_reference(batch, q_len, heads, kv_heads, head_dim, causal):
     for seed in range(2):
@@ -89,6 +90,21 @@ def test_triton_matches_reference(batch, q_len, heads, kv_heads, head_dim, causa
         err = (out.float() - ref.float()).norm() / ref.float().norm()
         assert err < 1e-2, err
         assert torch.isfinite(out).all()
+
+
+@pytest.mark.skipif(DEVICE is None, reason="Triton kernel needs a CUDA GPU (or TRITON_INTERPRET=1)")
+@pytest.mark.parametrize("causal", [True, False])
+def test_row_tiles_match_reference(causal):
+    """Rows of one KV head beyond one tile (6 queries x 6 heads of head_dim 256: tiles of 32 rows, the second
+    partly padding) run as several programs and merge like one."""
+    dtype = torch.float32 if DEVICE == "cpu" else torch.bfloat16
+    q, kc, vc, tables, seq_lens, kv_start = random_case(DEVICE, dtype, 2, 6, 12, 2, 256, max_len=70, seed=3)
+    if causal:
+        kv_start.zero_()
+    with torch.no_grad():
+        out = paged_attention(q, kc, vc, tables, seq_lens, kv_start, 6, 256**-0.5, causal)
+    ref = paged_attention_ref(q, kc, vc, tables, seq_lens, kv_start, 6, 256**-0.5, causal)
+    assert float((out.float() - ref.float()).norm() / ref.float().norm()) < 1e-2
 
 
 def attend_one(keys: torch.Tensor, values: torch.Tensor, q: torch.Tensor, scale: float,
