@@ -221,11 +221,12 @@ if HAVE_TRITON:
             return tl.load(W + rows[:, None] * K + ks[None, :], mask=n_mask[:, None] & (ks < K)[None, :], other=0.0)
 
     @triton.jit
-    def _expert_epilogue(acc, S, GS, B, e, rows, n_mask, PER_ROW: tl.constexpr, HAS_GS: tl.constexpr,
+    def _expert_epilogue(acc, S, GS, B, e, rows, b_rows, n_mask, PER_ROW: tl.constexpr, HAS_GS: tl.constexpr,
                          GS_FACTOR: tl.constexpr, HAS_BIAS: tl.constexpr, N_W: tl.constexpr, E: tl.constexpr):
-        """acc [BM, BN] (float32) times what the quantized tiles leave to the accumulator (per-row scales, the
-        expert's NVFP4 global scale and the fast tiles' 2^26), plus the expert's bias (none for the folded
-        shared expert, id E). Still float32: the caller rounds it where F.linear would."""
+        """acc [BM, BN] (float32) times what the quantized tiles leave to the accumulator (per-row scales of
+        `rows`, the expert's NVFP4 global scale and the fast tiles' 2^26), plus the expert's bias at `b_rows`
+        of its [N_W] (none for the folded shared expert, id E). Still float32: the caller rounds it where
+        F.linear would."""
         if PER_ROW:
             acc = acc * tl.load(S + rows, mask=n_mask, other=0.0).to(tl.float32)[None, :]
         if HAS_GS:
@@ -233,7 +234,7 @@ if HAVE_TRITON:
         if GS_FACTOR != 1.0:
             acc = acc * GS_FACTOR
         if HAS_BIAS:
-            b = tl.load(B + e.to(tl.int64) * N_W + rows, mask=n_mask & (e < E), other=0.0)
+            b = tl.load(B + e.to(tl.int64) * N_W + b_rows, mask=n_mask & (e < E), other=0.0)
             acc = acc + b.to(tl.float32)[None, :]
         return acc
 
@@ -337,12 +338,12 @@ if HAVE_TRITON:
             else:
                 yg = tl.sum(acc_g, axis=1)[None, :]
                 yu = tl.sum(acc_u, axis=1)[None, :]
-            yg = _expert_epilogue(yg, s_base, QGS, BIAS, e, rows_g, n_mask, PER_ROW, HAS_GS, GS_FACTOR, HAS_BIAS,
-                                  N_W, E)
+            yg = _expert_epilogue(yg, s_base, QGS, BIAS, e, rows_g, rows_g, n_mask, PER_ROW, HAS_GS, GS_FACTOR,
+                                  HAS_BIAS, N_W, E)
             y = yg.to(dtype)  # the F.linear output
             if GATED:
-                yu = _expert_epilogue(yu, s_base, QGS, BIAS, e, rows_u, n_mask, PER_ROW, HAS_GS, GS_FACTOR,
-                                      HAS_BIAS, N_W, E)
+                yu = _expert_epilogue(yu, s_base, QGS, BIAS, e, rows_u, rows_g + N_OUT, n_mask, PER_ROW, HAS_GS,
+                                      GS_FACTOR, HAS_BIAS, N_W, E)
                 g = y.to(tl.float32)
                 u = yu.to(dtype).to(tl.float32)
                 if CLAMPED:  # as GatedActivation computes it, rounded once
