@@ -23,6 +23,13 @@ Shared expert (Qwen3-Next, Qwen3.5/3.6-MoE): when its intermediate size equals t
 in as expert id E that every token picks in slot k, with weight sigmoid(shared_expert_gate(x)); the kernels
 read its own gate/up/down tensors for that id (no copy; checkpoint names unchanged).
 
+Quantized experts (models/layers/quant_linear.QuantExpertWeights: int4, int8, fp8 per channel or 128x128
+blocks, NVFP4 with a global scale per expert, MXFP4): the grouped GEMMs read the stacked packed tensors and
+dequantize each (expert, N tile, K tile) in registers with the dense quantized GEMMs' tiles
+(kernels/quant_tiles.py), per-row scales and the global scale applied to the accumulator; bytes read are the
+packed weights and their scales. A quantized shared expert is not folded (it keeps its QuantLinear path).
+Biases ([E, N], GPT-OSS) and GPT-OSS's clamped SwiGLU ride in the same epilogues, for any weights.
+
 Determinism: every pair's output row is computed on its own (row-independent tiles, no split-K) and written
 to its own row; `combine` sums a token's k (+1) rows in slot order in float32 with no atomics. So a token's
 result does not depend on which other tokens share the step, under a fixed launch config. One-token steps

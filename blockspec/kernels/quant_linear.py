@@ -26,7 +26,9 @@ is dequantize + F.linear. `quant_linear` is the entry point:
 - 17 to PREFILL_DEQUANT_MIN_M - 1 rows: the same kernel with 32-64-row tiles (Hopper: wgmma).
 - more rows (prefill): the whole weight is dequantized to the activation dtype once per call, then cuBLAS.
 float32 accumulation throughout. Native Blackwell FP4 / FP8 tensor-core GEMMs have one dispatch point
-(`_native_blackwell`), a stub that falls through to the W4A16 path for now.
+(`_native_blackwell`), a stub that falls through to the W4A16 path for now. The per-scheme register tiles (and the
+PTX unpackers) live in kernels/quant_tiles.py, shared with the grouped MoE kernels (kernels/moe_grouped.py),
+which also read "mxfp4" through `quant_meta`.
 """
 
 from __future__ import annotations

@@ -32,9 +32,9 @@ FORMATS = ("nvfp4", "int4_asym_g32")
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("quant_moe")
-    src = save_tiny_hybrid(root / "src", "qwen3_moe", num_layers=2)
+    src = save_tiny_hybrid(root / "src", "qwen3_moe", num_layers=3)  # layers 0 and 2 MoE, 1 dense
     out = {fmt: write_ct_checkpoint(src, root / fmt, fmt)[0] for fmt in FORMATS}
-    out["drafter"] = save_tiny_drafter(root / "draft", AutoConfig.from_pretrained(src), target_layer_ids=[0, 1])
+    out["drafter"] = save_tiny_drafter(root / "draft", AutoConfig.from_pretrained(src), target_layer_ids=[0, 2])
     return out
 
 
@@ -65,12 +65,12 @@ def test_fused_path_gives_the_reference_logits(checkpoints, fmt, monkeypatch):
 def test_greedy_dflash_equals_autoregressive_on_the_fused_path(checkpoints, monkeypatch):
     calls = _count_fused(monkeypatch)
     target = str(checkpoints["nvfp4"])
-    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     prompts = ["hello world", "The quick brown fox"]
     ar = run_all(Engine(EngineConfig(model=target, device="cpu")), prompts, greedy)
-    assert 1 in calls  # the decode steps took the fused kernels
+    assert len(prompts) in calls  # the batched decode steps took the fused kernels
     calls.clear()
     spec = SpeculativeConfig(model=str(checkpoints["drafter"]), num_speculative_tokens=4)
     engine = Engine(EngineConfig(model=target, device="cpu", speculative=spec, max_num_batched_tokens=24))
     assert run_all(engine, prompts, greedy) == ar
-    assert any(1 < t <= 10 for t in calls)  # verify blocks of (k + 1) x batch tokens were fused too
+    assert any(t in (5, 10) for t in calls)  # verify blocks of (k + 1) x batch tokens were fused too
