@@ -16,10 +16,23 @@ Paths:
 - reference: backend "reference" (loop over experts; host syncs, so eager only), up to T = 256.
 --sweep also times each grouped GEMM alone over launch configs (gate_up, down) per T, to tune gemm_config.
 
-CUDA events, medians after warm-up. Prints a table last; JSON to $OUT/moe_kernels.json (else bench/results/).
+--quant nvfp4|int4|fp8: the experts (and the shared expert) in that layout instead of bf16 (QuantExperts /
+QuantLinear with random codes): NVFP4 as the Qwen3.6-35B-A3B NVFP4 checkpoints store it, int4 g128 asymmetric
+(GPTQ / AutoRound), fp8 with 128x128 block scales. The grouped kernels dequantize the experts in registers;
+the quantized shared expert runs on its own QuantLinear path. Bytes are the layouts' (packed weights, scales,
+zeros, global scales) of the touched experts, the shared expert and the bf16 router. Default shape 35b,
+tokens 1,16, paths fused,fused_routed,fused_eager,reference ("grouped" has no quantized operands).
+
+--dry-run: the same flow on the CPU under TRITON_INTERPRET=1 (set by the script), a tiny shape, eager
+timings by the wall clock, no copy bandwidth: it checks the script, not the kernels' speed.
+
+CUDA events, medians after warm-up. Prints a table last; JSON to --out, else $OUT, else bench/results/
+(moe_kernels.json, or moe_kernels_<quant>.json).
 
   python bench/moe_kernels.py [--shapes 35b,coder30b] [--tokens 1,4,16,64,256,512,1024] [--sweep]
   (the sweep compiles ~80 kernels per shape: run it as its own invocation, e.g. --sweep --paths fused)
+  python bench/moe_kernels.py --quant nvfp4          # then --quant int4, --quant fp8
+  python bench/moe_kernels.py --quant nvfp4 --dry-run --out /tmp/m
 """
 
 from __future__ import annotations
@@ -30,14 +43,20 @@ import json
 import os
 import statistics
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import astuple
 from pathlib import Path
 
-import torch
+if __name__ == "__main__" and "--dry-run" in sys.argv:
+    os.environ["TRITON_INTERPRET"] = "1"  # read when blockspec.kernels is imported: before the imports below
 
-from blockspec.kernels import moe_grouped as mg
-from blockspec.models.layers.moe import FUSED_MAX_TOKENS, SparseMoeBlock
+import torch  # noqa: E402
+
+from blockspec.kernels import moe_grouped as mg  # noqa: E402
+from blockspec.kernels._triton import INTERPRET  # noqa: E402
+from blockspec.models.layers.moe import FUSED_MAX_TOKENS, SparseMoeBlock  # noqa: E402
+from blockspec.models.layers.quant_linear import QuantExperts, QuantLinear, quantized_tensor_bytes  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # first_gpu.py sits beside this script
 from first_gpu import copy_bandwidth  # noqa: E402
@@ -47,16 +66,35 @@ SHAPES = {  # hidden, experts, top-k, intermediate, shared intermediate, renorma
     "coder30b": dict(name="Qwen3-Coder-30B-A3B", hidden=2048, experts=128, top_k=8, inter=768, shared=0,
                      renorm=True),
 }
+# the dry run's: int4 g128 needs K >= 128
+TINY = dict(name="tiny (dry run)", hidden=128, experts=8, top_k=4, inter=128, shared=128, renorm=True)
+# layout -> (group size of both projections, symmetric): as the checkpoints of that kind store their experts
+QUANT = {"nvfp4": (16, True), "int4": (128, False), "fp8": (128, True)}
 CALLS = 8  # block calls per timed graph, each with its own routing draw
-DEVICE = "cuda"
-BYTES = 2  # bf16
+DEVICE = "cuda"  # the dry run sets "cpu"
+# the dry run sets float32: the interpreter's bf16 tl.dot is not a GPU's (tests/kernels patch it, the script does not)
+DTYPE = torch.bfloat16
 
 
 def build_block(shape: dict) -> SparseMoeBlock:
     with torch.device(DEVICE):
         block = SparseMoeBlock(shape["hidden"], shape["experts"], shape["top_k"], shape["inter"], shape["renorm"],
                                shape["shared"])
-    return block.to(torch.bfloat16).eval()
+    return block.to(DTYPE).eval()
+
+
+def quantize_block(block: SparseMoeBlock, shape: dict, scheme: str) -> SparseMoeBlock:
+    """The block's experts and shared expert replaced by random codes in `scheme`'s layout (DTYPE scales)."""
+    group, sym = QUANT[scheme]
+    h, i, s = shape["hidden"], shape["inter"], shape["shared"]
+    block.experts = QuantExperts(scheme, shape["experts"], h, i, group, group, symmetric=sym,
+                                 dtype=DTYPE, device=DEVICE)
+    if s:
+        se = block.shared_expert
+        se.gate_proj, se.up_proj = (QuantLinear(scheme, h, s, group, symmetric=sym, dtype=DTYPE,
+                                                device=DEVICE) for _ in range(2))
+        se.down_proj = QuantLinear(scheme, s, h, group, symmetric=sym, dtype=DTYPE, device=DEVICE)
+    return block.eval()
 
 
 def routing_draws(t: int, e: int, k: int, n: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -66,7 +104,7 @@ def routing_draws(t: int, e: int, k: int, n: int, seed: int) -> list[tuple[torch
     for _ in range(n):
         ids = torch.rand(t, e, device=DEVICE, generator=g).argsort(dim=-1)[:, :k].contiguous()
         w = torch.rand(t, k, device=DEVICE, generator=g) + 0.1
-        out.append(((w / w.sum(-1, keepdim=True)).to(torch.bfloat16), ids))
+        out.append(((w / w.sum(-1, keepdim=True)).to(DTYPE), ids))
     return out
 
 
@@ -83,6 +121,13 @@ class Cycle:
 
 
 def median_us(fn: Callable[[], object], reps: int, per_call: int = 1) -> float:
+    if DEVICE == "cpu":  # the dry run: the wall clock
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e6 / per_call)
+        return statistics.median(times)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
     for _ in range(reps):
@@ -114,9 +159,10 @@ def graph_us(fn: Callable[[], object], calls: int, reps: int) -> float:
 
 
 def eager_us(fn: Callable[[], object], reps: int) -> float:
-    for _ in range(3):
+    for _ in range(3 if DEVICE == "cuda" else 1):
         fn()
-    torch.cuda.synchronize()
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
     return median_us(fn, reps)
 
 
@@ -135,18 +181,24 @@ def count_launches(fn: Callable[[], object]) -> int | None:
         return None
 
 
-def weight_bytes(shape: dict, distinct: float) -> float:
-    """Bytes a step must read: the touched experts, the shared expert, the router (and the shared gate)."""
+def weight_bytes(shape: dict, distinct: float, block: SparseMoeBlock | None = None) -> float:
+    """Bytes a step must read: the touched experts, the shared expert, the router (and the shared gate); with
+    a quantized `block`, its layouts' bytes per expert and the quantized shared expert's."""
     h, i, s = shape["hidden"], shape["inter"], shape["shared"]
-    return BYTES * (distinct * 3 * i * h + 3 * s * h + shape["experts"] * h + (h if s else 0))
+    router = DTYPE.itemsize * (shape["experts"] * h + (h if s else 0))
+    if block is not None and isinstance(block.experts, QuantExperts):
+        per_expert = quantized_tensor_bytes(block.experts) / shape["experts"]
+        shared = quantized_tensor_bytes(block.shared_expert) if s else 0
+        return distinct * per_expert + shared + router
+    return DTYPE.itemsize * (distinct * 3 * i * h + 3 * s * h) + router
 
 
 def run_block(block: SparseMoeBlock, shape: dict, t: int, reps: int, paths: list[str]) -> dict:
     e, k, h = shape["experts"], shape["top_k"], shape["hidden"]
     draws = routing_draws(t, e, k, CALLS, seed=t)
     distinct = statistics.mean(float(ids.unique().numel()) for _, ids in draws)
-    nbytes = weight_bytes(shape, distinct)
-    x = torch.randn(t, h, device=DEVICE, dtype=torch.bfloat16)
+    nbytes = weight_bytes(shape, distinct, block)
+    x = torch.randn(t, h, device=DEVICE, dtype=DTYPE)
     row: dict = {"tokens": t, "distinct_experts": round(distinct, 1), "bytes": int(nbytes)}
 
     def use(backend: str, override: bool) -> Callable[[], torch.Tensor]:
@@ -189,7 +241,8 @@ def run_block(block: SparseMoeBlock, shape: dict, t: int, reps: int, paths: list
                     raise ValueError(path)
             except Exception as exc:  # noqa: BLE001 (report and go on with the other paths)
                 row[f"{path}_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
-                torch.cuda.synchronize()
+                if DEVICE == "cuda":
+                    torch.cuda.synchronize()
                 continue
             row[f"{path}_us"] = round(us, 2)
             row[f"{path}_GBs"] = round(nbytes / us / 1e3, 1)
@@ -211,12 +264,12 @@ def sweep(block: SparseMoeBlock, shape: dict, t: int, reps: int) -> dict:
     weights, ids = routing_draws(t, e, k, 1, seed=1000 + t)[0]
     shared = block._folded_shared()
     slots = k + int(shared is not None)
-    x = torch.randn(t, h, device=DEVICE, dtype=torch.bfloat16)
+    x = torch.randn(t, h, device=DEVICE, dtype=DTYPE)
     out: dict = {}
     with torch.inference_mode():
         layout = mg.moe_align(ids, e, shared is not None)
-        act = torch.randn(t * slots, i, device=DEVICE, dtype=torch.bfloat16)
-        y = torch.empty(t * slots, h, device=DEVICE, dtype=torch.bfloat16)
+        act = torch.randn(t * slots, i, device=DEVICE, dtype=DTYPE)
+        y = torch.empty(t * slots, h, device=DEVICE, dtype=DTYPE)
         gu, dn = block.experts.gate_up_proj, block.experts.down_proj
         for gated in (True, False):
             name = "gate_up" if gated else "down"
@@ -245,52 +298,74 @@ def sweep(block: SparseMoeBlock, shape: dict, t: int, reps: int) -> dict:
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    global DEVICE, DTYPE
     ap = argparse.ArgumentParser()
-    ap.add_argument("--shapes", default="35b,coder30b")
-    ap.add_argument("--tokens", default="1,4,16,64,256,512,1024")
-    ap.add_argument("--paths", default="fused,fused_routed,fused_eager,grouped,reference")
+    ap.add_argument("--shapes", default=None, help="35b,coder30b (default; --quant: 35b)")
+    ap.add_argument("--tokens", default=None, help="1,4,16,64,256,512,1024 (default; --quant: 1,16)")
+    ap.add_argument("--paths", default=None,
+                    help="fused,fused_routed,fused_eager,grouped,reference (default; --quant: no grouped)")
     ap.add_argument("--reps", type=int, default=30)
-    ap.add_argument("--sweep", action="store_true", help="also sweep the grouped GEMMs' launch configs")
-    args = ap.parse_args()
+    ap.add_argument("--sweep", action="store_true", help="also sweep the grouped GEMMs' launch configs (bf16)")
+    ap.add_argument("--quant", choices=sorted(QUANT), help="experts and shared expert in this layout")
+    ap.add_argument("--dry-run", action="store_true", help="CPU under TRITON_INTERPRET=1, a tiny shape")
+    ap.add_argument("--out", default=None, help="directory for the JSON (else $OUT, else bench/results/)")
+    args = ap.parse_args(argv)
+    quant = args.quant
+    if args.dry_run:
+        if not INTERPRET:
+            raise SystemExit("--dry-run runs the kernels in Triton's interpreter: set TRITON_INTERPRET=1 (the "
+                             "script does when run directly)")
+        DEVICE, DTYPE = "cpu", torch.float32
+    shapes = [TINY] if args.dry_run else [SHAPES[k] for k in (args.shapes or ("35b" if quant else "35b,coder30b"))
+                                            .split(",")]
+    tokens = [int(v) for v in (args.tokens or ("1,16" if quant or args.dry_run else "1,4,16,64,256,512,1024"))
+              .split(",")]
+    paths = (args.paths or ("fused_eager,reference" if args.dry_run else
+                            "fused,fused_routed,fused_eager,reference" if quant else
+                            "fused,fused_routed,fused_eager,grouped,reference")).split(",")
+    reps = 2 if args.dry_run else args.reps
     torch.manual_seed(0)
-    bw = copy_bandwidth()
-    print(f"copy bandwidth {bw / 1e9:.0f} GB/s (read + write); fused path up to FUSED_MAX_TOKENS={FUSED_MAX_TOKENS} "
-          "under backend auto", flush=True)
-    paths = args.paths.split(",")
-    tokens = [int(v) for v in args.tokens.split(",")]
+    bw = copy_bandwidth() if DEVICE == "cuda" else None
+    print(f"copy bandwidth {bw / 1e9:.0f} GB/s (read + write); " if bw else "dry run on the CPU; ", end="")
+    print(f"fused path up to FUSED_MAX_TOKENS={FUSED_MAX_TOKENS} under backend auto; experts "
+          f"{quant or 'bf16'}", flush=True)
     results = []
-    for key in args.shapes.split(","):
-        shape = SHAPES[key]
+    for shape in shapes:
+        key = next((k for k, v in SHAPES.items() if v is shape), "tiny")
         print(f"{shape['name']}: {shape}", flush=True)
         block = build_block(shape)
+        if quant:
+            block = quantize_block(block, shape, quant)
         rows = []
         for t in tokens:
-            row = run_block(block, shape, t, args.reps, paths)
-            row["ideal_us"] = round(row["bytes"] / bw * 1e6, 2)
-            if args.sweep and t <= 256:
-                row["sweep"] = sweep(block, shape, t, max(10, args.reps // 3))
+            row = run_block(block, shape, t, reps, paths)
+            row["ideal_us"] = round(row["bytes"] / bw * 1e6, 2) if bw else None
+            if args.sweep and not quant and t <= 256:
+                row["sweep"] = sweep(block, shape, t, max(10, reps // 3))
             rows.append(row)
         results.append({"shape": key, **shape, "rows": rows})
         del block
-        torch.cuda.empty_cache()
-    out = {"device": torch.cuda.get_device_name(), "commit": os.environ.get("COMMIT", "?"),
-           "torch": torch.__version__, "copy_bandwidth_GBs": round(bw / 1e9, 1), "calls_per_graph": CALLS,
-           "results": results}
-    out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else Path(__file__).resolve().parent / "results"
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
+    out = {"device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu",
+           "commit": os.environ.get("COMMIT", "?"), "torch": torch.__version__, "experts": quant or "bf16",
+           "copy_bandwidth_GBs": round(bw / 1e9, 1) if bw else None, "calls_per_graph": CALLS, "results": results}
+    out_dir = Path(args.out or os.environ.get("OUT") or Path(__file__).resolve().parent / "results")
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "moe_kernels.json").write_text(json.dumps(out, indent=1))
+    (out_dir / (f"moe_kernels_{quant}.json" if quant else "moe_kernels.json")).write_text(json.dumps(out, indent=1))
 
     cols = [p for p in paths if p != "fused_eager"] + (["fused_eager"] if "fused_eager" in paths else [])
-    print(f"\ncopy bandwidth {bw / 1e9:.0f} GB/s; us per MoE block (graph replay unless noted), effective GB/s")
+    print(f"\nexperts {quant or 'bf16'}; us per MoE block (graph replay unless noted), effective GB/s")
     head = f"{'shape':9s} {'T':>5s} {'experts':>7s} {'MB':>7s} {'ideal':>7s} " + " ".join(f"{c:>13s}" for c in cols)
-    print(head + f" {'GB/s fused':>10s} {'launches':>8s}")
+    print(head + f" {'GB/s fused':>10s} {'launches':>8s} {'rel_err':>8s}")
     for res in results:
         for r in res["rows"]:
             cells = " ".join(f"{r.get(f'{c}_us', float('nan')):13.1f}" for c in cols)
+            ideal = r["ideal_us"] if r["ideal_us"] is not None else float("nan")
             print(f"{res['shape']:9s} {r['tokens']:5d} {r['distinct_experts']:7.1f} {r['bytes'] / 1e6:7.1f} "
-                  f"{r['ideal_us']:7.1f} {cells} {r.get('fused_GBs', float('nan')):10.1f} "
-                  f"{str(r.get('fused_routed_launches')):>8s}")
+                  f"{ideal:7.1f} {cells} {r.get('fused_GBs', float('nan')):10.1f} "
+                  f"{str(r.get('fused_routed_launches')):>8s} {r['fused_rel_err']:8.1e}")
 
 
 if __name__ == "__main__":

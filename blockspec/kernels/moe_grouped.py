@@ -23,6 +23,13 @@ Shared expert (Qwen3-Next, Qwen3.5/3.6-MoE): when its intermediate size equals t
 in as expert id E that every token picks in slot k, with weight sigmoid(shared_expert_gate(x)); the kernels
 read its own gate/up/down tensors for that id (no copy; checkpoint names unchanged).
 
+Quantized experts (models/layers/quant_linear.QuantExpertWeights: int4, int8, fp8 per channel or 128x128
+blocks, NVFP4 with a global scale per expert, MXFP4): the grouped GEMMs read the stacked packed tensors and
+dequantize each (expert, N tile, K tile) in registers with the dense quantized GEMMs' tiles
+(kernels/quant_tiles.py), per-row scales and the global scale applied to the accumulator; bytes read are the
+packed weights and their scales. A quantized shared expert is not folded (it keeps its QuantLinear path).
+Biases ([E, N], GPT-OSS) and GPT-OSS's clamped SwiGLU ride in the same epilogues, for any weights.
+
 Determinism: every pair's output row is computed on its own (row-independent tiles, no split-K) and written
 to its own row; `combine` sums a token's k (+1) rows in slot order in float32 with no atomics. So a token's
 result does not depend on which other tokens share the step, under a fixed launch config. One-token steps
@@ -38,11 +45,13 @@ import dataclasses
 import torch
 
 from blockspec.kernels._triton import HAVE_TRITON, use_triton
+from blockspec.kernels.quant_tiles import FP4_GLOBAL_BIAS
 
 if HAVE_TRITON:
     import triton
     import triton.language as tl
 
+    from blockspec.kernels.quant_tiles import _dequant_tile  # the quantized layouts' tiles, shared
     from blockspec.kernels.skinny_linear import _accumulate  # the skinny GEMM's K-tile step, shared
 
     @triton.jit
@@ -205,30 +214,85 @@ if HAVE_TRITON:
                         E, NB, CHUNK, BLOCK_P, True)
 
     @triton.jit
+    def _expert_tile(W, S, Z, rows, n_mask, k0, z_row, K: tl.constexpr, QUANT: tl.constexpr, SCHEME: tl.constexpr,
+                     G: tl.constexpr, NG: tl.constexpr, SCALE_ROW_DIV: tl.constexpr, HAS_ZERO: tl.constexpr,
+                     PER_ROW: tl.constexpr, FAST: tl.constexpr, BLOCK_K: tl.constexpr, TILE: tl.constexpr):
+        """Weights [BLOCK_N, BLOCK_K] of `rows` (int64) at columns k0.., from an expert's base pointers: loaded
+        as stored, or (QUANT) dequantized in registers by the shared quantized tiles (SPLIT = 1)."""
+        if QUANT:
+            w = _dequant_tile(W, S, Z, rows, n_mask, k0, z_row, 1, SCHEME, K, G, NG, SCALE_ROW_DIV, HAS_ZERO,
+                              PER_ROW, BLOCK_K, K % BLOCK_K == 0, FAST, TILE)
+            return tl.reshape(w, [w.shape[1], BLOCK_K])
+        else:
+            ks = k0 + tl.arange(0, BLOCK_K)
+            return tl.load(W + rows[:, None] * K + ks[None, :], mask=n_mask[:, None] & (ks < K)[None, :], other=0.0)
+
+    @triton.jit
+    def _expert_epilogue(acc, S, GS, B, e, rows, b_rows, n_mask, PER_ROW: tl.constexpr, HAS_GS: tl.constexpr,
+                         GS_FACTOR: tl.constexpr, HAS_BIAS: tl.constexpr, N_W: tl.constexpr, E: tl.constexpr):
+        """acc [BM, BN] (float32) times what the quantized tiles leave to the accumulator (per-row scales of
+        `rows`, the expert's NVFP4 global scale and the fast tiles' 2^26), plus the expert's bias at `b_rows`
+        of its [N_W] (none for the folded shared expert, id E). Still float32: the caller rounds it where
+        F.linear would."""
+        if PER_ROW:
+            acc = acc * tl.load(S + rows, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        if HAS_GS:
+            acc = acc * tl.load(GS + e).to(tl.float32)
+        if GS_FACTOR != 1.0:
+            acc = acc * GS_FACTOR
+        if HAS_BIAS:
+            b = tl.load(B + e.to(tl.int64) * N_W + b_rows, mask=n_mask & (e < E), other=0.0)
+            acc = acc + b.to(tl.float32)[None, :]
+        return acc
+
+    @triton.jit
     def _grouped_gemm_kernel(A, W, WU, SW, SWU, OUT, SORTED, ITEM_EXPERT, ITEM_START, ITEM_COUNT, NUM_ITEMS,
+                             QS, QZ, QGS, BIAS,
                              N_OUT: tl.constexpr, K: tl.constexpr, SLOTS: tl.constexpr, E: tl.constexpr,
                              GATED: tl.constexpr, SHARED: tl.constexpr, USE_DOT: tl.constexpr,
                              DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                             BLOCK_K: tl.constexpr):
+                             BLOCK_K: tl.constexpr, SCHEME: tl.constexpr, G: tl.constexpr, NG: tl.constexpr,
+                             SCALE_ROW_DIV: tl.constexpr, HAS_ZERO: tl.constexpr, PER_ROW: tl.constexpr,
+                             HAS_GS: tl.constexpr, GS_FACTOR: tl.constexpr, FAST: tl.constexpr,
+                             W_STRIDE: tl.constexpr, S_STRIDE: tl.constexpr, Z_STRIDE: tl.constexpr,
+                             HAS_BIAS: tl.constexpr, CLAMPED: tl.constexpr, LIMIT: tl.constexpr,
+                             ALPHA: tl.constexpr):
         # One program: one work item (an expert and up to CHUNK of its pairs, contiguous in SORTED) times
         # BLOCK_N output columns; it loops over the item's pairs BLOCK_M at a time.
         # GATED (gate_up): A = x [T, K] read at each pair's token; W = gate_up [E, 2 * N_OUT, K] (gate rows
-        #   n, up rows N_OUT + n); OUT = act [P, N_OUT] in sorted order; SiLU(gate) * up in the epilogue.
+        #   n, up rows N_OUT + n); OUT = act [P, N_OUT] in sorted order; act(gate, up) in the epilogue: SiLU(gate)
+        #   * up, or (CLAMPED) GPT-OSS's clamped SwiGLU with LIMIT and ALPHA.
         # not GATED (down): A = act, read in sorted order; W = down [E, N_OUT, K]; OUT = y [P, N_OUT] at each
         #   pair's own row (pair = t * SLOTS + j), so the combine reads a token's rows in slot order.
         # SHARED: expert id E is the shared expert, whose weights are SW (gate / down) and SWU (up), [N_OUT, K].
+        # SCHEME != "none": W is the stacked packed weight of a quantized layout (kernels/quant_tiles.py), QS /
+        #   QZ its scales / zeros and QGS its per-expert NVFP4 global scales [E]; expert e's tensors start
+        #   W_STRIDE / S_STRIDE / Z_STRIDE elements after expert e - 1's. No folded shared expert then.
+        # HAS_BIAS: BIAS [E, rows of W] (GPT-OSS), added before the activation / the combine.
+        QUANT: tl.constexpr = SCHEME != "none"
+        N_W: tl.constexpr = 2 * N_OUT if GATED else N_OUT  # rows of one expert's weight
         item = tl.program_id(0)
         if item >= tl.load(NUM_ITEMS):
             return
         dtype = OUT.dtype.element_ty
+        TILE: tl.constexpr = A.dtype.element_ty if (USE_DOT or FAST or not QUANT) else tl.float32
         e = tl.load(ITEM_EXPERT + item)
         start = tl.load(ITEM_START + item)
         count = tl.load(ITEM_COUNT + item)
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_k = tl.arange(0, BLOCK_K)
         n_mask = offs_n < N_OUT
-        rows = offs_n[:, None].to(tl.int64) * K
-        if GATED:
+        rows_g = offs_n.to(tl.int64)
+        rows_u = rows_g
+        s_base = QS
+        z_base = QZ
+        if QUANT:
+            g_base = W + e.to(tl.int64) * W_STRIDE
+            u_base = g_base
+            s_base = QS + e.to(tl.int64) * S_STRIDE
+            z_base = QZ + e.to(tl.int64) * Z_STRIDE
+            if GATED:
+                rows_u = rows_g + N_OUT
+        elif GATED:
             g_base = W + e.to(tl.int64) * (2 * N_OUT * K)
             u_base = g_base + N_OUT * K
             if SHARED:  # noqa: SIM102 (a compile-time guard around the runtime test)
@@ -242,7 +306,13 @@ if HAVE_TRITON:
                 if e == E:
                     g_base = SW
                     u_base = SW
+        zr_g = tl.zeros([BLOCK_N], dtype=tl.int32)
+        zr_u = zr_g
+        if QUANT and PER_ROW and HAS_ZERO and SCHEME == "int8":  # per-row int8 zero points, subtracted in the tile
+            zr_g = tl.load(z_base + rows_g, mask=n_mask, other=0).to(tl.int32)
+            zr_u = tl.load(z_base + rows_u, mask=n_mask, other=0).to(tl.int32)
 
+        offs_k = tl.arange(0, BLOCK_K)
         m0 = 0
         while m0 < count:
             offs_m = m0 + tl.arange(0, BLOCK_M)
@@ -261,13 +331,13 @@ if HAVE_TRITON:
                 acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
             for k0 in range(0, K, BLOCK_K):
                 ks = k0 + offs_k
-                k_mask = ks < K
-                av = tl.load(a_rows + ks[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-                w_mask = n_mask[:, None] & k_mask[None, :]
-                wg = tl.load(g_base + rows + ks[None, :], mask=w_mask, other=0.0)
+                av = tl.load(a_rows + ks[None, :], mask=m_mask[:, None] & (ks < K)[None, :], other=0.0)
+                wg = _expert_tile(g_base, s_base, z_base, rows_g, n_mask, k0, zr_g, K, QUANT, SCHEME, G, NG,
+                                  SCALE_ROW_DIV, HAS_ZERO, PER_ROW, FAST, BLOCK_K, TILE)
                 acc_g = _accumulate(acc_g, av, wg, USE_DOT, DOT_PRECISION)
                 if GATED:
-                    wu = tl.load(u_base + rows + ks[None, :], mask=w_mask, other=0.0)
+                    wu = _expert_tile(u_base, s_base, z_base, rows_u, n_mask, k0, zr_u, K, QUANT, SCHEME, G, NG,
+                                      SCALE_ROW_DIV, HAS_ZERO, PER_ROW, FAST, BLOCK_K, TILE)
                     acc_u = _accumulate(acc_u, av, wu, USE_DOT, DOT_PRECISION)
             if USE_DOT:
                 yg = acc_g
@@ -275,11 +345,21 @@ if HAVE_TRITON:
             else:
                 yg = tl.sum(acc_g, axis=1)[None, :]
                 yu = tl.sum(acc_u, axis=1)[None, :]
+            yg = _expert_epilogue(yg, s_base, QGS, BIAS, e, rows_g, rows_g, n_mask, PER_ROW, HAS_GS, GS_FACTOR,
+                                  HAS_BIAS, N_W, E)
             y = yg.to(dtype)  # the F.linear output
-            if GATED:  # as silu_mul_ref rounds: F.silu, then the multiply
+            if GATED:
+                yu = _expert_epilogue(yu, s_base, QGS, BIAS, e, rows_u, rows_g + N_OUT, n_mask, PER_ROW, HAS_GS,
+                                      GS_FACTOR, HAS_BIAS, N_W, E)
                 g = y.to(tl.float32)
-                s = (g / (1.0 + tl.exp(-g))).to(dtype)
-                y = (s.to(tl.float32) * yu.to(dtype).to(tl.float32)).to(dtype)
+                u = yu.to(dtype).to(tl.float32)
+                if CLAMPED:  # as GatedActivation computes it, rounded once
+                    g = tl.minimum(g, LIMIT)
+                    u = tl.minimum(tl.maximum(u, -LIMIT), LIMIT)
+                    y = (g / (1.0 + tl.exp(-g * ALPHA)) * (u + 1.0)).to(dtype)
+                else:  # as silu_mul_ref rounds: F.silu, then the multiply
+                    sg = (g / (1.0 + tl.exp(-g))).to(dtype)
+                    y = (sg.to(tl.float32) * u).to(dtype)
                 out_rows = pos
             else:
                 out_rows = pair
@@ -345,7 +425,7 @@ def max_items(tokens: int, slots: int, experts: int) -> int:
     return min(experts, pairs) + pairs // CHUNK
 
 
-def gemm_config(tokens: int, n: int, k: int, items: int, gated: bool) -> GemmConfig:
+def gemm_config(tokens: int, n: int, k: int, items: int, gated: bool, quantized: bool = False) -> GemmConfig:
     """Launch config for `tokens` tokens, n output columns, reduction length k, up to `items` work items.
 
     A hand heuristic (no autotune: CUDA graphs are captured right after warm-up), after skinny_linear's:
@@ -356,12 +436,16 @@ def gemm_config(tokens: int, n: int, k: int, items: int, gated: bool) -> GemmCon
       moe_kernels_sweep_h100.json; the old 16 x 512 x 8 warps took 1.2-1.7x longer on gate_up).
     - More tokens: tl.dot over 16-row tiles (the smallest tl.dot tile; decode experts rarely see more),
       BLOCK_K 128 whatever the token count (so a row rounds the same in any batch), BLOCK_N 64/32/16.
+    - Quantized experts: the tl.dot path at every token count (one token padded to 16 rows), as the dense
+      quantized GEMMs do for 4-bit weights at one row: the dequantized tile goes straight into the MMA (the
+      row-reduction path would widen it to float32 first), and BLOCK_K >= 32 (an MXFP4 scale group). Not
+      tuned on a GPU yet (bench/moe_kernels.py --quant).
     `items` is the worst case; a step that touches fewer experts has fewer live programs.
     """
-    if tokens == 1:
+    if tokens == 1 and not quantized:
         block_n = 8 if items * _cdiv(n, 8) >= _MIN_PROGRAMS else 4
         return GemmConfig(1, block_n, min(256, max(64, _next_pow2(k))), 4, 3)
-    block_k = min(128, max(16, _next_pow2(k)))
+    block_k = min(128, max(32 if quantized else 16, _next_pow2(k)))
     block_n = next((b for b in (64, 32) if items * _cdiv(n, b) >= _MIN_PROGRAMS), 16)
     return GemmConfig(16, block_n, block_k, 4, 3)
 
@@ -375,15 +459,80 @@ class SharedWeights:
     down: torch.Tensor
 
 
-def fused_supported(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
-    """Whether the Triton MoE kernels apply: 2-D contiguous activations, weights of the same dtype."""
-    return (use_triton(x) and x.dim() == 2 and x.shape[0] >= 1 and x.dtype == gate_up.dtype == down.dtype
-            and x.dtype in (torch.float32, torch.float16, torch.bfloat16)
-            and gate_up.is_contiguous() and down.is_contiguous() and gate_up.device == x.device)
+@dataclasses.dataclass(frozen=True)
+class QuantOperand:
+    """A stacked quantized expert projection ([E, N, K] logically) as the grouped kernels read it: the packed
+    tensors (float8 ones as uint8 views, a missing zeros tensor replaced by the scales: never read), each
+    expert's element strides, and the format's constants (kernels/quant_linear.QuantMeta)."""
+
+    experts: int
+    n: int
+    k: int
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor
+    global_scale: torch.Tensor | None
+    meta: object  # kernels.quant_linear.QuantMeta
+    fast: bool  # the PTX unpackers (a GPU, int4 with 16-bit / NVFP4 with bf16 activations)
+
+    @property
+    def strides(self) -> tuple[int, int, int]:
+        return self.qweight[0].numel(), self.scales[0].numel(), self.zeros[0].numel()
 
 
-def shared_foldable(shared: SharedWeights, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
-    """The shared expert rides along as expert E when it has the routed experts' shapes and dtype."""
+Weights = torch.Tensor | QuantOperand
+
+
+def quant_operand(holder, dtype: torch.dtype) -> QuantOperand | None:
+    """A QuantExpertWeights-like holder (scheme, qweight / scales / zeros [E, ...], global_scale [E] or None,
+    group_size, out_features, in_features, perm) as the kernels read it with `dtype` activations; None where
+    they do not (an act-order permutation, a layout they do not index)."""
+    # imported here: kernels.quant_linear imports the layouts' definitions, whose module imports this one
+    from blockspec.kernels.quant_linear import QuantWeights, fast_unpack, kernel_operands, quant_meta
+
+    qw, s, z, gs = holder.qweight, holder.scales, holder.zeros, holder.global_scale
+    if getattr(holder, "perm", None) is not None or qw.dim() != 3 or s.dim() != 3:
+        return None
+    e = qw.shape[0]
+    if not (qw.is_contiguous() and s.is_contiguous() and (z is None or z.is_contiguous())) or s.shape[0] != e:
+        return None
+    if gs is not None and (tuple(gs.shape) != (e,) or not gs.is_contiguous()):
+        return None
+    first = QuantWeights(holder.scheme, qw[0], s[0], None if z is None else z[0], None if gs is None else gs[0],
+                         holder.group_size, holder.out_features, holder.in_features)
+    meta = quant_meta(first)
+    if meta is None:
+        return None
+    qwk, sk, zk = kernel_operands(holder, meta)
+    return QuantOperand(e, meta.n, meta.k, qwk, sk, zk, gs if meta.has_gs else None, meta, fast_unpack(meta, dtype))
+
+
+def _dims(w: Weights) -> tuple[int, int, int]:
+    """(experts, rows, columns) of a stacked projection."""
+    return (w.experts, w.n, w.k) if isinstance(w, QuantOperand) else tuple(w.shape)
+
+
+def fused_supported(x: torch.Tensor, gate_up, down) -> bool:
+    """Whether the Triton MoE kernels apply: 2-D activations with either stacked weights of x's dtype
+    ([E, 2I, H] / [E, H, I], contiguous) or quantized expert holders the kernels read (`quant_operand`)."""
+    if not (use_triton(x) and x.dim() == 2 and x.shape[0] >= 1
+            and x.dtype in (torch.float32, torch.float16, torch.bfloat16)):
+        return False
+    if isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor):
+        return (x.dtype == gate_up.dtype == down.dtype and gate_up.is_contiguous() and down.is_contiguous()
+                and gate_up.device == x.device)
+    if isinstance(gate_up, torch.Tensor) or isinstance(down, torch.Tensor):
+        return False
+    gu, dn = quant_operand(gate_up, x.dtype), quant_operand(down, x.dtype)
+    return (gu is not None and dn is not None and gu.qweight.device == x.device and gu.experts == dn.experts
+            and gu.k == dn.n == x.shape[1] and gu.n == 2 * dn.k)
+
+
+def shared_foldable(shared: SharedWeights, gate_up, down) -> bool:
+    """The shared expert rides along as expert E when it has the routed experts' shapes and dtype (routed
+    experts unquantized: a quantized layout's expert E would need its own operands)."""
+    if not all(isinstance(t, torch.Tensor) for t in (gate_up, down, shared.gate, shared.up, shared.down)):
+        return False
     i, h = gate_up.shape[1] // 2, gate_up.shape[2]
     return (shared.gate.shape == shared.up.shape == (i, h) and shared.down.shape == (h, i)
             and all(t.dtype == gate_up.dtype and t.is_contiguous() for t in (shared.gate, shared.up, shared.down)))
@@ -490,48 +639,90 @@ def moe_route_align(logits: torch.Tensor, top_k: int, renormalize: bool, x: torc
     return weights, ids, shared_w, layout
 
 
-def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, wu: torch.Tensor | None, sw: torch.Tensor | None,
+def _grouped_gemm(a: torch.Tensor, w: Weights, wu: torch.Tensor | None, sw: torch.Tensor | None,
                   swu: torch.Tensor | None, out: torch.Tensor, layout: Layout, slots: int, num_experts: int,
-                  gated: bool, cfg: GemmConfig) -> None:
+                  gated: bool, cfg: GemmConfig, bias: torch.Tensor | None = None, limit: float | None = None,
+                  alpha: float = 1.702) -> None:
     n_out, k = out.shape[1], a.shape[1]
     dot_precision = "ieee" if a.dtype == torch.float32 else "tf32"
+    if isinstance(w, QuantOperand):
+        m = w.meta
+        if sw is not None:
+            raise ValueError("quantized experts take the shared expert on its own path, not folded in")
+        fmt = dict(SCHEME=m.scheme, G=m.group, NG=m.n_groups, SCALE_ROW_DIV=m.scale_row_div, HAS_ZERO=m.has_zero,
+                   PER_ROW=m.per_row, HAS_GS=m.has_gs, FAST=w.fast,
+                   GS_FACTOR=FP4_GLOBAL_BIAS if (m.scheme == "nvfp4" and w.fast) else 1.0)
+        strides = w.strides
+        weight, scales, zeros, gs = w.qweight, w.scales, w.zeros, w.global_scale
+    else:
+        fmt = dict(SCHEME="none", G=1, NG=1, SCALE_ROW_DIV=1, HAS_ZERO=False, PER_ROW=False, HAS_GS=False,
+                   FAST=False, GS_FACTOR=1.0)
+        strides = (0, 0, 0)
+        weight, scales, zeros, gs = w, w, w, None
     _grouped_gemm_kernel[(layout.max_items, _cdiv(n_out, cfg.block_n))](
-        a, w, wu if wu is not None else w, sw if sw is not None else w, swu if swu is not None else w, out,
+        a, weight, wu if wu is not None else weight, sw if sw is not None else weight,
+        swu if swu is not None else weight, out,
         layout.sorted_pairs, layout.item_expert, layout.item_start, layout.item_count, layout.num_items,
+        scales, zeros, gs if gs is not None else scales, bias if bias is not None else scales,
         N_OUT=n_out, K=k, SLOTS=slots, E=num_experts, GATED=gated, SHARED=sw is not None, USE_DOT=cfg.use_dot,
         DOT_PRECISION=dot_precision, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        W_STRIDE=strides[0], S_STRIDE=strides[1], Z_STRIDE=strides[2], HAS_BIAS=bias is not None,
+        CLAMPED=limit is not None, LIMIT=float(limit) if limit is not None else 0.0, ALPHA=float(alpha),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **fmt)
 
 
-def moe_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
-                ids: torch.Tensor, shared: SharedWeights | None = None, shared_weight: torch.Tensor | None = None,
+def _check_bias(bias: torch.Tensor | None, e: int, n: int, dtype: torch.dtype, name: str) -> torch.Tensor | None:
+    if bias is None:
+        return None
+    if tuple(bias.shape) != (e, n) or bias.dtype != dtype:
+        raise ValueError(f"{name} {tuple(bias.shape)} {bias.dtype} is not [{e}, {n}] of {dtype}")
+    return bias if bias.is_contiguous() else bias.contiguous()
+
+
+def moe_experts(x: torch.Tensor, gate_up, down, weights: torch.Tensor, ids: torch.Tensor,
+                shared: SharedWeights | None = None, shared_weight: torch.Tensor | None = None,
                 configs: tuple[GemmConfig, GemmConfig] | None = None, layout: Layout | None = None,
-                residual: torch.Tensor | None = None) -> torch.Tensor:
+                residual: torch.Tensor | None = None, gate_up_bias: torch.Tensor | None = None,
+                down_bias: torch.Tensor | None = None, limit: float | None = None, alpha: float = 1.702
+                ) -> torch.Tensor:
     """Routed experts (+ the folded shared expert), as layers.moe.experts_reference (+ shared_weight * shared(x)),
     plus `residual` ([T, H], x's dtype) when given (the add folded into the combine launch).
 
-    x [T, H]; gate_up [E, 2I, H]; down [E, H, I]; weights / ids [T, k]; shared (foldable, see
-    `shared_foldable`) with shared_weight [T]. Four launches: align, gate_up, down, combine (three when
-    `layout` comes from `moe_route_align`). `configs` overrides the (gate_up, down) launch configs.
+    x [T, H]; gate_up [E, 2I, H]; down [E, H, I]: tensors of x's dtype, or both quantized expert holders
+    (models.layers.quant_linear.QuantExpertWeights: dequantized in registers, see `quant_operand`); weights /
+    ids [T, k]; shared (foldable, see `shared_foldable`; unquantized experts only) with shared_weight [T].
+    gate_up_bias [E, 2I] / down_bias [E, H] (x's dtype) are added to the projections; `limit` (not None)
+    makes the activation GPT-OSS's clamped SwiGLU with `alpha` (layers.moe.GatedActivation), else SiLU(gate)
+    * up. Four launches: align, gate_up, down, combine (three when `layout` comes from `moe_route_align`).
+    `configs` overrides the (gate_up, down) launch configs.
     """
     t, h = x.shape
-    e, two_i, _ = gate_up.shape
+    if not isinstance(gate_up, torch.Tensor):
+        gate_up, down = quant_operand(gate_up, x.dtype), quant_operand(down, x.dtype)
+        if gate_up is None or down is None:
+            raise ValueError("these quantized experts are not in a layout the grouped kernels read "
+                             "(see fused_supported)")
+    quantized = isinstance(gate_up, QuantOperand)
+    e, two_i, _ = _dims(gate_up)
     i = two_i // 2
     k = ids.shape[1]
     has_shared = shared is not None
     slots = k + int(has_shared)
     x = x if x.is_contiguous() else x.contiguous()
     weights = weights if weights.is_contiguous() else weights.contiguous()
+    gate_up_bias = _check_bias(gate_up_bias, e, two_i, x.dtype, "gate_up_bias")
+    down_bias = _check_bias(down_bias, e, h, x.dtype, "down_bias")
     if layout is None:
         layout = moe_align(ids, e, has_shared)
     if configs is None:
-        configs = (gemm_config(t, i, h, layout.max_items, True), gemm_config(t, h, i, layout.max_items, False))
+        configs = (gemm_config(t, i, h, layout.max_items, True, quantized=quantized),
+                   gemm_config(t, h, i, layout.max_items, False, quantized=quantized))
     act = torch.empty(t * slots, i, dtype=x.dtype, device=x.device)
     y = torch.empty(t * slots, h, dtype=x.dtype, device=x.device)
     _grouped_gemm(x, gate_up, None, shared.gate if has_shared else None, shared.up if has_shared else None,
-                  act, layout, slots, e, True, configs[0])
+                  act, layout, slots, e, True, configs[0], gate_up_bias, limit, alpha)
     _grouped_gemm(act, down, None, shared.down if has_shared else None, None, y, layout, slots, e, False,
-                  configs[1])
+                  configs[1], down_bias)
     out = torch.empty_like(x)
     has_res = residual is not None
     if has_res and (residual.shape != x.shape or residual.dtype != x.dtype or not residual.is_contiguous()):

@@ -26,7 +26,9 @@ is dequantize + F.linear. `quant_linear` is the entry point:
 - 17 to PREFILL_DEQUANT_MIN_M - 1 rows: the same kernel with 32-64-row tiles (Hopper: wgmma).
 - more rows (prefill): the whole weight is dequantized to the activation dtype once per call, then cuBLAS.
 float32 accumulation throughout. Native Blackwell FP4 / FP8 tensor-core GEMMs have one dispatch point
-(`_native_blackwell`), a stub that falls through to the W4A16 path for now.
+(`_native_blackwell`), a stub that falls through to the W4A16 path for now. The per-scheme register tiles (and the
+PTX unpackers) live in kernels/quant_tiles.py, shared with the grouped MoE kernels (kernels/moe_grouped.py),
+which also read "mxfp4" through `quant_meta`.
 """
 
 from __future__ import annotations
@@ -38,15 +40,16 @@ import torch
 import torch.nn.functional as F
 
 from blockspec.kernels._triton import HAVE_TRITON, INTERPRET, use_triton
-from blockspec.models.layers.quant_linear import FP8_BLOCK, NVFP4_GROUP, SCHEMES
+from blockspec.kernels.quant_tiles import FP4_GLOBAL_BIAS
+from blockspec.models.layers.quant_linear import FP8_BLOCK, LAYOUTS, MXFP4_GROUP, NVFP4_GROUP, SCHEMES
 from blockspec.models.layers.quant_linear import dequantize as layout_dequantize
 
 PREFILL_DEQUANT_MIN_M = 1024  # rows: from here dequantize + cuBLAS beats the in-register tl.dot GEMM (to tune)
-_M1_PATH = {"int4": "dot", "nvfp4": "reduce", "int8": "reduce", "fp8": "reduce"}  # one-row kernel per scheme
+# the one-row kernel per scheme
+_M1_PATH = {"int4": "dot", "nvfp4": "reduce", "mxfp4": "dot", "int8": "reduce", "fp8": "reduce"}
 _NUM_SMS = 132  # H100 / H200
 _MIN_PROGRAMS = 2 * _NUM_SMS
 _TARGET_WARPS = 8 * _NUM_SMS  # warps that hide the dequantizing dot path's ALU chains and load latency
-_FP4_GLOBAL_BIAS = 2.0 ** 26  # fast NVFP4 tiles hold w * 2^-26 (see _unpack_e2m1_fast); the epilogue restores it
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -126,280 +129,11 @@ def quant_linear_ref(x: torch.Tensor, layer, residual: torch.Tensor | None = Non
 # ---------------------------------------------------------------------------------------------------------------
 # Triton kernels
 
-# PTX for the fast unpackers, elementwise over bytes (Triton packs any 4 of a thread's bytes into $4; output
-# i depends on byte i only): output i is the int32 holding the 16-bit pair (low nibble, high nibble) of byte
-# i, dequantized; the caller splits it with bitcasts and interleaves the halves, which LLVM folds back into
-# the register the mma reads (no repacking). Per-group operands arrive as int32 pairs (x, x), one per
-# byte ($5.., $9..). prmt moves byte i to lane 0 and the byte holding its high nibble to lane 1, zeroing
-# bytes 1 and 3 (selector nibble 8-15 = the sign of a byte known to be < 0x80). bf16 arithmetic is
-# fma.rn.bf16x2 (sm_80+; sub / mul.bf16x2 need sm_90).
-# int4: lop3 (t & 0x000F000F) | magic makes magic + q exactly (128 + q in bf16, 1024 + q in fp16); adding
-# -(magic + z) is exact and the multiply by the scale rounds once, as dequantize() rounds (q - z) * s.
-_INT4_ASM = """{
-.reg .b32 v, t<4>, one, nz;
-mov.b32 one, ONE;
-mov.b32 nz, 0x80008000;
-shr.b32 v, $4, 4;
-prmt.b32 t0, $4, v, 0xF4F0;
-prmt.b32 t1, $4, v, 0xF5F1;
-prmt.b32 t2, $4, v, 0xF6F2;
-prmt.b32 t3, $4, v, 0xF7F3;
-lop3.b32 t0, t0, 0x000F000F, MAGIC, 0xEA;
-lop3.b32 t1, t1, 0x000F000F, MAGIC, 0xEA;
-lop3.b32 t2, t2, 0x000F000F, MAGIC, 0xEA;
-lop3.b32 t3, t3, 0x000F000F, MAGIC, 0xEA;
-fma.rn.TY t0, t0, one, $5;
-fma.rn.TY t1, t1, one, $6;
-fma.rn.TY t2, t2, one, $7;
-fma.rn.TY t3, t3, one, $8;
-fma.rn.TY $0, t0, $9, nz;
-fma.rn.TY $1, t1, $10, nz;
-fma.rn.TY $2, t2, $11, nz;
-fma.rn.TY $3, t3, $12, nz;
-}"""
-# E2M1 -> bf16 without a table: a code n (sign | e1 e0 m) alone in a 16-bit lane, times 0x1040, holds n at
-# bits 6..9 and again at 12..15 (no carries); masking 0x81C0 keeps e1 e0 m at bits 8..6 and the sign at
-# bit 15: the bf16 number e2m1 * 2^-126 (e = 0 lands on the subnormal m * 0.5 * 2^-126, e > 0 on
-# 2^(e-127) * (1 + m/2)). The scale operand carries 2^100 (s' = s * 2^100, exact), so one multiply gives
-# w * 2^-26, a normal bf16 for every code and e4m3 scale; the epilogue multiplies by 2^26 * global_scale.
-_E2M1_ASM = """{
-.reg .b32 lo, hi, t<4>, nz;
-mov.b32 nz, 0x80008000;
-and.b32 lo, $4, 0x0F0F0F0F;
-shr.b32 hi, $4, 4;
-and.b32 hi, hi, 0x0F0F0F0F;
-prmt.b32 t0, lo, hi, 0x8480;
-prmt.b32 t1, lo, hi, 0x8581;
-prmt.b32 t2, lo, hi, 0x8682;
-prmt.b32 t3, lo, hi, 0x8783;
-mul.lo.u32 t0, t0, 0x1040;
-mul.lo.u32 t1, t1, 0x1040;
-mul.lo.u32 t2, t2, 0x1040;
-mul.lo.u32 t3, t3, 0x1040;
-and.b32 t0, t0, 0x81C081C0;
-and.b32 t1, t1, 0x81C081C0;
-and.b32 t2, t2, 0x81C081C0;
-and.b32 t3, t3, 0x81C081C0;
-fma.rn.bf16x2 $0, t0, $5, nz;
-fma.rn.bf16x2 $1, t1, $6, nz;
-fma.rn.bf16x2 $2, t2, $7, nz;
-fma.rn.bf16x2 $3, t3, $8, nz;
-}"""
-INT4_ASM_BF16 = _INT4_ASM.replace("MAGIC", "0x43004300").replace("ONE", "0x3F803F80").replace("TY", "bf16x2")
-INT4_ASM_FP16 = _INT4_ASM.replace("MAGIC", "0x64006400").replace("ONE", "0x3C003C00").replace("TY", "f16x2")
-E2M1_ASM_BF16 = _E2M1_ASM
-
 if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-    _INT4_ASM_BF16 = tl.constexpr(INT4_ASM_BF16)
-    _INT4_ASM_FP16 = tl.constexpr(INT4_ASM_FP16)
-    _E2M1_ASM_BF16 = tl.constexpr(E2M1_ASM_BF16)
-
-    @triton.jit
-    def _pair16(v):
-        """A 16-bit float tensor -> int32 holding its bits in both halves (a broadcast operand for the PTX)."""
-        bits = v.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-        return bits | (bits << 16)
-
-    @triton.jit
-    def _split_pairs(pair, OUT: tl.constexpr):
-        """int32 (low, high) 16-bit pairs from the PTX -> the two halves as OUT tensors."""
-        lo = (pair & 0xFFFF).to(tl.int16).to(OUT, bitcast=True)
-        hi = (pair >> 16).to(tl.int16).to(OUT, bitcast=True)
-        return lo, hi
-
-    @triton.jit
-    def _unpack_int4_fast(b, nz2, s2, IS_BF16: tl.constexpr):
-        """uint8 bytes -> int32 pairs of (low, high) nibbles dequantized to the 16-bit dtype: (q - z) * s.
-        nz2 holds -(magic + z) (-(128 + z) in bf16, -(1024 + z) in fp16) and s2 the scale, as pairs."""
-        if IS_BF16:
-            return tl.inline_asm_elementwise(_INT4_ASM_BF16, "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r", [b, nz2, s2],
-                                             dtype=tl.int32, is_pure=True, pack=4)
-        else:
-            return tl.inline_asm_elementwise(_INT4_ASM_FP16, "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r", [b, nz2, s2],
-                                             dtype=tl.int32, is_pure=True, pack=4)
-
-    @triton.jit
-    def _unpack_e2m1_fast(b, s2):
-        """uint8 bytes of E2M1 pairs -> int32 pairs of bf16 values * s * 2^-126; s2 carries s * 2^100 (above)."""
-        return tl.inline_asm_elementwise(_E2M1_ASM_BF16, "=r,=r,=r,=r,r,r,r,r,r", [b, s2],
-                                         dtype=tl.int32, is_pure=True, pack=4)
-
-    @triton.jit
-    def _int_to_float(v):
-        """Exact int32 -> float32 for |v| < 2^22 without I2F (a quarter-rate instruction on Hopper): the bits
-        0x4B400000 + v are the float 2^23 + 2^22 + v."""
-        return (v + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
-
-    @triton.jit
-    def _e2m1_plain(c):
-        """4-bit E2M1 codes (int32) -> float32 with integer ops only: 2|v| = m (e = 0) or (2 + m) << (e - 1)."""
-        e = (c >> 1) & 3
-        m = c & 1
-        twice = tl.where(e == 0, m, (2 + m) << tl.maximum(e - 1, 0))
-        mag = _int_to_float(twice) * 0.5
-        return tl.where((c & 8) != 0, -mag, mag)
-
-    @triton.jit
-    def _group_scales(S, Z, rows, n_mask, k0, SPLIT: tl.constexpr, BLOCK_K: tl.constexpr, G: tl.constexpr,
-                      NG: tl.constexpr, NGT: tl.constexpr, SCALE_ROW_DIV: tl.constexpr, HAS_ZERO: tl.constexpr,
-                      PACKED: tl.constexpr = False):
-        """Scales (and zeros) of the groups a step of SPLIT slices of BLOCK_K columns from k0 covers:
-        [SPLIT, BLOCK_N, NGT], NGT groups a slice (one when a group spans more than a slice). Out-of-range
-        groups and rows read scale 0, so their weights come out 0. Loaded as one contiguous run of groups a
-        row (the slices are adjacent), >= 4 bytes a thread where the tile is large enough, so that the
-        pipeliner streams them with cp.async ahead of their step like the weights instead of a synchronous
-        load that stalls every step (int4's 2 + 1 bytes a group arrive PACKED as one int32 for that)."""
-        if G <= BLOCK_K:
-            g = k0 // G + tl.arange(0, SPLIT * NGT)
-        else:
-            g = (k0 + tl.arange(0, SPLIT) * BLOCK_K) // G
-        srow = (rows // SCALE_ROW_DIV)[:, None]
-        gmask = n_mask[:, None] & (g < NG)[None, :]
-        if PACKED:  # int32 scale bits | zero << 16 in Z (see _kernel_operands); S only gives the scales' dtype
-            v = tl.load(Z + srow * NG + g[None, :], mask=gmask, other=0)
-            v = tl.permute(tl.reshape(v, [v.shape[0], SPLIT, NGT]), [1, 0, 2])
-            return (v & 0xFFFF).to(tl.int16).to(S.dtype.element_ty, bitcast=True), v >> 16
-        s = tl.load(S + srow * NG + g[None, :], mask=gmask, other=0)
-        s = tl.permute(tl.reshape(s, [s.shape[0], SPLIT, NGT]), [1, 0, 2])
-        if HAS_ZERO:
-            z = tl.load(Z + srow * NG + g[None, :], mask=gmask, other=0)
-            z = tl.permute(tl.reshape(z, [z.shape[0], SPLIT, NGT]), [1, 0, 2])
-        else:
-            z = tl.zeros(s.shape, dtype=tl.int32)
-        return s, z
-
-    @triton.jit
-    def _packed_offsets(kk, NGT: tl.constexpr, GT: tl.constexpr):
-        """Byte offsets within a row of two-per-byte weights: [SPLIT, NGT groups, GT / 2 bytes]."""
-        group = tl.arange(0, NGT)[None, :, None] * (GT // 2)
-        return kk[:, None, None] // 2 + group + tl.arange(0, GT // 2)[None, None, :]
-
-    @triton.jit
-    def _packed_bytes(QW, rows, n_mask, kk, K: tl.constexpr, NGT: tl.constexpr, GT: tl.constexpr,
-                      EVEN_K: tl.constexpr):
-        """The bytes of a two-per-byte weight tile: [SPLIT, BLOCK_N, NGT groups, GT / 2]."""
-        kb = _packed_offsets(kk, NGT, GT)
-        mask = n_mask[None, :, None, None]
-        if not EVEN_K:
-            mask = mask & (kb < K // 2)[:, None, :, :]
-        return tl.load(QW + rows[None, :, None, None] * (K // 2) + kb[:, None, :, :], mask=mask, other=0)
-
-    @triton.jit
-    def _int4_tile(QW, s, z, rows, n_mask, kk, K: tl.constexpr, G: tl.constexpr, BLOCK_K: tl.constexpr,
-                   EVEN_K: tl.constexpr, FAST: tl.constexpr, OUT: tl.constexpr):
-        """int4 weights [SPLIT, BLOCK_N, BLOCK_K] starting at columns kk (one per slice), as OUT; s, z are the
-        tile's group scales and zeros (_tile_scales)."""
-        GT: tl.constexpr = G if G < BLOCK_K else BLOCK_K
-        NGT: tl.constexpr = BLOCK_K // GT
-        b = _packed_bytes(QW, rows, n_mask, kk, K, NGT, GT, EVEN_K)
-        if FAST:  # bf16 / fp16 pairs straight from the bytes (PTX)
-            IS_BF16: tl.constexpr = tl.bfloat16 == OUT
-            NEG_MAGIC: tl.constexpr = 0xC300 if IS_BF16 else 0xE400  # sign bit | magic
-            nz = z.to(tl.int32) | NEG_MAGIC
-            pair = _unpack_int4_fast(b, tl.broadcast_to((nz | (nz << 16))[:, :, :, None], b.shape),
-                                     tl.broadcast_to(_pair16(s.to(OUT))[:, :, :, None], b.shape), IS_BF16)
-            lo, hi = _split_pairs(pair, OUT)
-        else:
-            bi = b.to(tl.int32)
-            zi = z.to(tl.int32)[:, :, :, None]
-            sf = s.to(tl.float32)[:, :, :, None]
-            lo = (_int_to_float((bi & 0xF) - zi) * sf).to(OUT)
-            hi = (_int_to_float((bi >> 4) - zi) * sf).to(OUT)
-        w = tl.interleave(lo, hi)  # [S, BN, NGT, GT]: element k even from the low nibble
-        return tl.reshape(w, [w.shape[0], w.shape[1], BLOCK_K])
-
-    @triton.jit
-    def _nvfp4_tile(QW, s, rows, n_mask, kk, K: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                    FAST: tl.constexpr, OUT: tl.constexpr):
-        """NVFP4 weights [SPLIT, BLOCK_N, BLOCK_K] * e4m3 group scale (s: the tile's scale bytes), without the
-        global scale (applied to the accumulator); FAST tiles are also scaled by 2^-26 (bf16 only)."""
-        GT: tl.constexpr = 16
-        NGT: tl.constexpr = BLOCK_K // GT
-        b = _packed_bytes(QW, rows, n_mask, kk, K, NGT, GT, EVEN_K)
-        sf = s.to(tl.float8e4nv, bitcast=True).to(tl.float32)  # e4m3 scales passed as a uint8 view
-        if FAST:
-            # s * 2^100 is exact in bf16 (4 significant bits): its float32 bits' top half, duplicated into both
-            # halves of the operand (a byte shuffle), not a rounding conversion (F2F: quarter rate)
-            top = (sf * 1.2676506002282294e30).to(tl.int32, bitcast=True) & -65536
-            pair = _unpack_e2m1_fast(b, tl.broadcast_to((top | ((top >> 16) & 0xFFFF))[:, :, :, None], b.shape))
-            lo, hi = _split_pairs(pair, tl.bfloat16)
-        else:
-            bi = b.to(tl.int32)
-            lo = (_e2m1_plain(bi & 0xF) * sf[:, :, :, None]).to(OUT)
-            hi = (_e2m1_plain(bi >> 4) * sf[:, :, :, None]).to(OUT)
-        w = tl.interleave(lo, hi)
-        return tl.reshape(w, [w.shape[0], w.shape[1], BLOCK_K])
-
-    @triton.jit
-    def _byte_tile(QW, s, z, rows, n_mask, kk, z_row, K: tl.constexpr, G: tl.constexpr, IS_FP8: tl.constexpr,
-                   PER_ROW: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, OUT: tl.constexpr):
-        """int8 or fp8 weights [SPLIT, BLOCK_N, BLOCK_K]. PER_ROW (one scale per row): the tile is q - z (int8)
-        or q (fp8) and the scale is applied to the accumulator; else each group's scale is applied here
-        (fp8 128x128 blocks: G = 128 along K and SCALE_ROW_DIV = 128 rows)."""
-        GT: tl.constexpr = BLOCK_K if PER_ROW else (G if G < BLOCK_K else BLOCK_K)
-        NGT: tl.constexpr = BLOCK_K // GT
-        ks = kk[:, None, None] + tl.arange(0, NGT)[None, :, None] * GT + tl.arange(0, GT)[None, None, :]
-        mask = n_mask[None, :, None, None]
-        if not EVEN_K:
-            mask = mask & (ks < K)[:, None, :, :]
-        q = tl.load(QW + rows[None, :, None, None] * K + ks[:, None, :, :], mask=mask, other=0)
-        if IS_FP8:  # passed as a uint8 view (a masked fp8 load has no `other` to fill with)
-            v = q.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        elif PER_ROW:
-            v = _int_to_float(q.to(tl.int32) - z_row[None, :, None, None])
-        else:
-            v = q.to(tl.int32)
-        if not PER_ROW:
-            if not IS_FP8:
-                v = _int_to_float(v - z.to(tl.int32)[:, :, :, None])
-            v = v * s.to(tl.float32)[:, :, :, None]
-        w = v.to(OUT)
-        return tl.reshape(w, [w.shape[0], w.shape[1], BLOCK_K])
-
-    @triton.jit
-    def _tile_scales(S, Z, rows, n_mask, k0, SPLIT: tl.constexpr, SCHEME: tl.constexpr, K: tl.constexpr,
-                     G: tl.constexpr, NG: tl.constexpr, SCALE_ROW_DIV: tl.constexpr, HAS_ZERO: tl.constexpr,
-                     PER_ROW: tl.constexpr, BLOCK_K: tl.constexpr):
-        """The scales and zeros the tiles of a step from k0 need ([SPLIT, BLOCK_N, groups a slice]; zeros as
-        int32 0 where the scheme has none)."""
-        if SCHEME == "nvfp4":
-            return _group_scales(S, S, rows, n_mask, k0, SPLIT, BLOCK_K, 16, NG, BLOCK_K // 16, 1, False)
-        elif PER_ROW:  # int8 / fp8 with one scale per row: applied to the accumulator instead
-            none = tl.zeros([SPLIT, rows.shape[0], 1], dtype=tl.int32)
-            return none, none
-        else:
-            GT: tl.constexpr = G if G < BLOCK_K else BLOCK_K
-            return _group_scales(S, Z, rows, n_mask, k0, SPLIT, BLOCK_K, G, NG, BLOCK_K // GT, SCALE_ROW_DIV,
-                                 HAS_ZERO and SCHEME != "fp8", SCHEME == "int4" and Z.dtype.element_ty == tl.int32)
-
-    @triton.jit
-    def _dequant_scaled(QW, s, z, rows, n_mask, kk, z_row, SCHEME: tl.constexpr, K: tl.constexpr,
-                        G: tl.constexpr, PER_ROW: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                        FAST: tl.constexpr, OUT: tl.constexpr):
-        """The per-scheme tile dequantizer given the tile's scales (_tile_scales): [SPLIT, BLOCK_N, BLOCK_K]."""
-        if SCHEME == "int4":
-            return _int4_tile(QW, s, z, rows, n_mask, kk, K, G, BLOCK_K, EVEN_K, FAST, OUT)
-        elif SCHEME == "nvfp4":
-            return _nvfp4_tile(QW, s, rows, n_mask, kk, K, BLOCK_K, EVEN_K, FAST, OUT)
-        else:
-            return _byte_tile(QW, s, z, rows, n_mask, kk, z_row, K, G, SCHEME == "fp8", PER_ROW, BLOCK_K, EVEN_K,
-                              OUT)
-
-    @triton.jit
-    def _dequant_tile(QW, S, Z, rows, n_mask, k0, z_row, SPLIT: tl.constexpr, SCHEME: tl.constexpr,
-                      K: tl.constexpr, G: tl.constexpr, NG: tl.constexpr, SCALE_ROW_DIV: tl.constexpr,
-                      HAS_ZERO: tl.constexpr, PER_ROW: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                      FAST: tl.constexpr, OUT: tl.constexpr):
-        """Scales + dequantization of the SPLIT slices of BLOCK_K columns from k0 (the GEMM's K step; the
-        whole-weight kernel's block with SPLIT = 1; a grouped MoE kernel passes the expert's QW / S / Z base
-        pointers). Returns [SPLIT, BLOCK_N, BLOCK_K] as OUT."""
-        kk = k0 + tl.arange(0, SPLIT) * BLOCK_K
-        s, z = _tile_scales(S, Z, rows, n_mask, k0, SPLIT, SCHEME, K, G, NG, SCALE_ROW_DIV, HAS_ZERO, PER_ROW,
-                            BLOCK_K)
-        return _dequant_scaled(QW, s, z, rows, n_mask, kk, z_row, SCHEME, K, G, PER_ROW, BLOCK_K, EVEN_K, FAST, OUT)
+    from blockspec.kernels.quant_tiles import _dequant_tile  # the per-scheme tiles, shared with the MoE kernels
 
     @triton.jit
     def _quant_linear_kernel(X, QW, S, Z, GS, B, Y, M, N, SCHEME: tl.constexpr, K: tl.constexpr, G: tl.constexpr,
@@ -545,10 +279,11 @@ def _pow2(v: int) -> bool:
 
 
 def quant_meta(layer) -> QuantMeta | None:
-    """The layer's format as the kernels index it, or None where they do not cover it (the reference runs)."""
+    """The layer's format as the kernels index it, or None where they do not cover it (the reference runs).
+    MXFP4 (GPT-OSS experts) is read by the grouped MoE kernels, which call this on one expert's tensors."""
     scheme, n, k = layer.scheme, layer.out_features, layer.in_features
     qw, s, z, gs = layer.qweight, layer.scales, layer.zeros, layer.global_scale
-    if scheme not in SCHEMES or s.dim() != 2 or not (qw.is_contiguous() and s.is_contiguous()):
+    if scheme not in LAYOUTS or s.dim() != 2 or not (qw.is_contiguous() and s.is_contiguous()):
         return None
     if z is not None and not z.is_contiguous():
         return None
@@ -572,6 +307,11 @@ def quant_meta(layer) -> QuantMeta | None:
         if tuple(s.shape) == (_cdiv(n, FP8_BLOCK), _cdiv(k, FP8_BLOCK)):
             return QuantMeta(scheme, n, k, FP8_BLOCK, s.shape[1], FP8_BLOCK, False, False, False)
         return None
+    if scheme == "mxfp4":
+        if (k % MXFP4_GROUP or tuple(qw.shape) != (n, k // 2) or qw.dtype != torch.uint8
+                or tuple(s.shape) != (n, k // MXFP4_GROUP) or s.dtype != torch.uint8):
+            return None
+        return QuantMeta(scheme, n, k, MXFP4_GROUP, k // MXFP4_GROUP, 1, False, False, False)
     if (k % NVFP4_GROUP or tuple(qw.shape) != (n, k // 2) or qw.dtype != torch.uint8
             or tuple(s.shape) != (n, k // NVFP4_GROUP) or s.dtype != torch.float8_e4m3fn):
         return None
@@ -696,7 +436,7 @@ def _packed_int4_groups(layer) -> torch.Tensor:
     return cached[2]
 
 
-def _kernel_operands(layer, meta: QuantMeta) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def kernel_operands(layer, meta: QuantMeta) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(qweight, scales, zeros) as the kernels take them: float8 tensors as uint8 views (decoded by bitcast),
     a missing zeros tensor replaced by the scales (never read), int4 with 16-bit scales reading its scales
     and zeros from one int32 tensor in place of the zeros (the scales then only give their dtype)."""
@@ -715,12 +455,12 @@ def _gemm_triton(x: torch.Tensor, layer, meta: QuantMeta, residual: torch.Tensor
     cfg = cfg or launch_config(meta, m)
     fast = fast_unpack(meta, x.dtype) if fast is None else fast
     out = residual if residual is not None else torch.empty(m, meta.n, dtype=x.dtype, device=x.device)
-    gs_factor = _FP4_GLOBAL_BIAS if (meta.scheme == "nvfp4" and fast) else 1.0
+    gs_factor = FP4_GLOBAL_BIAS if (meta.scheme == "nvfp4" and fast) else 1.0
     gs = layer.global_scale if meta.has_gs else x
     dot_precision = "ieee" if x.dtype == torch.float32 else "tf32"
     grid = (triton.cdiv(meta.n, cfg.block_n), triton.cdiv(m, cfg.block_m) if cfg.use_dot else 1)
     _quant_linear_kernel[grid](
-        x, *_kernel_operands(layer, meta), gs,
+        x, *kernel_operands(layer, meta), gs,
         layer.bias if layer.bias is not None else x, out, m, meta.n,
         SCHEME=meta.scheme, K=meta.k, G=meta.group, NG=meta.n_groups, SCALE_ROW_DIV=meta.scale_row_div,
         HAS_ZERO=meta.has_zero, PER_ROW=meta.per_row, HAS_GS=meta.has_gs, GS_FACTOR=gs_factor,
@@ -737,7 +477,7 @@ def dequantize_triton(layer, dtype: torch.dtype, meta: QuantMeta | None = None) 
     block_n, block_k = 32, 128 if meta.k >= 128 else max(32, _next_pow2(meta.k))
     gs = layer.global_scale if meta.has_gs else w
     _dequant_kernel[(triton.cdiv(meta.n, block_n), triton.cdiv(meta.k, block_k))](
-        *_kernel_operands(layer, meta), gs, w, meta.n,
+        *kernel_operands(layer, meta), gs, w, meta.n,
         SCHEME=meta.scheme, K=meta.k, G=meta.group, NG=meta.n_groups, SCALE_ROW_DIV=meta.scale_row_div,
         HAS_ZERO=meta.has_zero, PER_ROW=meta.per_row, HAS_GS=meta.has_gs, BLOCK_N=block_n, BLOCK_K=block_k,
         num_warps=4)

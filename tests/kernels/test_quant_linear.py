@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from blockspec.kernels import quant_linear as ql
+from blockspec.kernels import quant_tiles as qt
 from blockspec.kernels._triton import HAVE_TRITON, INTERPRET, kernel_device
 from blockspec.models.layers.quant_linear import pack_nibbles
 
@@ -456,7 +457,7 @@ def _outputs(regs: dict[str, int], dtype: torch.dtype) -> tuple[list[float], lis
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_int4_asm_model(dtype):
-    asm = (ql.INT4_ASM_BF16 if dtype == torch.bfloat16 else ql.INT4_ASM_FP16)
+    asm = (qt.INT4_ASM_BF16 if dtype == torch.bfloat16 else qt.INT4_ASM_FP16)
     magic = 0xC300 if dtype == torch.bfloat16 else 0xE400  # as _int4_tile builds -(magic + z)
     g = torch.Generator().manual_seed(0)
     for trial in range(64):
@@ -475,7 +476,7 @@ def test_int4_asm_model(dtype):
 
 
 def test_e2m1_asm_model():
-    asm = ql.E2M1_ASM_BF16
+    asm = qt.E2M1_ASM_BF16
     for trial in range(64):
         b = [(4 * trial + i) % 256 for i in range(4)]
         for scale_code in (1, 7, 8, 0x38, 0x7E):  # e4m3: smallest subnormal, largest subnormal, 2^-6, 1, 448
@@ -491,10 +492,10 @@ def test_e2m1_asm_model():
 
 def test_asm_uses_only_modelled_instructions():
     known = {"mov.b32", "shr.b32", "and.b32", "mul.lo.u32", "prmt.b32", "lop3.b32", "fma.rn.bf16x2", "fma.rn.f16x2"}
-    for asm in (ql.INT4_ASM_BF16, ql.INT4_ASM_FP16, ql.E2M1_ASM_BF16):
+    for asm in (qt.INT4_ASM_BF16, qt.INT4_ASM_FP16, qt.E2M1_ASM_BF16):
         ops = {m.group(1) for m in re.finditer(r"^\s*([a-z][\w.]*)\s", asm, re.M)} - {".reg"}
         assert ops <= known, ops - known
-    assert math.isclose(ql._FP4_GLOBAL_BIAS, 2.0 ** 26)
+    assert math.isclose(qt.FP4_GLOBAL_BIAS, 2.0 ** 26)
 
 
 def test_prefill_threshold_and_dispatch_point():

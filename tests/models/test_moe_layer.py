@@ -26,8 +26,8 @@ def gpu_like(monkeypatch):
         _interpreter_like_gpu(monkeypatch)
         orig = mg.gemm_config
 
-        def wide(tokens, n, k, items, gated):
-            cfg = orig(tokens, n, k, items, gated)
+        def wide(tokens, n, k, items, gated, quantized=False):
+            cfg = orig(tokens, n, k, items, gated, quantized=quantized)
             return mg.GemmConfig(cfg.block_m, max(16, mg._next_pow2(n)), cfg.block_k, cfg.num_warps, 1)
         monkeypatch.setattr(mg, "gemm_config", wide)
 

@@ -16,7 +16,9 @@ Three ways to run the routed experts, picked per call by `experts_forward`:
 - `experts_fused` (kernels/moe_grouped.py): Triton kernels for decode and verify steps (up to
   FUSED_MAX_TOKENS tokens) with no host sync, so the routing runs inside CUDA graphs; `SparseMoeBlock`
   then also routes with one kernel and folds a same-sized shared expert into the grouped launches.
-  Plain experts only (silu(gate) * up, no biases): GPT-OSS's take the grouped or the reference path.
+  Biases and GPT-OSS's clamped SwiGLU ride in the kernels' epilogues, and quantized experts
+  (layers.quant_linear.QuantExperts: the same `gate_up_proj` / `down_proj` names, holding packed layouts)
+  are dequantized in registers; a quantized model's shared expert then runs on its own (QuantLinear) path.
 """
 
 from __future__ import annotations
@@ -145,28 +147,33 @@ def grouped_supported(x: torch.Tensor) -> bool:
     return x.device.type == "cpu"
 
 
-def experts_fused(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
-                  ids: torch.Tensor) -> torch.Tensor:
-    """Same result as `experts_reference` through the graph-safe Triton kernels (kernels/moe_grouped.py)."""
-    return moe_experts(x, gate_up, down, weights, ids)
+def experts_fused(x: torch.Tensor, gate_up, down, weights: torch.Tensor, ids: torch.Tensor,
+                  act: GatedActivation = SILU, gate_up_bias: torch.Tensor | None = None,
+                  down_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Same result as `experts_reference` through the graph-safe Triton kernels (kernels/moe_grouped.py);
+    gate_up / down are stacked tensors or quantized expert holders."""
+    return moe_experts(x, gate_up, down, weights, ids, gate_up_bias=gate_up_bias, down_bias=down_bias,
+                       limit=act.limit, alpha=act.alpha)
 
 
-def fused_applies(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, backend: str) -> bool:
+def fused_applies(x: torch.Tensor, gate_up, down, backend: str) -> bool:
     """The fused kernels run for backend "fused", and for "auto" up to FUSED_MAX_TOKENS tokens (where Triton
-    runs: CUDA, or CPU under TRITON_INTERPRET=1, without grad)."""
+    runs: CUDA, or CPU under TRITON_INTERPRET=1, without grad). Quantized experts also take them at any size
+    while a CUDA graph is being captured: their other path (the reference loop) cannot be captured."""
     if backend not in ("auto", "fused") or not fused_supported(x, gate_up, down):
         return False
-    return backend == "fused" or x.shape[0] <= FUSED_MAX_TOKENS
+    if backend == "fused" or x.shape[0] <= FUSED_MAX_TOKENS:
+        return True
+    return not isinstance(gate_up, torch.Tensor) and x.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def experts_forward(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
                     ids: torch.Tensor, backend: str = "auto", act: GatedActivation = SILU,
                     gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None) -> torch.Tensor:
     """Routed experts through the chosen backend (auto: fused for few tokens, else grouped on CUDA when
-    supported, else reference); experts with biases or the clamped gate skip the fused kernels."""
-    plain = act == SILU and gate_up_bias is None and down_bias is None
-    if plain and fused_applies(x, gate_up, down, backend):
-        return experts_fused(x, gate_up, down, weights, ids)
+    supported, else reference)."""
+    if fused_applies(x, gate_up, down, backend):
+        return experts_fused(x, gate_up, down, weights, ids, act, gate_up_bias, down_bias)
     if backend in ("auto", "fused"):
         backend = "grouped" if x.device.type == "cuda" and grouped_supported(x) else "reference"
     fn = experts_grouped if backend == "grouped" else experts_reference
@@ -191,11 +198,6 @@ class Experts(nn.Module):
         self.backend = os.environ.get("BLOCKSPEC_MOE_BACKEND", "auto")
         if self.backend not in BACKENDS:
             raise ConfigError(f"BLOCKSPEC_MOE_BACKEND={self.backend!r}: use one of {', '.join(BACKENDS)}")
-
-    @property
-    def plain(self) -> bool:
-        """silu(gate) * up without biases: what the fused kernels compute."""
-        return self.activation == SILU and self.gate_up_proj_bias is None
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         return experts_forward(x, self.gate_up_proj, self.down_proj, weights, ids, self.backend, self.activation,
@@ -260,8 +262,7 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        if getattr(self.experts, "plain", False) and \
-                fused_applies(x, self.experts.gate_up_proj, self.experts.down_proj, self.experts.backend):
+        if fused_applies(x, self.experts.gate_up_proj, self.experts.down_proj, self.experts.backend):
             return self._forward_fused(x).view(shape)
         logits = self.gate(x)
         if self.route_override is not None:
@@ -288,10 +289,11 @@ class SparseMoeBlock(nn.Module):
         self.last_ids = self.ids_by_tokens[ids.shape[0]] = ids
 
     def _folded_shared(self) -> SharedWeights | None:
-        """The shared expert's weights when it can ride in the routed launches as expert E."""
-        if self.shared_expert is None:
-            return None
+        """The shared expert's weights when it can ride in the routed launches as expert E (both unquantized)."""
         se = self.shared_expert
+        if se is None or not all(isinstance(p, Linear) for p in (se.gate_proj, se.up_proj, se.down_proj,
+                                                                 self.shared_expert_gate)):
+            return None
         shared = SharedWeights(se.gate_proj.weight, se.up_proj.weight, se.down_proj.weight)
         return shared if shared_foldable(shared, self.experts.gate_up_proj, self.experts.down_proj) else None
 
@@ -299,7 +301,8 @@ class SparseMoeBlock(nn.Module):
         """Router GEMM, routing (top-k and the shared gate) + grouping by expert, gate_up, down, combine:
         five launches for a small step (the routing and grouping share one), six for a large one."""
         x = x if x.is_contiguous() else x.contiguous()
-        logits = skinny_linear(x, self.gate.weight, self.gate.bias)
+        gate = self.gate
+        logits = skinny_linear(x, gate.weight, gate.bias) if isinstance(gate, Linear) else gate(x)  # or quantized
         shared = self._folded_shared()
         shared_gate = self.shared_expert_gate.weight if shared is not None else None
         layout = None
@@ -311,8 +314,10 @@ class SparseMoeBlock(nn.Module):
         if self.record_routing:
             self._record(ids)
         separate = self.shared_expert is not None and shared is None  # a differently sized one: its own path
-        out = moe_experts(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids, shared, shared_w,
-                          layout=layout, residual=None if separate else residual)
+        ex = self.experts  # Experts, or QuantExperts (the kernels dequantize its layouts in registers)
+        out = moe_experts(x, ex.gate_up_proj, ex.down_proj, weights, ids, shared, shared_w, layout=layout,
+                          residual=None if separate else residual, gate_up_bias=ex.gate_up_proj_bias,
+                          down_bias=ex.down_proj_bias, limit=ex.activation.limit, alpha=ex.activation.alpha)
         if separate:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
             if residual is not None:

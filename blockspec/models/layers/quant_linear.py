@@ -2,8 +2,9 @@
 
 Every checkpoint format (compressed-tensors, ModelOpt, GPTQ, AWQ, AutoRound, MXFP4) is converted at load
 time (blockspec/loader/quant/) into one of five layouts, so the kernels know exactly these (the linear
-kernels read the first four, SCHEMES; "mxfp4", GPT-OSS's experts, has only the reference so far). A weight
-of logical shape [N, K] (out, in):
+kernels are meant for the first four, SCHEMES; the grouped MoE kernels also read "mxfp4", GPT-OSS's experts;
+the per-scheme register tiles of both are in kernels/quant_tiles.py). A weight of logical shape [N, K]
+(out, in):
 
 - "int4":  qweight uint8 [N, K/2], two unsigned nibbles per byte, element k even in the LOW nibble;
            scales [N, K/G] model dtype; zeros uint8 [N, K/G] (unsigned; symmetric formats store 8; a
@@ -29,17 +30,19 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from blockspec.errors import ConfigError
 from blockspec.kernels._triton import use_triton
 from blockspec.kernels.skinny_linear import linear
-from blockspec.models.layers.moe import SILU, GatedActivation, experts_loop
+from blockspec.models.layers.moe import BACKENDS, SILU, GatedActivation, experts_fused, experts_loop, fused_applies
 
 SCHEMES = ("int4", "int8", "fp8", "nvfp4")  # the layouts the Triton linear kernels read (kernels/quant_linear.py)
-LAYOUTS = (*SCHEMES, "mxfp4")  # every layout; mxfp4 (GPT-OSS experts) has only the dequantize reference so far
+LAYOUTS = (*SCHEMES, "mxfp4")  # every layout; mxfp4 (GPT-OSS experts): the dequantize reference and the MoE kernels
 NVFP4_GROUP = 16
 MXFP4_GROUP = 32
 E8M0_BIAS = 127
@@ -287,8 +290,11 @@ class QuantExperts(nn.Module):
     """Quantized stand-in for models.layers.moe.Experts: the same forward(x, weights, ids), experts stacked
     as `gate_up_proj` [E, 2I, H] and `down_proj` [E, H, I] in one layout each.
 
-    `forward` is the reference (loop over the experts that received tokens, dequantizing only those);
-    the grouped GPU path for quantized experts is not wired in yet. With `bias` the experts carry
+    `forward` takes the grouped Triton kernels (kernels/moe_grouped.py, the weights dequantized in registers,
+    no host sync: CUDA graphs capture it) where layers.moe.fused_applies says so (decode and verify steps, and
+    any step under capture), else the reference: a loop over the experts that received tokens, dequantizing
+    only those (the CPU path, the oracle, and prefill). SparseMoeBlock runs the same kernels with its own
+    routing kernel (its fused path reads `gate_up_proj` / `down_proj` and the biases). With `bias` the experts carry
     `gate_up_proj_bias` [E, 2I] and `down_proj_bias` [E, H] in the model dtype (GPT-OSS), and `activation`
     joins the gate and up halves (moe.GatedActivation: SiLU, or GPT-OSS's clamped SwiGLU).
     """
@@ -302,9 +308,11 @@ class QuantExperts(nn.Module):
         self.intermediate_size = intermediate_size
         self.scheme = scheme
         self.activation = activation
-        # SparseMoeBlock reads experts.backend to pick its fused GPU path; "reference" keeps quantized
-        # experts off the unquantized kernels until a quantized grouped path is wired in.
-        self.backend = "reference"
+        # as layers.moe.Experts: "auto" / "fused" take the grouped kernels (fused_applies), "reference" and
+        # "grouped" the reference loop (torch's grouped GEMM has no quantized operands)
+        self.backend = os.environ.get("BLOCKSPEC_MOE_BACKEND", "auto")
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"BLOCKSPEC_MOE_BACKEND={self.backend!r}: use one of {', '.join(BACKENDS)}")
         i = intermediate_size
         self.gate_up_proj = QuantExpertWeights(scheme, num_experts, hidden_size, 2 * i, group_size,
                                                symmetric=symmetric, shard_sizes=[i, i], dtype=dtype, device=device)
@@ -317,11 +325,17 @@ class QuantExperts(nn.Module):
                                            requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        if fused_applies(x, self.gate_up_proj, self.down_proj, self.backend):
+            return experts_fused(x, self.gate_up_proj, self.down_proj, weights, ids, self.activation,
+                                 self.gate_up_proj_bias, self.down_proj_bias)
         if x.is_cuda and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"{self.scheme} MoE experts run the dequantize-then-matmul reference, which reads the "
-                               "routed experts back to the host and cannot be captured in a CUDA graph: serve with "
-                               "--enforce-eager until their kernel is wired in")
+            raise RuntimeError(f"these {self.scheme} MoE experts are not in a layout the grouped kernels read (an "
+                               "act-order permutation?) and their reference path reads the routed experts back to "
+                               "the host, which a CUDA graph cannot capture: serve with --enforce-eager")
+        return self.reference(x, weights, ids)
 
+    def reference(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Dequantize the experts that received tokens, then their projections: the CPU path and the oracle."""
         def project(holder: QuantExpertWeights, bias: torch.Tensor | None):
             def fn(rows: torch.Tensor, e: int) -> torch.Tensor:
                 y = holder.apply(rows, e)
