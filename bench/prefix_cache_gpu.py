@@ -108,6 +108,18 @@ def shared_prefix(engine: Engine, args: argparse.Namespace, vocab: int) -> dict[
     return med
 
 
+def first_token(engine: Engine, rid: str, prompt: list[int]) -> None:
+    """Add a 2-token greedy request and step until its first token is out (a hit's TTFT)."""
+    engine.add_request(rid, prompt, greedy(2))
+    while not any(out.new_token_ids for out in engine.step()):
+        pass
+
+
+def finish(engine: Engine) -> None:
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
 def profile_hit(engine: Engine, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
     """Where a hit's TTFT goes: GPU kernels (torch.profiler) from add_request to the first token of a request
     whose prefix is cached, top kernels by total time, and the host wall time beside their sum."""
@@ -117,12 +129,9 @@ def profile_hit(engine: Engine, args: argparse.Namespace, vocab: int) -> dict[st
     timed_request(engine, prefix + turns[0], 2, "prof-a")
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t0 = time.perf_counter()
-        engine.add_request("prof-b", prefix + turns[1], greedy(2))
-        while not any(out.new_token_ids for out in engine.step()):
-            pass
+        first_token(engine, "prof-b", prefix + turns[1])
         wall = time.perf_counter() - t0
-    while engine.has_unfinished_requests():
-        engine.step()
+    finish(engine)
     rows = [(e.key, e.device_time_total, e.count) for e in prof.key_averages() if e.device_time_total > 0]
     rows.sort(key=lambda r: -r[1])
     total = sum(r[1] for r in rows)
@@ -138,12 +147,9 @@ def profile_hit(engine: Engine, args: argparse.Namespace, vocab: int) -> dict[st
     timed_request(engine, prefix + turns[0], 2, "prof-c")
     host = cProfile.Profile()
     host.enable()
-    engine.add_request("prof-d", prefix + turns[1], greedy(2))
-    while not any(out.new_token_ids for out in engine.step()):
-        pass
+    first_token(engine, "prof-d", prefix + turns[1])
     host.disable()
-    while engine.has_unfinished_requests():
-        engine.step()
+    finish(engine)
     text = io.StringIO()
     pstats.Stats(host, stream=text).sort_stats("tottime").print_stats(20)
     print(text.getvalue()[-4000:], flush=True)

@@ -364,10 +364,9 @@ def launch_config(meta: QuantMeta, m: int) -> LaunchConfig:
     # int8 with groups along K gave wrong sums on the reduction path on an H100 (the dot path is right), and so
     # did int4 at BLOCK_N 4 / BLOCK_K 1024 (not at 8 / 512): only per-row int8, fp8 and NVFP4 (right at every
     # swept config) take it until that is found
-    if m == 1 and _M1_PATH[meta.scheme] == "reduce" and (meta.per_row or meta.scheme in ("fp8", "nvfp4")) \
-            and (meta.scheme != "nvfp4" or k >= 512):
-        if meta.scheme == "nvfp4":  # bench/quant_gemm.py --sweep (H100): 12.1 / 10.5 / 25.9 us on qkv / o / down
-            return LaunchConfig(False, 1, 8, 512, 1, 4, 3)
+    if m == 1 and meta.scheme == "nvfp4" and k >= 512:  # quant_gemm.py --sweep (H100): 12.1 / 10.5 / 25.9 us
+        return LaunchConfig(False, 1, 8, 512, 1, 4, 3)    # on qkv / o / down
+    if m == 1 and _M1_PATH[meta.scheme] == "reduce" and (meta.per_row or meta.scheme == "fp8"):
         block_k = min(512, max(64, _next_pow2(k)))
         block_n = next((b for b in (16, 8) if _cdiv(n, b) >= _MIN_PROGRAMS), 4)
         return LaunchConfig(False, 1, block_n, block_k, 1, 8 if block_n * block_k >= 8192 else 4, 3)

@@ -45,6 +45,21 @@ HOST_SECTIONS = ROW_INPUTS
 assert tuple(SECTIONS)[: len(HOST_SECTIONS)] == HOST_SECTIONS, "host-written sections lead the layout"
 
 
+def capture_graph(fn: Callable[..., object], *args: object, pool=None) -> tuple[torch.cuda.CUDAGraph, object]:
+    """Warm fn(*args) up twice on a side stream (lazy allocations, Triton compiles happen outside the capture),
+    then capture one call: the graph and the output tensors it will refresh on every replay."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn(*args)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = fn(*args)
+    return graph, out
+
+
 @dataclass
 class DecodeViews:
     """Views of the shared input buffer for one bucket (fixed addresses: graphs capture them)."""
@@ -141,16 +156,7 @@ class DecodeGraphs:
             v = self.views(bp)
             for name, fn in fns.items():
                 fill_dummy(v)
-                stream = torch.cuda.Stream()
-                stream.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(stream):
-                    for _ in range(2):
-                        fn(v)
-                torch.cuda.current_stream().wait_stream(stream)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self._pool):
-                    out = fn(v)
-                self._graphs[(name, bp)] = (graph, out)
+                self._graphs[(name, bp)] = capture_graph(fn, v, pool=self._pool)
         torch.cuda.synchronize()
         elapsed = time.perf_counter() - start
         log(f"captured {len(self._graphs)} CUDA graphs (batch sizes {self.buckets}, {self.q_len} tokens per "

@@ -22,6 +22,7 @@ from blockspec.kernels.moe_grouped import (
     moe_route_align,
 )
 from blockspec.models.layers.moe import experts_reference, route
+from blockspec.runner.decode_graphs import capture_graph
 from tests.kernels.test_skinny_linear import _interpreter_like_gpu
 
 DEVICE = kernel_device()
@@ -282,15 +283,7 @@ def test_cuda_graph_replays_with_new_routing():
     ref.record_routing = block.record_routing = True
     for t in (1, 16, 64):
         static_x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                block(static_x)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            static_out = block(static_x)
+        graph, static_out = capture_graph(block, static_x)
         static_ids = block.last_ids
         seen = []
         for seed in range(3):

@@ -15,6 +15,7 @@ from blockspec.kernels.moe_grouped import GemmConfig, fused_supported, moe_exper
 from blockspec.models.layers import moe
 from blockspec.models.layers.moe import GatedActivation, SparseMoeBlock, experts_reference
 from blockspec.models.layers.quant_linear import E8M0_BIAS, QuantExperts, QuantLinear
+from blockspec.runner.decode_graphs import capture_graph
 from tests.kernels.test_moe_grouped import random_routing, rel_err
 from tests.kernels.test_skinny_linear import _interpreter_like_gpu
 
@@ -263,15 +264,7 @@ def test_cuda_graph_captures_the_quantized_block(variant):
     h = block.gate.in_features
     for t in (1, 16):
         static_x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                block(static_x)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            static_out = block(static_x)
+        graph, static_out = capture_graph(block, static_x)
         for seed in range(2):
             torch.manual_seed(100 + seed)
             static_x.copy_(torch.randn(t, h, device="cuda", dtype=torch.bfloat16))
