@@ -120,6 +120,33 @@ def finish(engine: Engine) -> None:
         engine.step()
 
 
+def kernel_timeline(prof) -> dict[str, Any]:
+    """Whether a profiled stretch waits on the GPU or on the host: from the profiler's events, the time before the
+    first kernel starts (scheduling, metadata), the kernels' busy time (union of their intervals) and the idle time
+    between the first and the last kernel (host launching slower than the GPU runs, or a sync), and the host calls
+    that blocked longest (synchronising copies and waits)."""
+    from torch.autograd import DeviceType
+    events = list(prof.events())
+    kernels = sorted((e.time_range.start, e.time_range.end) for e in events if e.device_type == DeviceType.CUDA)
+    if not kernels:
+        return {}
+    cpu = [e for e in events if e.device_type == DeviceType.CPU]
+    t0 = min(e.time_range.start for e in cpu)
+    busy, cur_s, cur_e = 0.0, kernels[0][0], kernels[0][1]
+    for s, e in kernels[1:]:
+        if s > cur_e:
+            busy, cur_s = busy + cur_e - cur_s, s
+        cur_e = max(cur_e, e)
+    busy += cur_e - cur_s
+    span = cur_e - kernels[0][0]
+    waits = sorted(((e.time_range.end - e.time_range.start, e.name) for e in cpu
+                    if any(w in e.name for w in ("Synchronize", "Memcpy", "_local_scalar_dense", "EventSync"))),
+                   reverse=True)[:6]
+    return {"before_first_kernel_ms": round((kernels[0][0] - t0) / 1000, 2), "kernel_busy_ms": round(busy / 1000, 2),
+            "kernel_span_ms": round(span / 1000, 2), "gpu_idle_in_span_ms": round((span - busy) / 1000, 2),
+            "kernels": len(kernels), "longest_host_waits": [[round(d / 1000, 2), n[:60]] for d, n in waits]}
+
+
 def profile_hit(engine: Engine, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
     """Where a hit's TTFT goes: GPU kernels (torch.profiler) from add_request to the first token of a request
     whose prefix is cached, top kernels by total time, and the host wall time beside their sum."""
@@ -132,11 +159,13 @@ def profile_hit(engine: Engine, args: argparse.Namespace, vocab: int) -> dict[st
         first_token(engine, "prof-b", prefix + turns[1])
         wall = time.perf_counter() - t0
     finish(engine)
-    rows = [(e.key, e.device_time_total, e.count) for e in prof.key_averages() if e.device_time_total > 0]
+    timeline = kernel_timeline(prof)
+    rows = [(e.key, e.self_device_time_total, e.count) for e in prof.key_averages() if e.self_device_time_total > 0]
     rows.sort(key=lambda r: -r[1])
     total = sum(r[1] for r in rows)
     top = [{"kernel": k[:90], "ms": round(t / 1000, 3), "calls": n} for k, t, n in rows[:15]]
-    print(f"hit TTFT profile: wall {1000 * wall:.1f} ms, GPU kernels {total / 1000:.1f} ms", flush=True)
+    print(f"hit TTFT profile: wall {1000 * wall:.1f} ms, GPU kernels {total / 1000:.1f} ms; timeline {timeline}",
+          flush=True)
     for row in top:
         print(f"  {row['ms']:8.3f} ms {row['calls']:5d}x {row['kernel']}", flush=True)
     # the host side of another hit: Python functions by own time (what the GPU waits on between launches)
@@ -153,7 +182,7 @@ def profile_hit(engine: Engine, args: argparse.Namespace, vocab: int) -> dict[st
     text = io.StringIO()
     pstats.Stats(host, stream=text).sort_stats("tottime").print_stats(20)
     print(text.getvalue()[-4000:], flush=True)
-    return {"wall_ms": round(1000 * wall, 2), "gpu_kernel_ms": round(total / 1000, 2), "top": top,
+    return {"wall_ms": round(1000 * wall, 2), "gpu_kernel_ms": round(total / 1000, 2), "timeline": timeline, "top": top,
             "host_profile": text.getvalue()[-4000:]}
 
 
