@@ -271,7 +271,7 @@ class Engine:
         if not ids:
             raise RequestError("the prompt is empty", "prompt")
         vocab = self.model_config.vocab_size
-        if any(not 0 <= t < vocab for t in ids):
+        if min(ids) < 0 or max(ids) >= vocab:  # (a generator over a 6,000-token prompt: ~0.5 ms of a hit's TTFT)
             raise RequestError(f"prompt token ids must be in [0, {vocab})", "prompt")
         room = self.max_model_len - len(ids)
         if room < 1:

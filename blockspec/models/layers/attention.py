@@ -92,22 +92,28 @@ def ragged_metadata(spans: list[tuple[list[int], int, int]], block_size: int, de
 
     q_lens = [n for _, _, n in spans]
     offsets = [sum(q_lens[:b]) for b in range(len(spans))]
-    kv = [slots(table, 0, start + n) for table, start, n in spans]
-    lmax, qmax = max(len(s) for s in kv), max(q_lens)
+    kv_lens = [start + n for _, start, n in spans]
+    lmax, qmax = max(kv_lens), max(q_lens)
     query_index, query_unpad = pad_index(q_lens, offsets)
 
     def t(values: list) -> torch.Tensor:
         return upload(values, torch.int64, device)
 
+    # key slots from the block tables on the device: a hit on a 6,000-token prefix listed 6,000 slots in Python
+    # (~1.5 ms of a TTFT that waits on the host); padding keys point into block 0 (always masked out)
+    width = -(-lmax // block_size)
+    tables = t([list(table[:-(-n // block_size)]) + [0] * (width - -(-n // block_size))
+                for (table, _, _), n in zip(spans, kv_lens)]).view(len(spans), width)
+    kv_slots = (tables[:, :, None] * block_size + torch.arange(block_size, device=device)).view(len(spans), -1)
     query_pos = t([[start + (i if i < n else 0) for i in range(qmax)] for _, start, n in spans])
     key = torch.arange(lmax, device=device)
-    kv_len = t([len(s) for s in kv])
+    kv_len = t(kv_lens)
     mask = (key[None, None, :] <= query_pos[:, :, None]) & (key[None, None, :] < kv_len[:, None, None])
     return AttentionMetadata(
         slot_mapping=t([s for (table, start, n) in spans for s in slots(table, start, start + n)]),
         query_index=t(query_index).view(len(spans), qmax),
         query_unpad=t(query_unpad),
-        kv_slots=t([s + [0] * (lmax - len(s)) for s in kv]).view(len(spans), lmax),
+        kv_slots=kv_slots[:, :lmax],
         mask=mask[:, None],
         query_pos=query_pos,
     )
@@ -171,18 +177,42 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     return out[meta.query_unpad]
 
 
+def _flash_varlen_ok(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether aten's flash attention forward takes these operands as they are: CUDA sm80+, 16-bit, head_dim a
+    multiple of 8 up to 256, query heads a multiple of the KV heads, unit stride along head_dim."""
+    d = q.shape[-1]
+    return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and k_cache.dtype == q.dtype
+            and d % 8 == 0 and d <= 256 and q.shape[1] % k_cache.shape[2] == 0 and q.stride(-1) == 1
+            and hasattr(torch.ops.aten, "_flash_attention_forward")
+            and torch.cuda.get_device_capability(q.device)[0] >= 8)
+
+
 def tail_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_slots: torch.Tensor,
                            scale: float) -> torch.Tensor:
     """One sequence whose T new tokens are the last T of its L cached keys (a prefix-cache hit, a later prefill
     chunk, an eager verify): causal attention aligned to the bottom right, which flash attention computes
-    without a mask. q [T, H, D] -> [T, H * D]. The boolean-mask SDPA it replaces took cuDNN's masked path: 7.7
-    ms of a 6,000-token hit's 22.6 ms TTFT on the Qwen3-8B shape (H100)."""
+    without a mask. q [T, H, D] -> [T, H * D].
+
+    A hit's prefill waits on the host, not the GPU (6,000 cached + 200 new tokens on the Qwen3-8B shape: ~12 ms
+    of kernels in a 24-32 ms TTFT), so this is three operations a layer: the keys and values gathered by slot
+    straight into flash attention's [L, Hkv, D] layout, and aten's flash forward on q as it sits in the fused
+    q|k|v projection (its causal mask is bottom-right aligned; it reads grouped KV heads itself). The SDPA route
+    with `causal_lower_right` it replaces cost ~150 us of host time a layer (transposes, the bias dispatch, an
+    output copy); a boolean-mask SDPA before that took cuDNN's masked path (7.7 ms of GPU time on that hit)."""
+    t, h, d = q.shape
+    if _flash_varlen_ok(q, k_cache):
+        slots = kv_slots.reshape(-1)
+        k = k_cache.view(-1, *k_cache.shape[2:]).index_select(0, slots)  # [L, Hkv, D]
+        v = v_cache.view(-1, *v_cache.shape[2:]).index_select(0, slots)
+        out = torch.ops.aten._flash_attention_forward(q[None], k[None], v[None], None, None, t, k.shape[0], 0.0,
+                                                      True, False, scale=scale)[0]
+        return out.view(t, h * d)
     k = gather_kv(k_cache, kv_slots).to(q.dtype)  # [1, Hkv, L, D]
     v = gather_kv(v_cache, kv_slots).to(q.dtype)
     qb = q.transpose(0, 1)[None]
-    out = F.scaled_dot_product_attention(qb, k, v, attn_mask=causal_lower_right(q.shape[0], k.shape[2]),
-                                         scale=scale, enable_gqa=k.shape[1] != q.shape[1])
-    return out[0].transpose(0, 1).reshape(q.shape[0], -1)
+    out = F.scaled_dot_product_attention(qb, k, v, attn_mask=causal_lower_right(t, k.shape[2]),
+                                         scale=scale, enable_gqa=k.shape[1] != h)
+    return out[0].transpose(0, 1).reshape(t, -1)
 
 
 def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: int, scale: float,

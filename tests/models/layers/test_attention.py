@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from blockspec.models.layers.attention import (
@@ -81,3 +82,26 @@ def test_tail_prefill_equals_masked_gather():
         want = paged_attention_reference(q, kc, vc, meta, d**-0.5)
         got = tail_prefill_attention(q, kc, vc, slots[None], d**-0.5)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="flash attention's forward needs a CUDA GPU")
+def test_tail_prefill_flash_route_matches_reference_gpu():
+    """On the GPU (bf16) a hit's attention takes aten's flash forward on q as a strided view of the fused q|k|v
+    rows, grouped KV heads and bottom-right causal alignment included: equal to the fp32 masked gather."""
+    g = torch.Generator(device="cuda").manual_seed(3)
+    heads, kv_heads, d, page, ctx, t = 8, 2, 128, 16, 300, 37
+    n = ctx + t
+    kc = torch.randn(40, page, kv_heads, d, generator=g, device="cuda", dtype=torch.bfloat16)
+    vc = torch.randn(40, page, kv_heads, d, generator=g, device="cuda", dtype=torch.bfloat16)
+    table = torch.randperm(40, generator=g, device="cuda")[: -(-n // page)]
+    slots = (table[:, None] * page + torch.arange(page, device="cuda")).flatten()[:n]
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * d, generator=g, device="cuda", dtype=torch.bfloat16)
+    q = qkv[:, : heads * d].view(t, heads, d)
+    pos = torch.arange(ctx, n, device="cuda")
+    meta = AttentionMetadata(slot_mapping=slots[ctx:], query_index=torch.arange(t, device="cuda")[None],
+                             query_unpad=torch.arange(t, device="cuda"), kv_slots=slots[None],
+                             mask=(torch.arange(n, device="cuda")[None, :] <= pos[:, None])[None, None])
+    want = paged_attention_reference(q.float(), kc.float(), vc.float(), meta, d**-0.5)
+    with torch.inference_mode():
+        got = tail_prefill_attention(q, kc, vc, slots[None], d**-0.5)
+    torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
