@@ -33,18 +33,28 @@ if HAVE_TRITON:
         return acc
 
     @triton.jit
-    def _skinny_linear_kernel(X, W, B, NW, Y, M, N_OUT, eps, K: tl.constexpr,
+    def _skinny_linear_kernel(X, W, B, NW, Y, M, N_OUT, eps, W2, Y2, N2, TILES1, K: tl.constexpr,
                               HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr, GATED: tl.constexpr,
                               HAS_RES: tl.constexpr, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                              PAIR: tl.constexpr):
         # One program owns BLOCK_N output columns for all M rows; with GATED it reads the matching gate rows
         # (n) and up rows (N_OUT + n) of W. With HAS_RES, Y is the residual: read, added to, written back.
+        # With PAIR the programs from TILES1 on compute a second projection of the same x (W2 -> Y2, N2
+        # columns; no bias, gate or residual): two small GEMMs of one input in one launch.
         # K is constexpr: a model has a handful of K values, the trip count and (when BLOCK_K divides K) the
         # K masks become compile-time, and Triton's interpreter cannot range() over a runtime scalar under
         # NumPy >= 2.4.
         dtype = Y.dtype.element_ty
+        pid = tl.program_id(0)
+        if PAIR:
+            if pid >= TILES1:
+                W = W2
+                Y = Y2
+                N_OUT = N2
+                pid = pid - TILES1
         offs_m = tl.arange(0, BLOCK_M)
-        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_k = tl.arange(0, BLOCK_K)
         m_mask = offs_m < M
         n_mask = offs_n < N_OUT
@@ -239,11 +249,30 @@ def _skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     use_dot = m > 1
     _skinny_linear_kernel[(triton.cdiv(n_out, block_n),)](
         x, weight, bias if bias is not None else x, norm_weight if norm_weight is not None else x, out,
-        m, n_out, eps, K=k,
+        m, n_out, eps, weight, out, n_out, 0, K=k,
         HAS_BIAS=bias is not None, HAS_NORM=norm_weight is not None, GATED=gated, HAS_RES=residual is not None,
         USE_DOT=use_dot, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        BLOCK_M=16 if use_dot else 1, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages)
+        BLOCK_M=16 if use_dot else 1, BLOCK_N=block_n, BLOCK_K=block_k, PAIR=False, num_warps=num_warps,
+        num_stages=num_stages)
     return out
+
+
+def _skinny_pair_triton(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, norm_weight: torch.Tensor | None,
+                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both projections in one launch with the first one's config (the larger: it sets the time)."""
+    m, k = x.shape
+    n1, n2 = w1.shape[0], w2.shape[0]
+    y1 = torch.empty(m, n1, dtype=x.dtype, device=x.device)
+    y2 = torch.empty(m, n2, dtype=x.dtype, device=x.device)
+    block_n, block_k, num_warps, num_stages = _launch_config(m, n1, k)
+    tiles1 = triton.cdiv(n1, block_n)
+    use_dot = m > 1
+    _skinny_linear_kernel[(tiles1 + triton.cdiv(n2, block_n),)](
+        x, w1, x, norm_weight if norm_weight is not None else x, y1, m, n1, eps, w2, y2, n2, tiles1, K=k,
+        HAS_BIAS=False, HAS_NORM=norm_weight is not None, GATED=False, HAS_RES=False, USE_DOT=use_dot,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", BLOCK_M=16 if use_dot else 1,
+        BLOCK_N=block_n, BLOCK_K=block_k, PAIR=True, num_warps=num_warps, num_stages=num_stages)
+    return y1, y2
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
@@ -263,3 +292,17 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
             return residual.addmm_(x, weight.t())  # the add rides in the GEMM's epilogue (beta = 1)
         return _skinny_linear_triton(x, weight, bias, None, eps, gated, residual)
     return skinny_linear_ref(x, weight, bias, norm_weight=norm_weight, eps=eps, gated=gated, residual=residual)
+
+
+def skinny_linear_pair(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, *, norm_weight: torch.Tensor | None = None,
+                       eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(skinny_linear(x, w1, norm...), skinny_linear(x, w2, norm...)) in one launch where the kernel applies: a
+    Gated DeltaNet layer's [qkv | z] and [b | a] projections of one decode row, whose second GEMM (a few dozen
+    columns) was a launch of its own every layer (30 of a Qwen3.6-35B-A3B token's ~530). Rows above one on
+    weights beyond SMALL_WEIGHT take the norm as its own kernel first, as skinny_linear does."""
+    if (skinny_supported(x, w1) and skinny_supported(x, w2) and _operands_fit(x, w1, None, norm_weight, False, None)
+            and _operands_fit(x, w2, None, norm_weight, False, None)):
+        if x.shape[0] > 1 and norm_weight is not None and max(w1.numel(), w2.numel()) > SMALL_WEIGHT:
+            return _skinny_pair_triton(rms_norm(x, norm_weight, eps)[0], w1, w2, None, eps)
+        return _skinny_pair_triton(x, w1, w2, norm_weight, eps)
+    return (skinny_linear(x, w1, norm_weight=norm_weight, eps=eps), skinny_linear(x, w2, norm_weight=norm_weight, eps=eps))

@@ -234,3 +234,37 @@ def test_cpu_linear_pads_two_and_three_rows_without_changing_results(rows):
     y = linear(x, w, b)
     assert y.shape == (rows, 96)
     torch.testing.assert_close(y, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+@kernel
+@pytest.mark.parametrize("norm", [False, True])
+@pytest.mark.parametrize("m", [1, 5])
+def test_pair_matches_two_projections(monkeypatch, m, norm):
+    """Two projections of one x in one launch (a Gated DeltaNet layer's [qkv | z] and [b | a]): each output equals
+    its own reference, the second one's columns not a multiple of the block and far fewer than the first's."""
+    from blockspec.kernels.skinny_linear import _skinny_pair_triton, skinny_linear_pair
+
+    if INTERPRET:
+        _interpreter_like_gpu(monkeypatch)
+    g = torch.Generator().manual_seed(7)
+    k, n1, n2 = 192, 320, 24
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16).to(KERNEL_DEVICE)
+    w1 = (torch.randn(n1, k, generator=g) * 0.05).to(torch.bfloat16).to(KERNEL_DEVICE)
+    w2 = (torch.randn(n2, k, generator=g) * 0.05).to(torch.bfloat16).to(KERNEL_DEVICE)
+    nw = (1 + 0.1 * torch.randn(k, generator=g)).to(torch.bfloat16).to(KERNEL_DEVICE) if norm else None
+    with torch.no_grad():
+        y1, y2 = (skinny_linear_pair(x, w1, w2, norm_weight=nw, eps=1e-6) if KERNEL_DEVICE == "cuda"
+                  else _skinny_pair_triton(x, w1, w2, nw, 1e-6))
+    assert y1.shape == (m, n1) and y2.shape == (m, n2)
+    assert rel_err(y1, skinny_linear_ref(x, w1, norm_weight=nw, eps=1e-6)) < 1e-2
+    assert rel_err(y2, skinny_linear_ref(x, w2, norm_weight=nw, eps=1e-6)) < 1e-2
+
+
+def test_pair_falls_back_to_two_references_on_cpu():
+    from blockspec.kernels.skinny_linear import skinny_linear_pair
+
+    x, w1, w2 = torch.randn(1, 32), torch.randn(48, 32), torch.randn(8, 32)
+    nw = torch.rand(32) + 0.5
+    y1, y2 = skinny_linear_pair(x, w1, w2, norm_weight=nw, eps=1e-6)
+    torch.testing.assert_close(y1, skinny_linear_ref(x, w1, norm_weight=nw, eps=1e-6))
+    torch.testing.assert_close(y2, skinny_linear_ref(x, w2, norm_weight=nw, eps=1e-6))
