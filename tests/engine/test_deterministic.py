@@ -56,3 +56,14 @@ def test_targets_not_covered_are_refused(tmp_path):
     assert "int4" in deterministic.problem(LlamaForCausalLM, "LlamaForCausalLM", "compressed-tensors int4")
     assert deterministic.problem(Qwen3MoeForCausalLM, "Qwen3MoeForCausalLM", None) is not None
     assert deterministic.problem(LlamaForCausalLM, "LlamaForCausalLM", None) is None
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama_tied"])
+def test_fp32_output_is_the_models(tiny_models, family):
+    """In fp32 the deterministic path computes the same model as the regular CPU path (the oracle the lossless
+    tests compare): q/k/v bias (Qwen2) and a tied LM head (the embedding) through its epilogues."""
+    def greedy(det: bool) -> list[list[int]]:
+        eng = Engine(EngineConfig(model=str(tiny_models[family]), device="cpu", deterministic=det,
+                                  max_num_batched_tokens=24))
+        return [o.token_ids for o in eng.generate(PROMPTS[:4], GREEDY)]
+    assert greedy(True) == greedy(False)
