@@ -50,7 +50,17 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat-template", default=None)
     p.add_argument("--load-format", default="auto", help="auto | dummy (random weights)")
     p.add_argument("--enforce-eager", action="store_true")
+    add_deterministic_arg(p)
     add_prefix_caching_args(p)
+
+
+def add_deterministic_arg(p: argparse.ArgumentParser) -> None:
+    """--deterministic / --no-deterministic (serve, generate, tune)."""
+    p.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=False,
+                   help="batch-invariant kernels: every token's arithmetic is the same whatever shares its step "
+                        "(k, batch, other sequences), so greedy output with speculation is bit for bit the output "
+                        "without it, at any batch size; dense Llama-family targets (Llama, SmolLM, Qwen2, Qwen3) "
+                        "with unquantized weights (default: off)")
 
 
 def add_prefix_caching_args(p: argparse.ArgumentParser) -> None:
@@ -88,7 +98,8 @@ def engine_config_from_args(args: argparse.Namespace):
                         block_size=args.block_size, seed=getattr(args, "seed", None) or 0,
                         load_format=args.load_format, enforce_eager=args.enforce_eager,
                         enable_prefix_caching=args.enable_prefix_caching, mamba_cache_mode=args.mamba_cache_mode,
-                        mamba_block_size=args.mamba_block_size, mamba_cache_snapshots=args.mamba_cache_snapshots)
+                        mamba_block_size=args.mamba_block_size, mamba_cache_snapshots=args.mamba_cache_snapshots,
+                        deterministic=args.deterministic)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

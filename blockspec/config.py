@@ -94,6 +94,9 @@ class EngineConfig:
     mamba_cache_snapshots: int = DEFAULT_MAMBA_CACHE_SNAPSHOTS  # snapshot entries kept (LRU), each one sequence's state
     # --reasoning-parser: a constrained request's grammar starts after the reasoning-end token (as vLLM)
     reasoning_parser: str | None = None
+    # --deterministic: batch-invariant kernels in the target (models/deterministic.py), so greedy output is the
+    # same bits for any k and batch; dense targets only (others are refused)
+    deterministic: bool = False
 
     def snapshot_interval(self) -> int:
         """Tokens between a hybrid prompt's state snapshots; 0 when none are taken."""

@@ -99,3 +99,13 @@ def test_no_traceback_from_the_real_command(tiny_models):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.strip().startswith("error:") and "Traceback" not in proc.stderr
+
+
+def test_generate_deterministic(capsys, tiny_models, tiny_drafter):
+    """--deterministic through `generate`: the same greedy tokens as without a drafter (CPU)."""
+    common = ["generate", "hello", "--model", str(tiny_models["qwen3"]), "--max-tokens", "12", "--device", "cpu",
+              "--dtype", "bfloat16", "--json", "--raw", "--deterministic"]
+    code, out, _ = run(capsys, *common, "--draft", str(tiny_drafter), "--num-speculative-tokens", "7")
+    code_ar, out_ar, _ = run(capsys, *common)
+    assert code == code_ar == 0
+    assert json.loads(out)["token_ids"] == json.loads(out_ar)["token_ids"]

@@ -52,6 +52,7 @@ class TuneSettings:
     max_model_len: int | None = None
     gpu_memory_utilization: float = 0.9
     load_format: str = "auto"
+    deterministic: bool = False  # --deterministic: batch-invariant kernels (models/deterministic.py)
     synthetic_accept: float | None = None  # drafts from the target's own output (clearly labelled)
     base_url: str | None = None
     api_key: str | None = None
@@ -71,7 +72,7 @@ class EngineSweep:
         self.engine = Engine(EngineConfig(model=s.model, speculative=spec, device=s.device, dtype=s.dtype,
                                           max_model_len=s.max_model_len, max_num_seqs=1,
                                           gpu_memory_utilization=s.gpu_memory_utilization,
-                                          load_format=s.load_format))
+                                          load_format=s.load_format, deterministic=s.deterministic))
         self.settings = s
         self.references: dict[str, list[int]] = {}  # prompt id -> greedy AR output (synthetic mode)
         self.counter = 0
@@ -232,6 +233,9 @@ def run_tune(s: TuneSettings, out_dir: Path | None = None, quiet: bool = False) 
     notes: list[str] = []
     started = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
     if s.base_url:
+        if s.deterministic:
+            raise ConfigError("--deterministic sets the in-process engine's kernels; with --base-url the server's mode "
+                              "is fixed at its start: start it with `blockspec serve --deterministic`")
         points = sweep_remote(s, sets, quiet)
         previous = out_dir / JSON_NAME if out_dir is not None else None
         if previous is not None and previous.is_file():
@@ -256,6 +260,8 @@ def run_tune(s: TuneSettings, out_dir: Path | None = None, quiet: bool = False) 
 
 
 def add_tune_parser(sub: argparse._SubParsersAction) -> None:
+    from blockspec.cli import add_deterministic_arg  # cli imports the bench parsers
+
     p = sub.add_parser("tune", help="sweep k per prompt class against the autoregressive baseline",
                        description="Run the engine in-process (or measure a server with --base-url), sweep "
                                    "num_speculative_tokens per prompt class with k = 0 as the baseline, report tau, "
@@ -278,6 +284,7 @@ def add_tune_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--load-format", default="auto", help="auto | dummy (random weights: timing only)")
+    add_deterministic_arg(p)
     p.add_argument("--synthetic-accept", type=float, default=None, metavar="P",
                    help="no drafter: draft the target's own output, each token kept with probability P "
                         "(labelled synthetic; times the verify path)")
@@ -299,7 +306,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
                      runs=args.runs, warmup=args.warmup, temperature=args.temperature, device=args.device,
                      dtype=args.dtype, max_model_len=args.max_model_len,
                      gpu_memory_utilization=args.gpu_memory_utilization, load_format=args.load_format,
-                     synthetic_accept=args.synthetic_accept, base_url=args.base_url, api_key=args.api_key,
+                     deterministic=args.deterministic, synthetic_accept=args.synthetic_accept,
+                     base_url=args.base_url, api_key=args.api_key,
                      server_model=args.server_model)
     out = args.out or default_out_dir("tune")
     data = run_tune(s, out, quiet=args.quiet or args.json)

@@ -30,6 +30,7 @@ from blockspec.engine.state_pool import allocate_state, block_allocator, resize_
 from blockspec.errors import ConfigError, OutOfMemoryError, RequestError
 from blockspec.loader.tokenizer import load_eos_token_ids, load_tokenizer
 from blockspec.loader.weights import load_weights, resolve_model_path
+from blockspec.models import deterministic
 from blockspec.models.model_config import ModelConfig
 from blockspec.models.registry import model_class
 from blockspec.runner.model_runner import ModelRunner
@@ -117,6 +118,11 @@ class Engine:
         cls = model_class(self.model_config)
         rope_len = self.max_model_len + self.config.block_size  # verify blocks may look past the end
         quant = detect_quantization(self.model_dir, self.config.quantization)
+        if self.config.deterministic:
+            refusal = deterministic.problem(cls, self.model_config.architecture,
+                                            None if quant is None else quant.description)
+            if refusal is not None:
+                raise ConfigError(refusal)
         # quantized: linear weights are placed by quantize_model, never in full precision first
         with deferred_linears() if quant is not None else contextlib.nullcontext():
             model = build_module(lambda: cls(self.model_config, max_positions=rope_len), self.device, self.dtype)
@@ -126,6 +132,9 @@ class Engine:
             load_weights(model, self.model_dir, self.device, self.dtype)
         elif quant is not None:
             finalize_quantized(model)
+        if self.config.deterministic:
+            model.set_deterministic(True)
+        log.info("numerics: %s", deterministic.report(self.config.deterministic, self.device))
         return model
 
     def _initial_k(self) -> int:

@@ -134,10 +134,13 @@ if HAVE_TRITON:
         scale, q_len, num_splits, window,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, HAS_Q_START: tl.constexpr,
-        ROW_TILES: tl.constexpr,
+        ROW_TILES: tl.constexpr, SPLIT_TILES: tl.constexpr,
     ):
         """One (sequence, KV head, tile of BLOCK_M query rows, split of the key range): its rows are the
-        (query, head of the group) pairs tile * BLOCK_M.. of that KV head, all queries' heads in one matrix."""
+        (query, head of the group) pairs tile * BLOCK_M.. of that KV head, all queries' heads in one matrix.
+        SPLIT_TILES = 0: the sequence's key range shared evenly among the splits; > 0 (deterministic mode):
+        split s holds the absolute key tiles [s * SPLIT_TILES, (s + 1) * SPLIT_TILES), tiles no row of the
+        program can see are skipped (exactly nothing for those rows), splits past the sequence store nothing."""
         b = tl.program_id(0)
         kvh = tl.program_id(1) // ROW_TILES
         rows = (tl.program_id(1) % ROW_TILES) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -160,10 +163,20 @@ if HAVE_TRITON:
             lo = tl.maximum(lo, q0 + 1 - window)
         # This split's share of the key range [lo, seq_len), in BLOCK_N tiles.
         first_tile = lo // BLOCK_N
-        tiles = tl.cdiv(seq_len, BLOCK_N) - first_tile
-        per_split = tl.cdiv(tiles, num_splits)
-        t0 = first_tile + split * per_split
-        t1 = tl.minimum(t0 + per_split, first_tile + tiles)
+        if SPLIT_TILES > 0:
+            hi = seq_len
+            if CAUSAL:  # the tile's last query sees nothing past its own position
+                last_q = tl.minimum(((tl.program_id(1) % ROW_TILES) * BLOCK_M + BLOCK_M - 1) // GROUP, q_len - 1)
+                hi = tl.minimum(hi, q0 + last_q + 1)
+            t0 = tl.maximum(split * SPLIT_TILES, first_tile)
+            t1 = tl.minimum((split + 1) * SPLIT_TILES, tl.cdiv(hi, BLOCK_N))
+            live = split * (SPLIT_TILES * BLOCK_N) < seq_len
+        else:
+            tiles = tl.cdiv(seq_len, BLOCK_N) - first_tile
+            per_split = tl.cdiv(tiles, num_splits)
+            t0 = first_tile + split * per_split
+            t1 = tl.minimum(t0 + per_split, first_tile + tiles)
+            live = split >= 0
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
@@ -187,11 +200,12 @@ if HAVE_TRITON:
                         mask=n_ok[:, None], other=0.0)
             m_i, l_i, acc = _online_softmax_step(s, visible, v, m_i, l_i, acc)
         base = b * stride_ob + kvh * stride_oh + split * stride_os
-        tl.store(Out + base + rows[:, None] * stride_om + d[None, :], acc)
         TOTAL_M: tl.constexpr = ROW_TILES * BLOCK_M
+        live_rows = rows < tl.where(live, TOTAL_M, 0)  # all rows, or none for a split past the sequence
+        tl.store(Out + base + rows[:, None] * stride_om + d[None, :], acc, mask=live_rows[:, None])
         ml = (b * (tl.num_programs(1) // ROW_TILES) + kvh) * num_splits * TOTAL_M + split * TOTAL_M + rows
-        tl.store(M + ml, m_i)
-        tl.store(L + ml, l_i)
+        tl.store(M + ml, m_i, mask=live_rows)
+        tl.store(L + ml, l_i, mask=live_rows)
 
 
 if HAVE_TRITON:
@@ -227,6 +241,42 @@ if HAVE_TRITON:
             den += tl.exp(sink - m_max)
         den = tl.maximum(den, 1e-30)
         tl.store(Out + (b * q_len + qi) * stride_t + head * stride_h + d, (num / den).to(Out.dtype.element_ty))
+
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _merge_fixed_splits_kernel(Part, M, L, Out, SEQ_LENS, stride_ob, stride_oh, stride_os, stride_om, stride_t,
+                                   stride_h, q_len, num_splits, SPLIT: tl.constexpr, GROUP: tl.constexpr,
+                                   HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
+        """Deterministic mode: one query row's splits folded one after another in split order, up to the
+        sequence's last split. A split the row sees nothing of (m = -inf, l = 0, acc = 0) leaves the running
+        values exactly as they were (its weight is exp(-inf) = 0, theirs exp(0) = 1), so a row merges the
+        same numbers in the same order whatever the sequence's length past its position."""
+        b = tl.program_id(0)
+        kvh = tl.program_id(1)
+        row = tl.program_id(2)
+        qi = row // GROUP
+        head = kvh * GROUP + row % GROUP
+        seq_len = tl.load(SEQ_LENS + b)
+        n_live = tl.minimum(tl.cdiv(seq_len, SPLIT), num_splits)
+        ml_base = (b * tl.num_programs(1) + kvh) * num_splits * BLOCK_M + row
+        d = tl.arange(0, HEAD_DIM)
+        part = Part + b * stride_ob + kvh * stride_oh + row * stride_om + d
+        m = tl.load(M + ml_base)
+        den = tl.load(L + ml_base)
+        acc = tl.load(part)
+        for s in range(1, n_live):
+            m_s = tl.load(M + ml_base + s * BLOCK_M)
+            m_new = tl.maximum(m, m_s)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m - m_safe)
+            beta = tl.exp(m_s - m_safe)
+            den = den * alpha + tl.load(L + ml_base + s * BLOCK_M) * beta
+            acc = acc * alpha + tl.load(part + s * stride_os) * beta
+            m = m_new
+        den = tl.maximum(den, 1e-30)
+        tl.store(Out + (b * q_len + qi) * stride_t + head * stride_h + d, (acc / den).to(Out.dtype.element_ty))
 
 
 if HAVE_TRITON:
@@ -316,8 +366,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         block_tables.stride(0), o.stride(0), o.stride(1), o.stride(2), o.stride(3),
         scale, q_len, num_splits, window or 0,
         GROUP=group, HEAD_DIM=head_dim, PAGE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_N=64, CAUSAL=causal,
-        WINDOWED=window is not None, HAS_Q_START=q_start is not None, ROW_TILES=row_tiles, num_warps=4,
-        num_stages=2,
+        WINDOWED=window is not None, HAS_Q_START=q_start is not None, ROW_TILES=row_tiles, SPLIT_TILES=0,
+        num_warps=4, num_stages=2,
     )
     out = torch.empty_like(q)
     _merge_splits_kernel[(b_count, num_kv, q_len * group)](
@@ -355,3 +405,83 @@ def ragged_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         WINDOWED=window is not None, HAS_SINKS=sinks is not None, num_warps=4, num_stages=2,
     )
     return out[query_unpad]
+
+
+# ---- deterministic mode (--deterministic) ---------------------------------------------------------------------
+
+DETERMINISTIC_SPLIT = 512  # keys per split, at absolute positions [s * 512, (s + 1) * 512)
+_DET_BLOCK_N = 64  # key tile, as the kernel above uses
+
+
+def _det_block_m(head_dim: int) -> int:
+    """Query rows per program in deterministic mode: from the head size only (never from the row count: a
+    different tile could take a different tensor-core instruction), at most 64 float32 accumulator registers
+    a thread."""
+    return max(16, min(64, 8192 // head_dim))
+
+
+def fixed_split_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                              block_tables: torch.Tensor, seq_lens: torch.Tensor, q_len: int,
+                              scale: float) -> torch.Tensor:
+    """The deterministic-mode definition (and CPU path): causal attention of every sequence's last q_len
+    queries over its paged keys, one query at a time over exactly the keys its position sees, in float32, so
+    a query's arithmetic does not depend on the others in the call. q [B * q_len, H, D] -> [B * q_len, H, D]."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv, page = k_cache.shape[2], k_cache.shape[1]
+    group = num_heads // num_kv
+    out = torch.empty_like(q)
+    for b in range(seq_lens.shape[0]):
+        n = int(seq_lens[b])
+        for i in range(q_len):
+            pos = n - q_len + i
+            keys = torch.arange(pos + 1, device=q.device)
+            slots = block_tables[b, keys // page].long() * page + keys % page
+            k = k_cache.view(-1, num_kv, head_dim)[slots].float().permute(1, 2, 0)  # [Hkv, D, pos + 1]
+            v = v_cache.view(-1, num_kv, head_dim)[slots].float().transpose(0, 1)  # [Hkv, pos + 1, D]
+            qr = q[b * q_len + i].float().view(num_kv, group, head_dim)
+            weights = (torch.matmul(qr, k) * scale).softmax(-1)
+            out[b * q_len + i] = torch.matmul(weights, v).view(num_heads, head_dim).to(q.dtype)
+    return out
+
+
+def fixed_split_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                          seq_lens: torch.Tensor, q_len: int, scale: float,
+                          split_tokens: int = DETERMINISTIC_SPLIT) -> torch.Tensor:
+    """Causal paged attention whose rows are batch-invariant (--deterministic), for decode, verify and prefill.
+
+    Same layout as paged_attention (every sequence's q_len queries at the end of its context, positions from
+    0), the target's case only: no kv_start, window or sinks. The keys are cut at fixed absolute positions
+    (DETERMINISTIC_SPLIT) whatever the context length, each split walks its 64-key tiles in order, a fixed
+    row tile (from head_dim alone), and the splits merge one after another in order: a query's result is
+    the same alone, in a k+1 verify block, beside other sequences, or inside a prefill chunk. The split count
+    covers every position the block table can address (fixed per CUDA graph); the programs and the merge stop
+    at the sequence's own length. `split_tokens` (a multiple of 64) is fixed for a model's whole run: the tests
+    shrink it to cross several splits with short contexts."""
+    if not use_triton(q):
+        return fixed_split_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, q_len, scale)
+    b_count = seq_lens.shape[0]
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv, page = k_cache.shape[2], k_cache.shape[1]
+    group = num_heads // num_kv
+    block_m = _det_block_m(head_dim)
+    row_tiles = -(-(q_len * group) // block_m)
+    total_m = row_tiles * block_m
+    num_splits = -(-(block_tables.shape[1] * page) // split_tokens)
+    o = torch.empty(b_count, num_kv, num_splits, total_m, head_dim, device=q.device, dtype=torch.float32)
+    m = torch.empty(b_count, num_kv, num_splits, total_m, device=q.device, dtype=torch.float32)
+    ll = torch.empty_like(m)
+    _paged_attention_kernel[(b_count, num_kv * row_tiles, num_splits)](
+        q, k_cache, v_cache, o, m, ll, block_tables, seq_lens, torch.zeros_like(seq_lens), seq_lens,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0), o.stride(0), o.stride(1), o.stride(2), o.stride(3),
+        scale, q_len, num_splits, 0,
+        GROUP=group, HEAD_DIM=head_dim, PAGE=page, BLOCK_M=block_m, BLOCK_N=_DET_BLOCK_N, CAUSAL=True,
+        WINDOWED=False, HAS_Q_START=False, ROW_TILES=row_tiles, SPLIT_TILES=split_tokens // _DET_BLOCK_N,
+        num_warps=4, num_stages=2,
+    )
+    out = torch.empty_like(q)
+    _merge_fixed_splits_kernel[(b_count, num_kv, q_len * group)](
+        o, m, ll, out, seq_lens, o.stride(0), o.stride(1), o.stride(2), o.stride(3), out.stride(0), out.stride(1),
+        q_len, num_splits, SPLIT=split_tokens, GROUP=group, HEAD_DIM=head_dim, BLOCK_M=total_m, num_warps=1)
+    return out

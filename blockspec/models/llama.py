@@ -17,6 +17,7 @@ from torch import nn
 from blockspec.kernels.activation import silu_mul
 from blockspec.kernels.rotary import rope_qk
 from blockspec.kernels.skinny_linear import skinny_linear, skinny_supported
+from blockspec.models import deterministic
 from blockspec.models.layers.attention import PagedAttention
 from blockspec.models.layers.linear import FusedLinear, Linear, fused_attention_residual, fused_swiglu_residual
 from blockspec.models.layers.norm import RMSNorm
@@ -81,6 +82,8 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    deterministic = False  # batch-invariant kernels (models/deterministic.py): set by the model's set_deterministic
+
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, qkv_bias: bool, qk_norm: bool) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(cfg, rotary, qkv_bias, qk_norm)
@@ -93,6 +96,11 @@ class LlamaDecoderLayer(nn.Module):
         GPU) take four skinny GEMMs with the norms, SwiGLU and residual adds folded in, updating h in
         place; everything else the unfused ops."""
         attn = self.self_attn
+        if self.deterministic:
+            h = deterministic.attention_residual(h, self.input_layernorm, attn.qkv_proj, attn.o_proj,
+                                                 lambda qkv: attn.attend(positions, qkv))
+            return deterministic.swiglu_residual(h, self.post_attention_layernorm, self.mlp.gate_up_proj,
+                                                 self.mlp.down_proj)
         if self._quantized or not skinny_supported(h, attn.qkv_proj.weight):
             a = attn(positions, self.input_layernorm(h))
             x, h = self.post_attention_layernorm(a, residual=h)  # fused residual add + norm
@@ -129,6 +137,8 @@ class LlamaForCausalLM(nn.Module):
 
     qkv_bias = False
     qk_norm = False
+    supports_deterministic = True  # --deterministic (models/deterministic.py); MoE subclasses say False
+    deterministic = False
 
     def __init__(self, cfg: ModelConfig, max_positions: int | None = None) -> None:
         super().__init__()
@@ -162,9 +172,21 @@ class LlamaForCausalLM(nn.Module):
                     features[:, j * hs:(j + 1) * hs] = h
         return self.model.norm(h), features
 
+    def set_deterministic(self, on: bool) -> None:
+        """--deterministic: every decoder layer, its attention and the LM head take the batch-invariant
+        kernels (models/deterministic.py); only for classes with supports_deterministic."""
+        if on and not self.supports_deterministic:
+            raise ValueError(f"{type(self).__name__} has no deterministic path")
+        self.deterministic = on
+        for layer in self.model.layers:
+            layer.deterministic = on
+            layer.self_attn.attn.deterministic = on
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Through skinny_linear: one decode row takes its kernel (8% faster than cuBLAS for Qwen3-8B's head
         on an H100); its dispatch sends larger heads with more rows to cuBLAS."""
+        if self.deterministic:
+            return deterministic.logits(hidden, self.lm_head_weight)
         return skinny_linear(hidden, self.lm_head_weight)
 
     def load_weight(self, name: str, tensor: torch.Tensor) -> bool:

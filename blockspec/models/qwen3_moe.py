@@ -49,6 +49,7 @@ class Qwen3MoeModel(nn.Module):
 
 class Qwen3MoeForCausalLM(LlamaForCausalLM):
     layer_cls: type[nn.Module] = Qwen3MoeDecoderLayer
+    supports_deterministic = False  # the grouped expert kernels are not batch-invariant yet
 
     def __init__(self, cfg: ModelConfig, max_positions: int | None = None) -> None:
         nn.Module.__init__(self)  # LlamaForCausalLM's interface, our own layers

@@ -176,6 +176,7 @@ class Qwen3NextForCausalLM(LlamaForCausalLM):
 
     packed_projections = True  # Qwen3-Next packs q/k/v/z and b/a per key-head group
     has_recurrent_state = True  # the runner attaches a StateMetadata to every step
+    supports_deterministic = False  # the Gated DeltaNet kernels are not batch-invariant yet
 
     def __init__(self, cfg: ModelConfig, max_positions: int | None = None) -> None:
         nn.Module.__init__(self)  # LlamaForCausalLM's interface, our own layers

@@ -165,7 +165,8 @@ class ModelRunner:
             spans.append((seq.block_table, start, n))
             if item.num_drafts:
                 counts.append(item.num_drafts)
-        meta = ragged_metadata(spans, self.block_size, self.device)
+        deterministic = getattr(self.target, "deterministic", False)  # prefill through the paged kernel too
+        meta = ragged_metadata(spans, self.block_size, self.device, block_tables=deterministic)
         # On GPU only: the CPU path stays the single reference that the exactness tests compare.
         meta.fresh_prefill = (self.device.type == "cuda" and len(items) == 1 and items[0].seq.num_computed == 0
                               and items[0].num_drafts == 0)

@@ -88,3 +88,12 @@ def test_tune_sweeps_mtp_n_and_prints_an_mtp_config(tmp_path, capsys):
     assert all(len(p["acceptance_per_position"]) == p["k"] for p in data["points"])
     config = json.loads(data["speculative_config"])
     assert config == {"method": "mtp", "num_speculative_tokens": data["best_k"] or data["best_speculative_k"]}
+
+
+def test_tune_runs_deterministic_in_process_and_refuses_it_against_a_server(tiny_models, tmp_path, capsys):
+    rc = main(["tune", "--model", str(tiny_models["llama"]), "--k", "0", "--prompts", "code:1", "--max-tokens", "6",
+               "--runs", "1", "--warmup", "0", "--device", "cpu", "--deterministic", "--out", str(tmp_path), "--json"])
+    assert rc == 0
+    assert json.loads(capsys.readouterr().out)["settings"]["deterministic"] is True
+    rc = main(["tune", "--base-url", "http://127.0.0.1:9", "--k", "0", "--deterministic", "--out", str(tmp_path)])
+    assert rc == 2 and "serve --deterministic" in capsys.readouterr().err

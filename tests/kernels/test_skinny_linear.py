@@ -19,6 +19,7 @@ from blockspec.kernels.skinny_linear import (
     skinny_linear_ref,
     skinny_supported,
 )
+from tests.kernels.interpreter_bf16 import interpreter_like_gpu as _interpreter_like_gpu
 
 try:
     import triton  # noqa: F401
@@ -150,39 +151,6 @@ def launch(monkeypatch):
         return _skinny_linear_triton(inp["x"], inp["weight"], inp["bias"], inp["norm_weight"], inp["eps"],
                                      inp["gated"], inp["residual"])
     return run
-
-
-def _interpreter_like_gpu(monkeypatch) -> None:
-    """Triton 3.6's interpreter keeps bf16 as raw uint16 bits: its float32 -> bf16 cast truncates (the GPU rounds
-    to nearest even) and its tl.dot multiplies the bit patterns as integers. Make both behave as on the GPU."""
-    import numpy as np
-    import triton.language as tl
-    from triton.runtime.interpreter import InterpreterBuilder, TensorHandle
-
-    def to_bf16_bits(data: np.ndarray) -> np.ndarray:
-        t = torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32)).to(torch.bfloat16)
-        return t.view(torch.int16).numpy().view(np.uint16)
-
-    def from_bf16_bits(data: np.ndarray) -> np.ndarray:
-        return (data.astype(np.uint32) << 16).view(np.float32)
-
-    def fix_cast(orig):
-        def cast(self, src, dst_type, *args):
-            if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
-                return TensorHandle(to_bf16_bits(src.data), tl.bfloat16)
-            return orig(self, src, dst_type, *args)
-        return cast
-
-    orig_dot = InterpreterBuilder.create_dot
-
-    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        if a.dtype.scalar == tl.bfloat16 and b.dtype.scalar == tl.bfloat16:
-            a, b = TensorHandle(from_bf16_bits(a.data), tl.float32), TensorHandle(from_bf16_bits(b.data), tl.float32)
-        return orig_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
-
-    monkeypatch.setattr(InterpreterBuilder, "cast_impl", fix_cast(InterpreterBuilder.cast_impl))
-    monkeypatch.setattr(InterpreterBuilder, "create_fp_to_fp", fix_cast(InterpreterBuilder.create_fp_to_fp))
-    monkeypatch.setattr(InterpreterBuilder, "create_dot", create_dot)
 
 
 CASES = {  # name: (N, K, options); N and K are deliberately not multiples of the block sizes

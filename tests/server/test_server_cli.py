@@ -167,3 +167,9 @@ def test_serve_fails_fast_with_one_error_line(tmp_path):
     out, _ = proc.communicate(timeout=90)
     assert proc.returncode == 2, out
     assert "error: model" in out and "not found" in out and "Traceback" not in out
+
+
+def test_deterministic_flag():
+    assert not build_engine_config(_parse("m")).deterministic  # off by default for now
+    assert build_engine_config(_parse("m --deterministic")).deterministic
+    assert not build_engine_config(_parse("m --deterministic --no-deterministic")).deterministic

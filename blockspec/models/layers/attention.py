@@ -21,7 +21,12 @@ from torch import nn
 from torch.nn.attention.bias import causal_lower_right
 
 from blockspec.device import upload
-from blockspec.kernels.paged_attention import paged_attention, ragged_paged_attention, softmax_with_sinks
+from blockspec.kernels.paged_attention import (
+    fixed_split_attention,
+    paged_attention,
+    ragged_paged_attention,
+    softmax_with_sinks,
+)
 
 if TYPE_CHECKING:
     from blockspec.models.layers.recurrent_state import DecodeStateMetadata, StateMetadata
@@ -70,6 +75,12 @@ class AttentionMetadata:
     state: StateMetadata | None = None
     # Hybrid models on the uniform decode path (with `decode`): each row's state slots.
     state_decode: DecodeStateMetadata | None = None
+    # --deterministic, ragged steps: each sequence's block table [B, max_blocks], its context length after
+    # the step [B], and (first token index, number of new tokens) per sequence, so that prefill chunks
+    # attend through the same paged kernel as decode rows (kernels/paged_attention.fixed_split_attention).
+    block_tables: torch.Tensor | None = None
+    seq_ends: torch.Tensor | None = None
+    seq_tokens: list[tuple[int, int]] | None = None
 
 
 @dataclass
@@ -83,10 +94,11 @@ class DenseCausalMetadata:
 _CONTEXT: list[AttentionMetadata | DenseCausalMetadata] = []
 
 
-def ragged_metadata(spans: list[tuple[list[int], int, int]], block_size: int, device: torch.device
-                    ) -> AttentionMetadata:
+def ragged_metadata(spans: list[tuple[list[int], int, int]], block_size: int, device: torch.device,
+                    block_tables: bool = False) -> AttentionMetadata:
     """Causal attention metadata for a ragged batch: per sequence (block table, start, n), queries at
-    positions [start, start + n) over keys [0, start + n) of its paged cache (new K/V written first)."""
+    positions [start, start + n) over keys [0, start + n) of its paged cache (new K/V written first).
+    `block_tables`: also the per-sequence tables the deterministic mode's paged kernel reads."""
     def slots(table: list[int], lo: int, hi: int) -> list[int]:
         return [table[p // block_size] * block_size + p % block_size for p in range(lo, hi)]
 
@@ -109,7 +121,7 @@ def ragged_metadata(spans: list[tuple[list[int], int, int]], block_size: int, de
     key = torch.arange(lmax, device=device)
     kv_len = t(kv_lens)
     mask = (key[None, None, :] <= query_pos[:, :, None]) & (key[None, None, :] < kv_len[:, None, None])
-    return AttentionMetadata(
+    meta = AttentionMetadata(
         slot_mapping=t([s for (table, start, n) in spans for s in slots(table, start, start + n)]),
         query_index=t(query_index).view(len(spans), qmax),
         query_unpad=t(query_unpad),
@@ -117,6 +129,13 @@ def ragged_metadata(spans: list[tuple[list[int], int, int]], block_size: int, de
         mask=mask[:, None],
         query_pos=query_pos,
     )
+    if block_tables:
+        width = max(-(-(start + n) // block_size) for _, start, n in spans)
+        meta.block_tables = t([list(table[:width]) + [0] * (width - len(table[:width])) for table, _, _ in spans]
+                              ).view(len(spans), width)
+        meta.seq_ends = kv_len
+        meta.seq_tokens = list(zip(offsets, q_lens))
+    return meta
 
 
 def pad_index(lengths: list[int], starts: list[int]) -> tuple[list[list[int]], list[int]]:
@@ -252,6 +271,8 @@ class PagedAttention(nn.Module):
         self.sinks = nn.Parameter(torch.zeros(num_heads)) if sinks else None
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
+        # --deterministic (models/deterministic.py): decode, verify and prefill all through fixed_split_attention
+        self.deterministic = False
 
     def cache_for_store(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """(k_cache, v_cache, slot_mapping) when this step's K/V go to the paged cache, so a fused
@@ -269,6 +290,8 @@ class PagedAttention(nn.Module):
             raise RuntimeError("KV cache not bound: the runner allocates it before the first step")
         if not stored:
             store_kv(self.k_cache, self.v_cache, meta.slot_mapping, k, v)
+        if self.deterministic:
+            return self._attend_deterministic(q, meta)
         if meta.decode is not None:
             d = meta.decode
             out = paged_attention(q, self.k_cache, self.v_cache, d.block_tables, d.seq_lens, d.kv_start, d.q_len,
@@ -288,3 +311,20 @@ class PagedAttention(nn.Module):
         if q.is_cuda and meta.kv_slots is not None and meta.kv_slots.shape[0] == 1 and q.dtype != torch.float32:
             return tail_prefill_attention(q, self.k_cache, self.v_cache, meta.kv_slots, self.scale)
         return paged_attention_reference(q, self.k_cache, self.v_cache, meta, self.scale)
+
+    def _attend_deterministic(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Every query through the fixed-split paged kernel: a uniform decode/verify batch in one call, a
+        ragged step (prefill chunks, mixed batches) one call per sequence with its new tokens as the queries."""
+        if self.sinks is not None or self.sliding_window is not None:
+            raise RuntimeError("deterministic attention covers causal full attention only (no sinks or window)")
+        if meta.decode is not None:
+            d = meta.decode
+            out = fixed_split_attention(q, self.k_cache, self.v_cache, d.block_tables, d.seq_lens, d.q_len, self.scale)
+            return out.reshape(q.shape[0], -1)
+        if meta.block_tables is None or meta.seq_ends is None or meta.seq_tokens is None:
+            raise RuntimeError("deterministic attention needs the block tables of a ragged step: "
+                               "ragged_metadata(..., block_tables=True), as the runner builds it in this mode")
+        outs = [fixed_split_attention(q[first:first + n], self.k_cache, self.v_cache, meta.block_tables[b:b + 1],
+                                      meta.seq_ends[b:b + 1], n, self.scale)
+                for b, (first, n) in enumerate(meta.seq_tokens)]
+        return torch.cat(outs).reshape(q.shape[0], -1)

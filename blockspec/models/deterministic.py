@@ -1,0 +1,73 @@
+"""--deterministic: batch-invariant numerics in the target, so greedy output does not depend on k or the batch.
+
+On the GPU the fast path rounds a token differently depending on what shares its pass: the skinny GEMM has
+a one-row path and a tensor-core path, cuBLAS picks kernels and split-K from the row count, prefill takes
+flash attention while decode splits the keys by context length, the norm is folded into a GEMM for
+decode rows only. Greedy DFlash then drifts from greedy decoding, and a request beside others drifts from
+the same request alone. In this mode every row of the target goes through the same arithmetic whatever the
+step holds (decode row, k+1 verify block, prefill chunk, any batch):
+
+- norms: the standalone per-row RMSNorm (kernels/rms_norm.py: one program a row, the same reduction for
+  every row), never folded into a GEMM;
+- every projection and the LM head: kernels/deterministic_linear.py (tiles from the weight's shape only, K
+  reduced in order, the bias, SwiGLU and residual add in the epilogue the same for every row count);
+- attention, decode and verify and prefill alike: kernels/paged_attention.fixed_split_attention (keys cut
+  at fixed absolute positions, merged in order), prefill over the paged cache after its K/V are written;
+- rotary and q/k norm: one program per (token, head) already (kernels/rotary.py).
+
+The switch is one flag on the model (`set_deterministic`), read where each layer dispatches. Covered: the
+Llama-family dense targets with unquantized weights; `problem` says what is refused and why.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from blockspec.kernels._triton import INTERPRET
+from blockspec.kernels.deterministic_linear import deterministic_linear
+
+COVERED = "dense Llama-family targets (Llama, SmolLM, Qwen2, Qwen3) with unquantized weights"
+
+
+def problem(model_cls: type[nn.Module], architecture: str, quantization: str | None) -> str | None:
+    """Why --deterministic cannot be honoured for this target, or None."""
+    if not getattr(model_cls, "supports_deterministic", False):
+        return f"--deterministic covers {COVERED} so far; {architecture} (hybrid, MoE or sink attention) is not " \
+               "covered yet: drop --deterministic"
+    if quantization is not None:
+        return f"--deterministic covers {COVERED} so far; this checkpoint's {quantization} weights are not " \
+               "covered yet: drop --deterministic or serve unquantized weights"
+    return None
+
+
+def attention_residual(h: torch.Tensor, norm: nn.Module, qkv_proj: nn.Linear, o_proj: nn.Linear,
+                       attend: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """h += o_proj(attend(qkv_proj(norm(h)))), in place, the same arithmetic for any number of rows."""
+    qkv = deterministic_linear(norm(h), qkv_proj.weight, qkv_proj.bias)
+    return deterministic_linear(attend(qkv).contiguous(), o_proj.weight, o_proj.bias, residual=h)
+
+
+def swiglu_residual(h: torch.Tensor, norm: nn.Module, gate_up_proj: nn.Linear, down_proj: nn.Linear) -> torch.Tensor:
+    """h += down_proj(silu(gate) * up) with [gate; up] = gate_up_proj(norm(h)), in place."""
+    act = deterministic_linear(norm(h), gate_up_proj.weight, gate_up_proj.bias, gated=True)
+    return deterministic_linear(act, down_proj.weight, down_proj.bias, residual=h)
+
+
+def logits(hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
+    return deterministic_linear(hidden.contiguous(), lm_head_weight)
+
+
+def report(on: bool, device: torch.device) -> str:
+    """The start-up line saying which numerics the target runs with."""
+    if on:
+        triton = device.type == "cuda" or INTERPRET
+        where = "Triton kernels" if triton else "row-by-row PyTorch references (slow on CPU)"
+        return (f"deterministic (--deterministic: batch-invariant GEMMs, norms and fixed-split attention, {where}; "
+                "greedy output is the same for any k and batch)")
+    if device.type == "cuda":
+        return ("fast (greedy output may differ in late tokens with k and with the batch on the GPU: "
+                "--deterministic makes it bit-identical)")
+    return "fast"

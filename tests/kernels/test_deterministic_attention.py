@@ -1,0 +1,85 @@
+"""Fixed-split paged attention (--deterministic): the reference against paged_attention_ref, the kernel against
+the reference, and one query's output bit-identical alone (decode), inside a k+1 verify block at different
+positions, inside a prefill chunk, beside another sequence, and with different split counts in the grid. On a
+GPU, or on CPU under TRITON_INTERPRET=1."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from blockspec.kernels._triton import kernel_device
+from blockspec.kernels.paged_attention import fixed_split_attention, fixed_split_attention_ref, paged_attention_ref
+from tests.kernels.interpreter_bf16 import interpreter_like_gpu
+
+DEVICE = kernel_device()
+kernel = pytest.mark.skipif(DEVICE is None, reason="needs a CUDA GPU, or Triton with TRITON_INTERPRET=1")
+HEADS, KV_HEADS, D, PAGE = 4, 2, 16, 16
+SPLIT = 128  # two 64-key tiles a split: contexts of ~300 tokens cross three splits
+
+
+@pytest.fixture(autouse=True)
+def bf16_as_on_the_gpu(monkeypatch):
+    if DEVICE == "cpu":
+        interpreter_like_gpu(monkeypatch)
+
+
+def cache(device: str, dtype: torch.dtype, length: int = 320, seed: int = 0):
+    """One sequence's keys and values in shuffled pages, and its block table."""
+    g = torch.Generator().manual_seed(seed)
+    pages = -(-length // PAGE)
+    k = torch.randn(pages + 3, PAGE, KV_HEADS, D, generator=g).to(device, dtype)
+    v = torch.randn(pages + 3, PAGE, KV_HEADS, D, generator=g).to(device, dtype)
+    table = (torch.randperm(pages + 3, generator=g)[:pages]).to(device)
+    q = torch.randn(length, HEADS, D, generator=g).to(device, dtype)  # a query for every position
+    return q, k, v, table
+
+
+def attend(q_all, k, v, table, seq_ends: list[int], q_len: int, width: int | None = None, fn=fixed_split_attention,
+           **kw):
+    """Sequences (the same cache) ending at seq_ends, each with its last q_len queries; the block table
+    padded to `width` pages (more splits in the grid)."""
+    width = width or table.shape[0]
+    tables = torch.zeros(len(seq_ends), width, dtype=table.dtype, device=table.device)
+    tables[:, : table.shape[0]] = table
+    q = torch.cat([q_all[end - q_len:end] for end in seq_ends])
+    seq_lens = torch.tensor(seq_ends, device=table.device)
+    with torch.inference_mode():
+        return fn(q, k, v, tables, seq_lens, q_len, D**-0.5, **kw)
+
+
+def test_reference_is_causal_paged_attention():
+    q_all, k, v, table = cache("cpu", torch.float32)
+    ours = attend(q_all, k, v, table, [300, 177], 5, fn=fixed_split_attention_ref)
+    want = attend(q_all, k, v, table, [300, 177], 5,
+                  fn=lambda q, kc, vc, t, n, ql, s: paged_attention_ref(q, kc, vc, t, n, torch.zeros_like(n), ql, s,
+                                                                        causal=True))
+    torch.testing.assert_close(ours, want, rtol=1e-5, atol=1e-5)
+
+
+@kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_matches_reference(dtype):
+    q_all, k, v, table = cache(DEVICE, dtype)
+    for ends, q_len in (([300, 129], 1), ([300, 200], 8), ([290], 40)):
+        got = attend(q_all, k, v, table, ends, q_len, split_tokens=SPLIT)
+        want = attend(q_all, k, v, table, ends, q_len, fn=fixed_split_attention_ref)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+@kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_query_is_bit_identical_alone_in_a_verify_block_and_in_a_prefill_chunk(dtype):
+    q_all, k, v, table = cache(DEVICE, dtype)
+    pos = 200  # the query at position 200: its keys span two splits and part of a third
+    alone = attend(q_all, k, v, table, [pos + 1], 1, split_tokens=SPLIT)[0]
+    for index in (0, 3, 7):  # a k+1 = 8 verify block with the query at different rows
+        block = attend(q_all, k, v, table, [pos + 8 - index], 8, split_tokens=SPLIT)
+        assert torch.equal(block[index], alone)
+    chunk = attend(q_all, k, v, table, [pos + 100], 110, split_tokens=SPLIT)  # prefill chunk 190..299
+    assert torch.equal(chunk[pos - 190], alone)
+    beside = attend(q_all, k, v, table, [97, pos + 1], 1, split_tokens=SPLIT)  # another, shorter sequence first
+    assert torch.equal(beside[1], alone)
+    wider = attend(q_all, k, v, table, [pos + 1], 1, width=table.shape[0] + 24, split_tokens=SPLIT)  # more splits
+    assert torch.equal(wider[0], alone)
