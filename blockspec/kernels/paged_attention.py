@@ -176,7 +176,6 @@ if HAVE_TRITON:
             per_split = tl.cdiv(tiles, num_splits)
             t0 = first_tile + split * per_split
             t1 = tl.minimum(t0 + per_split, first_tile + tiles)
-            live = split >= 0
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
@@ -201,11 +200,16 @@ if HAVE_TRITON:
             m_i, l_i, acc = _online_softmax_step(s, visible, v, m_i, l_i, acc)
         base = b * stride_ob + kvh * stride_oh + split * stride_os
         TOTAL_M: tl.constexpr = ROW_TILES * BLOCK_M
-        live_rows = rows < tl.where(live, TOTAL_M, 0)  # all rows, or none for a split past the sequence
-        tl.store(Out + base + rows[:, None] * stride_om + d[None, :], acc, mask=live_rows[:, None])
         ml = (b * (tl.num_programs(1) // ROW_TILES) + kvh) * num_splits * TOTAL_M + split * TOTAL_M + rows
-        tl.store(M + ml, m_i, mask=live_rows)
-        tl.store(L + ml, l_i, mask=live_rows)
+        if SPLIT_TILES > 0:
+            live_rows = rows < tl.where(live, TOTAL_M, 0)  # all rows, or none for a split past the sequence
+            tl.store(Out + base + rows[:, None] * stride_om + d[None, :], acc, mask=live_rows[:, None])
+            tl.store(M + ml, m_i, mask=live_rows)
+            tl.store(L + ml, l_i, mask=live_rows)
+        else:  # the default path: unmasked stores, as before the deterministic mode
+            tl.store(Out + base + rows[:, None] * stride_om + d[None, :], acc)
+            tl.store(M + ml, m_i)
+            tl.store(L + ml, l_i)
 
 
 if HAVE_TRITON:

@@ -47,7 +47,7 @@ if HAVE_TRITON:
         # NumPy >= 2.4.
         dtype = Y.dtype.element_ty
         pid = tl.program_id(0)
-        if PAIR:
+        if PAIR:  # noqa: SIM102 (a compile-time branch around a runtime one: not one condition in Triton)
             if pid >= TILES1:
                 W = W2
                 Y = Y2
@@ -305,4 +305,5 @@ def skinny_linear_pair(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, *, n
         if x.shape[0] > 1 and norm_weight is not None and max(w1.numel(), w2.numel()) > SMALL_WEIGHT:
             return _skinny_pair_triton(rms_norm(x, norm_weight, eps)[0], w1, w2, None, eps)
         return _skinny_pair_triton(x, w1, w2, norm_weight, eps)
-    return (skinny_linear(x, w1, norm_weight=norm_weight, eps=eps), skinny_linear(x, w2, norm_weight=norm_weight, eps=eps))
+    return (skinny_linear(x, w1, norm_weight=norm_weight, eps=eps),
+            skinny_linear(x, w2, norm_weight=norm_weight, eps=eps))

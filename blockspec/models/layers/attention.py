@@ -130,9 +130,7 @@ def ragged_metadata(spans: list[tuple[list[int], int, int]], block_size: int, de
         query_pos=query_pos,
     )
     if block_tables:
-        width = max(-(-(start + n) // block_size) for _, start, n in spans)
-        meta.block_tables = t([list(table[:width]) + [0] * (width - len(table[:width])) for table, _, _ in spans]
-                              ).view(len(spans), width)
+        meta.block_tables = tables
         meta.seq_ends = kv_len
         meta.seq_tokens = list(zip(offsets, q_lens))
     return meta

@@ -30,7 +30,7 @@ from torch import nn
 
 from blockspec.errors import ConfigError
 from blockspec.kernels.gated_deltanet import causal_conv_update, gated_rms_norm, gdn_recurrent
-from blockspec.kernels.skinny_linear import skinny_linear
+from blockspec.kernels.skinny_linear import skinny_linear, skinny_linear_pair
 from blockspec.models.layers import delta_rule, delta_rule_fla
 from blockspec.models.layers.attention import current_metadata
 from blockspec.models.layers.linear import FusedLinear, Linear
@@ -166,11 +166,10 @@ class GatedDeltaNet(nn.Module):
 
     def forward_residual(self, h: torch.Tensor, norm: nn.Module) -> torch.Tensor:
         """Decode rows on the GPU: h += out_proj(mixer(norm(h))) with the norm folded into the two input
-        GEMMs and the residual add into the output GEMM (the decoder layer's fast path)."""
+        GEMMs (one launch for both) and the residual add into the output GEMM (the decoder layer's fast path)."""
         sd = current_metadata().state_decode
         w, eps = norm.kernel_weight(), norm.eps
-        qkvz = skinny_linear(h, self.in_proj_qkvz.weight, norm_weight=w, eps=eps)
-        ba = skinny_linear(h, self.in_proj_ba.weight, norm_weight=w, eps=eps)
+        qkvz, ba = skinny_linear_pair(h, self.in_proj_qkvz.weight, self.in_proj_ba.weight, norm_weight=w, eps=eps)
         return skinny_linear(self._decode_core(qkvz, ba, sd), self.out_proj.weight, residual=h)
 
     def _decode_core(self, qkvz: torch.Tensor, ba: torch.Tensor, sd: DecodeStateMetadata) -> torch.Tensor:
