@@ -215,11 +215,13 @@ if HAVE_TRITON:
 if HAVE_TRITON:
 
     @triton.jit
-    def _merge_splits_kernel(Part, M, L, Out, SINKS, stride_ob, stride_oh, stride_os, stride_om, stride_t, stride_h,
-                             q_len, num_splits, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-                             BLOCK_M: tl.constexpr, SPLITS: tl.constexpr, HAS_SINKS: tl.constexpr):
+    def _merge_splits_kernel(Part, M, L, Out, SINKS, GATE, stride_ob, stride_oh, stride_os, stride_om, stride_t,
+                             stride_h, stride_gt, stride_gh, q_len, num_splits, GROUP: tl.constexpr,
+                             HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, SPLITS: tl.constexpr,
+                             HAS_SINKS: tl.constexpr, HAS_GATE: tl.constexpr):
         """Combine the splits' partial softmaxes of one query row (log-sum-exp weights), the sink's logit
-        joining the normaliser."""
+        joining the normaliser; with HAS_GATE the output times sigmoid(gate), rounded as the two PyTorch ops
+        (sigmoid in the activation dtype, then the product) would round it."""
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         row = tl.program_id(2)
@@ -244,7 +246,12 @@ if HAVE_TRITON:
         if HAS_SINKS:
             den += tl.exp(sink - m_max)
         den = tl.maximum(den, 1e-30)
-        tl.store(Out + (b * q_len + qi) * stride_t + head * stride_h + d, (num / den).to(Out.dtype.element_ty))
+        y = (num / den).to(Out.dtype.element_ty)
+        if HAS_GATE:
+            g = tl.load(GATE + (b * q_len + qi) * stride_gt + head * stride_gh + d).to(tl.float32)
+            sg = (1.0 / (1.0 + tl.exp(-g))).to(Out.dtype.element_ty)
+            y = (y.to(tl.float32) * sg.to(tl.float32)).to(Out.dtype.element_ty)
+        tl.store(Out + (b * q_len + qi) * stride_t + head * stride_h + d, y)
 
 
 if HAVE_TRITON:
@@ -344,11 +351,14 @@ def _next_pow2(x: int) -> int:
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     seq_lens: torch.Tensor, kv_start: torch.Tensor, q_len: int, scale: float, causal: bool,
                     num_splits: int = 8, sinks: torch.Tensor | None = None, window: int | None = None,
-                    q_start: torch.Tensor | None = None) -> torch.Tensor:
-    """Triton paged attention on CUDA (the reference elsewhere); same contract as paged_attention_ref."""
+                    q_start: torch.Tensor | None = None, gate: torch.Tensor | None = None) -> torch.Tensor:
+    """Triton paged attention on CUDA (the reference elsewhere); same contract as paged_attention_ref. q may be
+    a strided view (unit stride along head_dim: a slice of the fused projection). `gate` [B * q_len, H, D] (a
+    view as q): the output times sigmoid(gate), Qwen3-Next / 3.5's gated attention, in the merge launch."""
     if not use_triton(q):
-        return paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, kv_start, q_len, scale, causal,
-                                   sinks, window, q_start)
+        out = paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, kv_start, q_len, scale, causal,
+                                  sinks, window, q_start)
+        return out if gate is None else out * torch.sigmoid(gate)
     b_count = seq_lens.shape[0]
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv = k_cache.shape[2]
@@ -374,10 +384,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         num_warps=4, num_stages=2,
     )
     out = torch.empty_like(q)
+    gate_t = q if gate is None else gate
     _merge_splits_kernel[(b_count, num_kv, q_len * group)](
-        o, m, ll, out, q if sinks is None else sinks, o.stride(0), o.stride(1), o.stride(2), o.stride(3),
-        out.stride(0), out.stride(1), q_len, num_splits, GROUP=group, HEAD_DIM=head_dim, BLOCK_M=total_m,
-        SPLITS=_next_pow2(num_splits), HAS_SINKS=sinks is not None, num_warps=1)
+        o, m, ll, out, q if sinks is None else sinks, gate_t, o.stride(0), o.stride(1), o.stride(2), o.stride(3),
+        out.stride(0), out.stride(1), gate_t.stride(0), gate_t.stride(1), q_len, num_splits, GROUP=group,
+        HEAD_DIM=head_dim, BLOCK_M=total_m, SPLITS=_next_pow2(num_splits), HAS_SINKS=sinks is not None,
+        HAS_GATE=gate is not None, num_warps=1)
     return out
 
 

@@ -99,7 +99,7 @@ class GatedAttention(nn.Module):
     def forward_residual(self, positions: torch.Tensor, h: torch.Tensor, norm: nn.Module) -> torch.Tensor:
         """Decode rows on the GPU: h += o_proj(attention(norm(h))) with the norm folded into the q|k|v GEMM,
         q/k norms, partial rotary and the K/V cache write in one kernel, the add in o_proj's GEMM."""
-        t, nq, nk, d = h.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        nq, nk, d = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = skinny_linear(h, self.qkv_proj.weight, self.qkv_proj.bias, norm_weight=norm.kernel_weight(),
                             eps=norm.eps)
         cache = self.attn.cache_for_store()
@@ -107,7 +107,9 @@ class GatedAttention(nn.Module):
                    (2 * nq + nk) * d, NORM_ZERO_CENTERED, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
                    *(cache if cache is not None else ()))
         q, gate, k, v = self._split(qkv)
-        out = self.attn(q.contiguous(), k, v, stored=cache is not None) * torch.sigmoid(gate.reshape(t, -1))
+        # q and the gate stay views of the projection: the paged kernel reads q by strides and gates its output
+        # in the merge launch (the copy, sigmoid and product were three launches a layer of their own)
+        out = self.attn(q, k, v, stored=cache is not None, gate=gate)
         return skinny_linear(out, self.o_proj.weight, self.o_proj.bias, residual=h)
 
 

@@ -107,6 +107,29 @@ def test_row_tiles_match_reference(causal):
     assert float((out.float() - ref.float()).norm() / ref.float().norm()) < 1e-2
 
 
+@pytest.mark.skipif(DEVICE is None, reason="Triton kernel needs a CUDA GPU (or TRITON_INTERPRET=1)")
+def test_strided_q_and_output_gate_match_reference():
+    """Qwen3.5 gated attention on the decode path: q and the gate as strided views of one fused projection
+    ([q | gate] per head), the kernel reading q by strides and gating its output in the merge launch; equal to
+    the reference on contiguous q times sigmoid(gate), and to the ungated kernel output times sigmoid(gate)."""
+    dtype = torch.float32 if DEVICE == "cpu" else torch.bfloat16
+    batch, q_len, heads, kv_heads, d = 2, 3, 8, 2, 64
+    _, kc, vc, tables, seq_lens, kv_start = random_case(DEVICE, dtype, batch, q_len, heads, kv_heads, d, max_len=90,
+                                                         seed=5)
+    kv_start.zero_()
+    g = torch.Generator(device="cpu").manual_seed(6)
+    fused = torch.randn(batch * q_len, heads, 2 * d, generator=g).to(DEVICE, dtype)
+    q, gate = fused.chunk(2, dim=-1)
+    assert not q.is_contiguous()
+    with torch.no_grad():
+        out = paged_attention(q, kc, vc, tables, seq_lens, kv_start, q_len, d**-0.5, True, gate=gate)
+        plain = paged_attention(q, kc, vc, tables, seq_lens, kv_start, q_len, d**-0.5, True)
+    ref = paged_attention_ref(q.contiguous(), kc, vc, tables, seq_lens, kv_start, q_len, d**-0.5, True)
+    want = ref * torch.sigmoid(gate)
+    assert float((out.float() - want.float()).norm() / want.float().norm()) < 1e-2
+    torch.testing.assert_close(out, plain * torch.sigmoid(gate))  # rounded as the ops (sigmoid's last bits aside)
+
+
 def attend_one(keys: torch.Tensor, values: torch.Tensor, q: torch.Tensor, scale: float,
                sink: torch.Tensor | None) -> torch.Tensor:
     """One query head over its visible keys [n, D]; a sink is one more logit whose value is zero."""

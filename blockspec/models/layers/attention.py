@@ -280,35 +280,44 @@ class PagedAttention(nn.Module):
             return None
         return self.k_cache, self.v_cache, meta.slot_mapping
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, stored: bool = False) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, stored: bool = False,
+                gate: torch.Tensor | None = None) -> torch.Tensor:
+        """q [T, H, D] -> [T, H * D]; `gate` [T, H, D] (gated attention): the output times sigmoid(gate), in the
+        paged kernel's merge launch on the decode path, as two PyTorch ops elsewhere."""
+        out, gated = self._attend(q, k, v, stored, gate)
+        return out if gate is None or gated else out * torch.sigmoid(gate.reshape(out.shape))
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, stored: bool,
+                gate: torch.Tensor | None) -> tuple[torch.Tensor, bool]:
+        """The attention output [T, H * D], and whether `gate` is already applied (the decode path's kernel)."""
         meta = current_metadata()
         if isinstance(meta, DenseCausalMetadata):
-            return dense_causal_attention(q, k, v, meta.batch, self.scale, self.sinks, self.sliding_window)
+            return dense_causal_attention(q, k, v, meta.batch, self.scale, self.sinks, self.sliding_window), False
         if self.k_cache is None or self.v_cache is None:
             raise RuntimeError("KV cache not bound: the runner allocates it before the first step")
         if not stored:
             store_kv(self.k_cache, self.v_cache, meta.slot_mapping, k, v)
         if self.deterministic:
-            return self._attend_deterministic(q, meta)
+            return self._attend_deterministic(q, meta), False
         if meta.decode is not None:
             d = meta.decode
             out = paged_attention(q, self.k_cache, self.v_cache, d.block_tables, d.seq_lens, d.kv_start, d.q_len,
-                                  self.scale, causal=True, sinks=self.sinks, window=self.sliding_window)
-            return out.reshape(q.shape[0], -1)
+                                  self.scale, causal=True, sinks=self.sinks, window=self.sliding_window, gate=gate)
+            return out.reshape(q.shape[0], -1), True
         if meta.fresh_prefill and self.sinks is None and self.sliding_window is None:
             out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
                                                  v.transpose(0, 1)[None], is_causal=True, scale=self.scale,
                                                  enable_gqa=k.shape[1] != q.shape[1])
-            return out[0].transpose(0, 1).reshape(q.shape[0], -1)
+            return out[0].transpose(0, 1).reshape(q.shape[0], -1), False
         if self.sinks is not None or self.sliding_window is not None:
             if meta.query_pos is None:
                 raise RuntimeError("sliding-window / sink attention needs AttentionMetadata.query_pos (the runner's)")
             out = ragged_paged_attention(q, self.k_cache, self.v_cache, meta.query_index, meta.query_pos,
                                          meta.kv_slots, meta.query_unpad, self.scale, self.sinks, self.sliding_window)
-            return out.reshape(q.shape[0], -1)
+            return out.reshape(q.shape[0], -1), False
         if q.is_cuda and meta.kv_slots is not None and meta.kv_slots.shape[0] == 1 and q.dtype != torch.float32:
-            return tail_prefill_attention(q, self.k_cache, self.v_cache, meta.kv_slots, self.scale)
-        return paged_attention_reference(q, self.k_cache, self.v_cache, meta, self.scale)
+            return tail_prefill_attention(q, self.k_cache, self.v_cache, meta.kv_slots, self.scale), False
+        return paged_attention_reference(q, self.k_cache, self.v_cache, meta, self.scale), False
 
     def _attend_deterministic(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Every query through the fixed-split paged kernel: a uniform decode/verify batch in one call, a
