@@ -53,7 +53,7 @@ from blockspec.train.trainer import TrainConfig
 NAME = "smollm2-135m-instruct"
 DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 # --smoke: every size and time cap small, so the whole flow (data, training, export, both evaluations) runs on
-# a CPU in about a minute with the embedded model, in seconds with a tiny --target
+# a CPU: several minutes with the embedded model on two shared cores, seconds with a tiny --target (the test)
 SMOKE = {"device": "cpu", "num_samples": 8, "response_len": 16, "gen_batch": 8, "gen_workers": 1,
          "gen_minutes": 2.0, "num_layers": 1, "epochs": 2, "batch_size": 4, "num_anchors": 4, "train_minutes": 2.0,
          "heldout_prompts": 2, "heldout_max_tokens": 8, "humaneval": 2, "eval_max_tokens": 16, "speed_prompts": 1,
