@@ -163,8 +163,12 @@ def run(cfg: PipelineConfig) -> dict[str, Any]:
         model=str(target_dir), device=str(device), max_model_len=max(longest, eval_len),
         max_num_seqs=max(1, min(64, len(heldout))), seed=cfg.seed,
         speculative=SpeculativeConfig(model=str(cfg.out)), **kw))
-    evaluator = TauEvaluator(engine, chat_texts(engine, [p.messages for p in heldout]),
-                             cfg.eval_max_tokens) if heldout else None
+    heldout_texts = [t for t in chat_texts(engine, [p.messages for p in heldout])
+                     if len(engine.encode(t)) <= cfg.max_prompt_len]  # as the training prompts: no overflow
+    if len(heldout_texts) < len(heldout):
+        log.warning("skipped %d held-out prompts longer than --max-prompt-len %d", len(heldout) - len(heldout_texts),
+                    cfg.max_prompt_len)
+    evaluator = TauEvaluator(engine, heldout_texts, cfg.eval_max_tokens) if heldout_texts else None
     if not cfg.resume and cfg.init_from is None:
         copy_final_norm(drafter, engine.runner.target)
     train_cfg = cfg.training or TrainConfig(seed=cfg.seed)

@@ -13,6 +13,7 @@ import transformers
 
 from blockspec.config import EngineConfig, SpeculativeConfig
 from blockspec.engine.engine import Engine
+from blockspec.engine.sampling_params import SamplingParams
 from blockspec.engine.scheduler import ScheduledSeq
 from blockspec.errors import ConfigError
 from blockspec.spec.dflash import DrafterConfig
@@ -126,3 +127,109 @@ def test_incomplete_dflash2_config_is_refused(drafter2):
     odd = {**raw, "dflash_config": {**raw["dflash_config"], "conv_group_size": 24}}
     with pytest.raises(ConfigError, match="conv_group_size"):
         DrafterConfig.from_dict(odd)
+
+
+def _reference_modules(drafter2, reference):
+    """Our GroupedDynamicConv / CandidateSelector and the reference's, with the same random weights."""
+    from blockspec.loader.weights import load_weights
+    from blockspec.spec.dflash import DFlashDrafter
+
+    cfg = DrafterConfig.from_dir(drafter2)
+    ours = DFlashDrafter(cfg, 256)
+    load_weights(ours, drafter2, "cpu", torch.float32)
+    return ours, reference[1]
+
+
+def test_convolution_matches_reference_block_by_block(drafter2, reference):
+    """Blocks of different lengths side by side (a ragged general-path pass): each block's rows through our
+    convolution equal the reference GroupedDynamicCausalConv run on that block alone, so no tap crosses a block
+    boundary, on both the input ("prepare") and output ("finish") sides."""
+    ours, ref = _reference_modules(drafter2, reference)
+    lengths = [8, 3, 1, 5]
+    hidden = ours.config.model.hidden_size
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(sum(lengths), hidden, generator=gen)
+    y = torch.randn(sum(lengths), hidden, generator=gen)
+    block_index = torch.tensor([i for n in lengths for i in range(n)])
+    for i, layer in enumerate(ours.layers):
+        for name in ("attention_conv", "mlp_conv"):
+            conv, ref_conv = getattr(layer, name), getattr(ref.layers[i], name)
+            assert isinstance(ref_conv, dflash_model.GroupedDynamicCausalConv)
+            with torch.no_grad():
+                got_x, post = conv.prepare(x, block_index)
+                got_y = conv.finish(y, post, block_index)
+                start = 0
+                for n in lengths:
+                    want_x, ref_post = ref_conv.prepare(x[None, start:start + n])
+                    want_y = ref_conv.finish(y[None, start:start + n], ref_post)
+                    torch.testing.assert_close(got_x[start:start + n], want_x[0], rtol=1e-5, atol=1e-5)
+                    torch.testing.assert_close(got_y[start:start + n], want_y[0], rtol=1e-5, atol=1e-5)
+                    start += n
+    # a nonzero second tap: the rows really mix (the test would pass for an identity otherwise)
+    assert not torch.allclose(got_x[1:8], x[1:8], atol=1e-3)
+
+
+def test_selector_walk_matches_reference_select(drafter2, reference, monkeypatch):
+    """A batch of rows through our CandidateSelector.walk and the reference CandidateSelector.select on the same
+    hidden states and logits: greedy paths and candidate sets equal; sampled, with the reference's draws forced
+    onto our path, its q rows equal ours (candidates matched by token id: its top-K is unsorted)."""
+    ours, ref = _reference_modules(drafter2, reference)
+    sel, ref_sel = ours.candidate_selector, ref.candidate_selector
+    assert isinstance(ref_sel, dflash_model.CandidateSelector)
+    gen = torch.Generator().manual_seed(12)
+    rows, slots = 5, K
+    hidden = torch.randn(rows, slots, ours.config.model.hidden_size, generator=gen)
+    logits = torch.randn(rows, slots, ours.config.model.vocab_size, generator=gen) * 2
+    anchors = torch.randint(0, 256, (rows,), generator=gen)
+    with torch.no_grad():
+        path, cands, q = sel.walk(hidden, logits, anchors)
+        ref_path, ref_cands, ref_q = ref_sel.select(hidden, logits, anchors, 0.0)
+    assert q is None and ref_q is None
+    assert torch.equal(path, ref_path)
+    assert torch.equal(cands.sort(-1).values, ref_cands.sort(-1).values)
+    assert not torch.equal(path, logits.argmax(-1))  # the pairwise term changed some picks
+
+    temperature = torch.tensor([0.7, 0.0, 1.3, 0.7, 0.0])  # greedy rows beside sampled ones
+    noise = torch.empty(rows, slots, sel.top_k).exponential_(generator=gen)
+    with torch.no_grad():
+        path, cands, q = sel.walk(hidden, logits, anchors, temperature, noise)
+    for r in range(rows):
+        if temperature[r] == 0:
+            assert torch.equal(path[r], ref_path[r])
+            continue
+        with torch.no_grad():
+            _, ref_cands_r, _ = ref_sel.select(hidden[r:r + 1], logits[r:r + 1], anchors[r:r + 1], 0.0)
+        step = iter(range(slots))
+
+        def forced(probs, r=r, step=step, ref_cands_r=ref_cands_r):  # the reference draws our walk's candidate
+            slot = next(step)
+            return (ref_cands_r[0, slot] == path[r, slot]).nonzero()[0]
+
+        with torch.no_grad():
+            monkeypatch.setattr(dflash_model, "_sample_probs", forced)
+            got_path, _, got_q = ref_sel.select(hidden[r:r + 1], logits[r:r + 1], anchors[r:r + 1],
+                                                float(temperature[r]))
+            monkeypatch.undo()
+        assert torch.equal(got_path[0], path[r])
+        for s in range(slots):
+            order, ref_order = cands[r, s].argsort(), ref_cands_r[0, s].argsort()
+            torch.testing.assert_close(q[r, s, order], got_q[0, s, ref_order], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("prompt_len,max_new", [(5, 30), (19, 17)])
+def test_greedy_loop_matches_dflash_generate(tiny_models, drafter2, reference, prompt_len, max_new, monkeypatch):
+    """Greedy token ids of our engine and the reference loop (dflash_generate with DFlash2DraftModel.propose),
+    and the tokens each verify step committed, on the same random weights."""
+    target, ref_drafter = reference
+    ids = torch.randint(0, 256, (prompt_len,), generator=torch.Generator().manual_seed(prompt_len)).tolist()
+    import time
+
+    monkeypatch.setattr(dflash_model, "_cuda_time", time.perf_counter)  # its stats time with CUDA events
+    with torch.no_grad():
+        ref = dflash_model.dflash_generate(ref_drafter, target, torch.tensor([ids]), max_new_tokens=max_new,
+                                           stop_token_ids=None, temperature=0.0, return_stats=True)
+    engine = _engine(tiny_models["qwen3"], drafter2)
+    out = engine.generate([ids], SamplingParams(temperature=0, max_tokens=max_new, ignore_eos=True))[0]
+    assert out.token_ids == ref.output_ids[0, prompt_len:].tolist()
+    assert out.stats.decode_tokens == sum(ref.acceptance_lengths)
+    assert out.stats.steps == len(ref.acceptance_lengths)

@@ -144,3 +144,21 @@ def test_method_spellings_and_refusals(mtp_models, tiny_models, tmp_path):
     args = build_parser().parse_args(["serve", str(path), "--speculative-config",
                                       '{"method": "qwen3_5_mtp", "num_speculative_tokens": 2}'])
     assert build_engine_config(args).speculative.method == "mtp"
+
+
+@pytest.mark.parametrize("prefix", ["mtp.", "language_model.mtp.", "model.mtp."])
+def test_other_head_layouts_load(mtp_models, prefix, tmp_path, monkeypatch):
+    """The VLM wrapper's head under its other published prefixes (Qwen3.5's own checkpoints: top-level `mtp.`;
+    re-packaged uploads: `language_model.mtp.`): the same weights load, and the drafts equal the reference's."""
+    path, head, hf = mtp_models["qwen3_5"]
+    moved = shutil.copytree(path, tmp_path / "moved")
+    tensors = load_file(moved / "model.safetensors")
+    old = "model.language_model.mtp."
+    tensors = {prefix + n[len(old):] if n.startswith(old) else n: t for n, t in tensors.items()}
+    assert sum(n.startswith(prefix) for n in tensors) > 5 and not any(n.startswith(old) for n in tensors)
+    save_file(tensors, moved / "model.safetensors")
+    engine = mtp_engine(moved, 3)
+    full, seen = decode_drafts(engine, monkeypatch, engine.encode(PROMPTS[2]), 8)
+    assert seen
+    for anchor, n, drafts in seen:
+        assert drafts == reference_drafts(hf, head, full[:anchor + 1], n), anchor

@@ -4,9 +4,11 @@ export; the exported drafter serves (losslessly) in blockspec and loads in the r
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
+import transformers
 
 from blockspec.cli import main
 from blockspec.config import EngineConfig, SpeculativeConfig
@@ -110,7 +112,7 @@ def test_init_from_a_directory_without_a_drafter_is_refused(trained, tmp_path, c
     assert "has no config.json" in capsys.readouterr().err
 
 
-def test_dflash2_training_exports_what_the_reference_loads(trained, tmp_path):
+def test_dflash2_training_exports_what_the_reference_loads(trained, tmp_path, monkeypatch):
     """--arch dflash2 on the same data: the selector's K-way loss falls, and the export is a DFlash2DraftModel
     checkpoint the `dflash` package loads with every tensor as trained, which serves losslessly here."""
     out = tmp_path / "d2"
@@ -139,4 +141,18 @@ def test_dflash2_training_exports_what_the_reference_loads(trained, tmp_path):
     ar = Engine(EngineConfig(model=str(trained["target"]), device="cpu"))
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     prompt = ar.apply_chat_template([{"role": "user", "content": "Name a teal thing."}])
-    assert sp.generate([prompt], params)[0].token_ids == ar.generate([prompt], params)[0].token_ids
+    got = sp.generate([prompt], params)[0]
+    assert got.token_ids == ar.generate([prompt], params)[0].token_ids
+    assert got.stats.tau > 1.2  # the trained drafter's drafts are accepted: the lossless check is not vacuous
+
+    # the reference loop (DFlash2DraftModel.propose) on the exported weights: the same tokens, and the same
+    # tokens committed by every verify step (so the same drafts were proposed and accepted)
+    target = transformers.AutoModelForCausalLM.from_pretrained(trained["target"], dtype=torch.float32).eval()
+    ids = sp.encode(prompt)
+    monkeypatch.setattr(dflash_model, "_cuda_time", time.perf_counter)  # its stats time with CUDA events
+    with torch.no_grad():
+        want = dflash_model.dflash_generate(ref.eval(), target, torch.tensor([ids]), max_new_tokens=30,
+                                            stop_token_ids=None, temperature=0.0, return_stats=True)
+    assert got.token_ids == want.output_ids[0, len(ids):].tolist()
+    assert (got.stats.steps, got.stats.decode_tokens) == (len(want.acceptance_lengths),
+                                                          sum(want.acceptance_lengths))
