@@ -84,9 +84,10 @@ def dot_path(x, w, nw, res, epilogue, cfg):
         h = x if one_row else prologue(x, nw, epilogue)  # one row: the norm folds into the kernel
         norm = one_row and epilogue != "residual"
         _skinny_linear_kernel[(triton.cdiv(n_out, bn),)](
-            h, w, h, nw if norm else h, out, m, n_out, 1e-6, w, out, n_out, 0, K=k, HAS_BIAS=False, HAS_NORM=norm,
-            GATED=epilogue == "gated", HAS_RES=epilogue == "residual", USE_DOT=not one_row, DOT_PRECISION="tf32",
-            BLOCK_M=1 if one_row else 16, BLOCK_N=bn, BLOCK_K=bk, PAIR=False, num_warps=warps, num_stages=stages)
+            h, w, h, nw if norm else h, out, m, n_out, 1e-6, w, out, n_out, 0, h, K=k, HAS_BIAS=False,
+            HAS_NORM=norm, GATED=epilogue == "gated", HAS_RES=epilogue == "residual", USE_DOT=not one_row,
+            DOT_PRECISION="tf32", BLOCK_M=1 if one_row else 16, BLOCK_N=bn, BLOCK_K=bk, PAIR=False, NORM_OUT=False,
+            num_warps=warps, num_stages=stages)
         return out
     return fn
 

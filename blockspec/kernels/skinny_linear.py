@@ -32,16 +32,18 @@ if HAVE_TRITON:
             acc += w.to(tl.float32) * xv.to(tl.float32)
         return acc
 
-    @triton.jit
-    def _skinny_linear_kernel(X, W, B, NW, Y, M, N_OUT, eps, W2, Y2, N2, TILES1, K: tl.constexpr,
+    @triton.jit(do_not_specialize=["N2", "TILES1"])  # PAIR's second width may be 1: no constexpr to reassign
+    def _skinny_linear_kernel(X, W, B, NW, Y, M, N_OUT, eps, W2, Y2, N2, TILES1, XN, K: tl.constexpr,
                               HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr, GATED: tl.constexpr,
                               HAS_RES: tl.constexpr, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                              PAIR: tl.constexpr):
+                              PAIR: tl.constexpr, NORM_OUT: tl.constexpr):
         # One program owns BLOCK_N output columns for all M rows; with GATED it reads the matching gate rows
         # (n) and up rows (N_OUT + n) of W. With HAS_RES, Y is the residual: read, added to, written back.
         # With PAIR the programs from TILES1 on compute a second projection of the same x (W2 -> Y2, N2
-        # columns; no bias, gate or residual): two small GEMMs of one input in one launch.
+        # columns; no bias, gate or residual): two small GEMMs of one input in one launch. With NORM_OUT
+        # (and HAS_NORM) program 0 also writes rms_norm(x) itself to XN, rounded as rms_norm_ref rounds it:
+        # an MoE block's router GEMM and the norm its experts read, in one launch.
         # K is constexpr: a model has a handful of K values, the trip count and (when BLOCK_K divides K) the
         # K masks become compile-time, and Triton's interpreter cannot range() over a runtime scalar under
         # NumPy >= 2.4.
@@ -89,6 +91,9 @@ if HAVE_TRITON:
                 nw = tl.load(NW + ks, mask=k_mask, other=0.0)
                 xv = (h.to(tl.float32) * nw.to(tl.float32)[None, :]).to(dtype)
                 xv = tl.where(x_mask, xv, 0.0).to(dtype)  # padded rows: rsqrt(0 + 0) would be inf
+                if NORM_OUT:  # noqa: SIM102 (compile-time around runtime)
+                    if pid == 0:
+                        tl.store(XN + offs_m[:, None].to(tl.int64) * K + ks[None, :], xv, mask=x_mask)
             elif HAS_NORM:
                 # one row: the norm folds into the same pass, norm(x) @ W.T == rstd * ((x * w_norm) @ W.T),
                 # the statistics gathered on the way (a separate first pass stalled every program ~13 us)
@@ -113,6 +118,16 @@ if HAVE_TRITON:
                 rstd1 = tl.rsqrt(tl.sum(ss1, axis=1) / K + eps)[:, None]
                 yg = yg * rstd1
                 yu = yu * rstd1
+                if NORM_OUT:  # noqa: SIM102 (compile-time around runtime)
+                    if pid == 0:  # a second pass over the one row (K elements: a few us at most)
+                        for k0 in range(0, K, BLOCK_K):
+                            ks = k0 + offs_k
+                            k_mask = ks < K
+                            xf = tl.load(x_rows + ks[None, :], mask=k_mask[None, :], other=0.0).to(tl.float32)
+                            h = (xf * rstd1).to(dtype)
+                            nw = tl.load(NW + ks, mask=k_mask, other=0.0)
+                            tl.store(XN + ks[None, :], (h.to(tl.float32) * nw.to(tl.float32)[None, :]).to(dtype),
+                                     mask=k_mask[None, :])
         if HAS_BIAS:
             yg += tl.load(B + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
             if GATED:
@@ -240,7 +255,7 @@ def _operands_fit(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 def _skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                           norm_weight: torch.Tensor | None, eps: float, gated: bool,
-                          residual: torch.Tensor | None) -> torch.Tensor:
+                          residual: torch.Tensor | None, norm_out: torch.Tensor | None = None) -> torch.Tensor:
     """Launch without the support checks (the tests call it on CPU tensors under TRITON_INTERPRET=1)."""
     m, k = x.shape
     n_out = weight.shape[0] // 2 if gated else weight.shape[0]
@@ -249,11 +264,11 @@ def _skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     use_dot = m > 1
     _skinny_linear_kernel[(triton.cdiv(n_out, block_n),)](
         x, weight, bias if bias is not None else x, norm_weight if norm_weight is not None else x, out,
-        m, n_out, eps, weight, out, n_out, 0, K=k,
+        m, n_out, eps, weight, out, n_out, 0, norm_out if norm_out is not None else x, K=k,
         HAS_BIAS=bias is not None, HAS_NORM=norm_weight is not None, GATED=gated, HAS_RES=residual is not None,
         USE_DOT=use_dot, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        BLOCK_M=16 if use_dot else 1, BLOCK_N=block_n, BLOCK_K=block_k, PAIR=False, num_warps=num_warps,
-        num_stages=num_stages)
+        BLOCK_M=16 if use_dot else 1, BLOCK_N=block_n, BLOCK_K=block_k, PAIR=False,
+        NORM_OUT=norm_out is not None and norm_weight is not None, num_warps=num_warps, num_stages=num_stages)
     return out
 
 
@@ -268,29 +283,38 @@ def _skinny_pair_triton(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, nor
     tiles1 = triton.cdiv(n1, block_n)
     use_dot = m > 1
     _skinny_linear_kernel[(tiles1 + triton.cdiv(n2, block_n),)](
-        x, w1, x, norm_weight if norm_weight is not None else x, y1, m, n1, eps, w2, y2, n2, tiles1, K=k,
+        x, w1, x, norm_weight if norm_weight is not None else x, y1, m, n1, eps, w2, y2, n2, tiles1, x, K=k,
         HAS_BIAS=False, HAS_NORM=norm_weight is not None, GATED=False, HAS_RES=False, USE_DOT=use_dot,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", BLOCK_M=16 if use_dot else 1,
-        BLOCK_N=block_n, BLOCK_K=block_k, PAIR=True, num_warps=num_warps, num_stages=num_stages)
+        BLOCK_N=block_n, BLOCK_K=block_k, PAIR=True, NORM_OUT=False, num_warps=num_warps, num_stages=num_stages)
     return y1, y2
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                   norm_weight: torch.Tensor | None = None, eps: float = 0.0, gated: bool = False,
-                  residual: torch.Tensor | None = None) -> torch.Tensor:
+                  residual: torch.Tensor | None = None, norm_out: torch.Tensor | None = None) -> torch.Tensor:
     """One launch for norm + projection + SwiGLU / residual add. 2-16 rows (verify) on a large weight
     take the norm as its own kernel first (a norm inside the tl.dot loop stalls its pipelining), and a
     square residual projection (K <= 4096) goes to cuBLAS with the add in its epilogue: measured
     fastest per Qwen3-8B shape on an H100 (bench/tune_skinny.py, bench/NOTES.md). The reference
-    elsewhere (CPU, grad)."""
-    if skinny_supported(x, weight) and _operands_fit(x, weight, bias, norm_weight, gated, residual):
+    elsewhere (CPU, grad). `norm_out` (with norm_weight; x's shape, dtype and device): also receives
+    rms_norm(x) itself, from the same launch where the kernel folds the norm in."""
+    if skinny_supported(x, weight) and _operands_fit(x, weight, bias, norm_weight, gated, residual) and (
+            norm_out is None or (norm_out.shape == x.shape and norm_out.dtype == x.dtype and norm_out.is_contiguous()
+                                 and norm_out.device == x.device)):
         if x.shape[0] == 1 or weight.numel() <= SMALL_WEIGHT:
-            return _skinny_linear_triton(x, weight, bias, norm_weight, eps, gated, residual)
+            return _skinny_linear_triton(x, weight, bias, norm_weight, eps, gated, residual, norm_out)
         if norm_weight is not None:
             x = rms_norm(x, norm_weight, eps)[0]
+            if norm_out is not None:
+                norm_out.copy_(x)
         if residual is not None and bias is None and not gated and x.shape[1] <= 4096:
             return residual.addmm_(x, weight.t())  # the add rides in the GEMM's epilogue (beta = 1)
         return _skinny_linear_triton(x, weight, bias, None, eps, gated, residual)
+    if norm_out is not None and norm_weight is not None:
+        x = rms_norm_ref(x, norm_weight, eps)[0]
+        norm_out.copy_(x)
+        norm_weight = None
     return skinny_linear_ref(x, weight, bias, norm_weight=norm_weight, eps=eps, gated=gated, residual=residual)
 
 

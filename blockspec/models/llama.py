@@ -108,7 +108,7 @@ class LlamaDecoderLayer(nn.Module):
         h = fused_attention_residual(h, self.input_layernorm, attn.qkv_proj, attn.o_proj,
                                      lambda qkv: attn.attend(positions, qkv))
         if not isinstance(self.mlp, LlamaMLP):  # MoE blocks keep their own path
-            return self.mlp.forward_residual(self.post_attention_layernorm(h), h)
+            return self.mlp.forward_norm_residual(h, self.post_attention_layernorm)  # the norm in the router GEMM
         return fused_swiglu_residual(h, self.post_attention_layernorm, self.mlp.gate_up_proj, self.mlp.down_proj)
 
 

@@ -19,7 +19,6 @@ import functools
 import torch
 from torch import nn
 
-from blockspec.kernels.rms_norm import rms_norm
 from blockspec.kernels.rotary import NORM_ZERO_CENTERED, rope_heads
 from blockspec.kernels.skinny_linear import skinny_linear, skinny_supported
 from blockspec.models.layers.attention import PagedAttention, current_metadata
@@ -135,8 +134,7 @@ class HybridDecoderLayer(nn.Module):
             if isinstance(self.mlp, LlamaMLP):
                 return fused_swiglu_residual(h, self.post_attention_layernorm, self.mlp.gate_up_proj,
                                              self.mlp.down_proj)
-            norm = self.post_attention_layernorm
-            return self.mlp.forward_residual(rms_norm(h, norm.kernel_weight(), norm.eps)[0], h)  # one norm kernel
+            return self.mlp.forward_norm_residual(h, self.post_attention_layernorm)  # the norm in the router GEMM
         x = self.input_layernorm(h)
         x = self.linear_attn(x) if self.linear_attn is not None else self.self_attn(positions, x)
         h = h + x

@@ -236,3 +236,38 @@ def test_pair_falls_back_to_two_references_on_cpu():
     y1, y2 = skinny_linear_pair(x, w1, w2, norm_weight=nw, eps=1e-6)
     torch.testing.assert_close(y1, skinny_linear_ref(x, w1, norm_weight=nw, eps=1e-6))
     torch.testing.assert_close(y2, skinny_linear_ref(x, w2, norm_weight=nw, eps=1e-6))
+
+
+@kernel
+@pytest.mark.parametrize("m", [1, 5])
+def test_norm_out_is_the_norm_itself(monkeypatch, m):
+    """An MoE block's router GEMM with its norm folded in also writes rms_norm(x) for the experts: equal to
+    rms_norm_ref (the product too), from one launch."""
+    from blockspec.kernels.rms_norm import rms_norm_ref
+    from blockspec.kernels.skinny_linear import _skinny_linear_triton
+
+    if INTERPRET:
+        _interpreter_like_gpu(monkeypatch)
+    g = torch.Generator().manual_seed(9)
+    k, n = 320, 40
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16).to(KERNEL_DEVICE)
+    w = (torch.randn(n, k, generator=g) * 0.05).to(torch.bfloat16).to(KERNEL_DEVICE)
+    nw = (1 + 0.1 * torch.randn(k, generator=g)).to(torch.bfloat16).to(KERNEL_DEVICE)
+    xn = torch.full_like(x, float("nan"))
+    with torch.no_grad():
+        y = (skinny_linear(x, w, norm_weight=nw, eps=1e-6, norm_out=xn) if KERNEL_DEVICE == "cuda"
+             else _skinny_linear_triton(x, w, None, nw, 1e-6, False, None, xn))
+    want = rms_norm_ref(x, nw, 1e-6)[0]
+    assert rel_err(xn, want) < 1e-2 and torch.isfinite(xn).all()
+    assert (xn != want).float().mean() < 0.01  # at most a last-bit difference from the variance's summation order
+    assert rel_err(y, skinny_linear_ref(x, w, norm_weight=nw, eps=1e-6)) < 1e-2
+
+
+def test_norm_out_on_the_reference_path():
+    from blockspec.kernels.rms_norm import rms_norm_ref
+
+    x, w, nw = torch.randn(3, 32), torch.randn(8, 32), torch.rand(32) + 0.5
+    xn = torch.empty_like(x)
+    y = skinny_linear(x, w, norm_weight=nw, eps=1e-6, norm_out=xn)
+    torch.testing.assert_close(xn, rms_norm_ref(x, nw, 1e-6)[0])
+    torch.testing.assert_close(y, skinny_linear_ref(x, w, norm_weight=nw, eps=1e-6))

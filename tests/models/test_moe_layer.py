@@ -213,3 +213,27 @@ def test_forward_residual_is_the_add(t, shared, gpu_like):
     res = torch.randn(t, 32, device=DEVICE, dtype=torch.bfloat16)
     with torch.no_grad():
         assert torch.equal(block.forward_residual(x, res), res + block(x))
+
+
+@kernel
+@pytest.mark.parametrize("t", [1, 5])
+@pytest.mark.parametrize("shared", [0, 16], ids=["routed", "folded-shared"])
+def test_forward_norm_residual_is_norm_then_block(t, shared, gpu_like):
+    """The post-attention half with the norm folded into the router GEMM (which also writes the normed rows the
+    experts read): h + block(rms_norm(h)), the norm as the separate kernel computes it (up to the last bit of
+    the variance) and the same experts chosen."""
+    from blockspec.kernels.rms_norm import rms_norm
+    from blockspec.models.layers.norm import RMSNorm
+
+    block = make_block(32, 8, 2, 16, shared, torch.bfloat16)
+    block.experts.backend = "fused"
+    norm = RMSNorm(32, 1e-6).to(device=DEVICE, dtype=torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.1 * torch.randn(32))
+        h = torch.randn(t, 32, device=DEVICE, dtype=torch.bfloat16)
+        block.record_routing = True
+        got = block.forward_norm_residual(h, norm)
+        got_ids = block.last_ids.clone()
+        want = h + block(rms_norm(h, norm.kernel_weight(), norm.eps)[0])
+        assert torch.equal(got_ids, block.last_ids)
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)

@@ -41,7 +41,8 @@ from blockspec.kernels.moe_grouped import (
     moe_route_align,
     shared_foldable,
 )
-from blockspec.kernels.skinny_linear import skinny_linear
+from blockspec.kernels.rms_norm import rms_norm
+from blockspec.kernels.skinny_linear import skinny_linear, skinny_supported
 from blockspec.models.layers.linear import Linear
 
 BACKENDS = ("auto", "reference", "grouped", "fused")
@@ -285,6 +286,18 @@ class SparseMoeBlock(nn.Module):
             return self._forward_fused(flat, res).view(residual.shape)
         return residual + self.forward(x)
 
+    def forward_norm_residual(self, h: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+        """h + self(norm(h)) (the decoder layer's post-attention half). On the fused path with a bf16 router the
+        router GEMM takes the norm in and writes the normed rows the experts read: one launch for both."""
+        flat = h.reshape(-1, h.shape[-1])
+        w, eps = norm.kernel_weight(), norm.eps
+        if (isinstance(self.gate, Linear) and flat.is_contiguous() and skinny_supported(flat, self.gate.weight)
+                and fused_applies(flat, self.experts.gate_up_proj, self.experts.down_proj, self.experts.backend)):
+            x = torch.empty_like(flat)
+            logits = skinny_linear(flat, self.gate.weight, self.gate.bias, norm_weight=w, eps=eps, norm_out=x)
+            return self._forward_fused(x, flat, logits).view(h.shape)
+        return self.forward_residual(rms_norm(h, w, eps)[0], h)
+
     def _record(self, ids: torch.Tensor) -> None:
         self.last_ids = self.ids_by_tokens[ids.shape[0]] = ids
 
@@ -297,12 +310,15 @@ class SparseMoeBlock(nn.Module):
         shared = SharedWeights(se.gate_proj.weight, se.up_proj.weight, se.down_proj.weight)
         return shared if shared_foldable(shared, self.experts.gate_up_proj, self.experts.down_proj) else None
 
-    def _forward_fused(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """Router GEMM, routing (top-k and the shared gate) + grouping by expert, gate_up, down, combine:
-        five launches for a small step (the routing and grouping share one), six for a large one."""
+    def _forward_fused(self, x: torch.Tensor, residual: torch.Tensor | None = None,
+                       logits: torch.Tensor | None = None) -> torch.Tensor:
+        """Router GEMM (unless its `logits` are given), routing (top-k and the shared gate) + grouping by expert,
+        gate_up, down, combine: five launches for a small step (the routing and grouping share one), six for a
+        large one."""
         x = x if x.is_contiguous() else x.contiguous()
         gate = self.gate
-        logits = skinny_linear(x, gate.weight, gate.bias) if isinstance(gate, Linear) else gate(x)  # or quantized
+        if logits is None:
+            logits = skinny_linear(x, gate.weight, gate.bias) if isinstance(gate, Linear) else gate(x)  # or quantized
         shared = self._folded_shared()
         shared_gate = self.shared_expert_gate.weight if shared is not None else None
         layout = None
