@@ -18,7 +18,7 @@ def test_tune_picks_k_and_serve_accepts_the_config(tiny_models, tiny_drafter, tm
                "--json"])
     assert rc == 0
     data = json.loads(capsys.readouterr().out)
-    assert sorted({p["k"] for p in data["points"]}) == [0, 2, 4]
+    assert sorted({(p["method"], p["k"]) for p in data["points"]}) == [("ar", 0), ("dflash", 2), ("dflash", 4)]
     assert any("k 20 skipped" in n for n in data["notes"])
     for p in data["points"]:
         assert p["tok_s"] > 0 and p["requests"] == 2
@@ -26,11 +26,12 @@ def test_tune_picks_k_and_serve_accepts_the_config(tiny_models, tiny_drafter, tm
         assert len(p["acceptance_per_position"]) == p["k"]
         if p["k"] == 0:
             assert p["tau"] == 1.0 and p["speedup"] == 1.0
-    assert set(data["best_k_per_class"]) == {"code", "prose"}
-    assert data["best_k"] in (0, 2, 4) and data["best_speculative_k"] in (2, 4)
+    assert set(data["best_per_class"]) == {"code", "prose"}
+    assert data["best"]["k"] in (0, 2, 4) and data["best_speculative"] in ({"method": "dflash", "k": 2},
+                                                                            {"method": "dflash", "k": 4})
     config = data["speculative_config"]
     k = json.loads(config)["num_speculative_tokens"]
-    assert k == (data["best_k"] or data["best_speculative_k"])
+    assert k == data["best_speculative"]["k"]
     for name in ("tune.json", "tune.md", "tok_s_vs_k.png"):
         assert (tmp_path / name).stat().st_size > 100
     assert "--speculative-config" in (tmp_path / "tune.md").read_text()
@@ -52,7 +53,7 @@ def test_tune_without_drafter_reports_the_baseline_only(tiny_models, tmp_path, c
     text = capsys.readouterr().out
     assert "no drafter given" in text and "autoregressive baseline" in text and "--speculative-config" not in text
     data = json.loads((tmp_path / "tune.json").read_text())
-    assert [p["k"] for p in data["points"]] == [0] and data["speculative_config"] is None
+    assert [(p["method"], p["k"]) for p in data["points"]] == [("ar", 0)] and data["speculative_config"] is None
 
 
 def test_switching_k_keeps_greedy_output_identical(tiny_models, tiny_drafter):
@@ -84,10 +85,10 @@ def test_tune_sweeps_mtp_n_and_prints_an_mtp_config(tmp_path, capsys):
                "--json"])
     assert rc == 0
     data = json.loads(capsys.readouterr().out)
-    assert sorted({p["k"] for p in data["points"]}) == [0, 1, 3]
+    assert sorted({(p["method"], p["k"]) for p in data["points"]}) == [("ar", 0), ("mtp", 1), ("mtp", 3)]
     assert all(len(p["acceptance_per_position"]) == p["k"] for p in data["points"])
     config = json.loads(data["speculative_config"])
-    assert config == {"method": "mtp", "num_speculative_tokens": data["best_k"] or data["best_speculative_k"]}
+    assert config == {"method": "mtp", "num_speculative_tokens": data["best_speculative"]["k"]}
 
 
 def test_tune_runs_deterministic_in_process_and_refuses_it_against_a_server(tiny_models, tmp_path, capsys):
