@@ -291,10 +291,8 @@ def sweep_in_process(s: TuneSettings, sets: dict[str, list[Prompt]], notes: list
             sweep = EngineSweep(s, max(plan.counts, default=0), plan.method)
             try:
                 if not env:
-                    eng = sweep.engine
-                    env = {"device": f"{eng.device.type} {str(eng.dtype).removeprefix('torch.')}",
-                           "model_path": str(eng.model_dir)}
-                    del eng
+                    env = {"device": f"{sweep.engine.device.type} {str(sweep.engine.dtype).removeprefix('torch.')}",
+                           "model_path": str(sweep.engine.model_dir)}
                 ks = plan.counts if i else [0, *plan.counts]  # one baseline, on the first engine
                 points += _sweep_ks(sweep, plan.label, ks, sets, bar)
             finally:
