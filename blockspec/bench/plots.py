@@ -90,18 +90,26 @@ def plot_acceptance(rows: list[dict[str, Any]], path: Path, title: str) -> bool:
 
 
 def plot_tok_s_vs_k(points: list[dict[str, Any]], path: Path, title: str) -> bool:
-    """Tune: tok/s against k per prompt class (k = 0 is the autoregressive baseline)."""
+    """Tune: tok/s against k (or MTP's N) per prompt class, one colour per class and one line style per method;
+    every method's line starts at the autoregressive baseline (method "ar", k = 0)."""
     plt = _pyplot()
     if plt is None:
         return False
     fig, ax = plt.subplots(figsize=(7, 4.5))
     classes = list(dict.fromkeys(p["prompt_class"] for p in points))
+    methods = list(dict.fromkeys(p["method"] for p in points if p["method"] != "ar")) or ["ar"]
     for i, cls in enumerate(classes):
-        mine = sorted((p for p in points if p["prompt_class"] == cls and p["tok_s"]), key=lambda p: p["k"])
-        ax.plot([p["k"] for p in mine], [p["tok_s"] for p in mine], "o-", color=f"C{i % 10}", label=cls)
+        base = [p for p in points if p["prompt_class"] == cls and p["method"] == "ar" and p["tok_s"]]
+        for j, method in enumerate(methods):
+            mine = sorted((p for p in points if p["prompt_class"] == cls and p["method"] == method and p["tok_s"]
+                           and method != "ar"), key=lambda p: p["k"])
+            mine = base + mine
+            label = cls if len(methods) == 1 else f"{cls} ({method})"
+            ax.plot([p["k"] for p in mine], [p["tok_s"] for p in mine], "o" + ("-", "--", ":", "-.")[j % 4],
+                    color=f"C{i % 10}", label=label)
     ks = sorted({p["k"] for p in points})
     ax.set_xticks(ks, [str(k) for k in ks])
-    ax.set_xlabel("k (num_speculative_tokens; 0 = autoregressive)")
+    ax.set_xlabel("k (num_speculative_tokens; MTP's N; 0 = autoregressive)")
     ax.set_ylabel("decode tok/s")
     ax.set_title(title)
     _finish(plt, fig, ax, path, None if points else "no results")

@@ -1,11 +1,15 @@
-"""`blockspec tune`: sweep k per prompt class against the autoregressive baseline and pick k.
+"""`blockspec tune`: sweep DFlash's k and MTP's N per prompt class against the autoregressive baseline, pick one.
 
-In-process mode builds one engine with the largest k, then switches k between sweeps (k = 0 takes
-the drafter out of the step entirely, so the baseline pays no drafting cost). With --method mtp the
-proposer is the target's own MTP head and k is its number of drafts N, swept the same way. Requests run one at a
-time (the conc=1 regime the choice of k matters for); each cell is the median of its runs.
-Against --base-url the server's k is fixed at start-up, so one call measures one k and merges it
-into the sweep already in --out: restart the server with each k and call tune again.
+In-process mode builds one engine per method, one after the other (a DFlash drafter for --draft DIR, the
+target's own MTP head for mtp; the engine holds one proposer, and two engines at once would hold two
+copies of the target), each at its largest k, and switches k between sweeps (k = 0 takes the proposer out
+of the step entirely, so the baseline pays no drafting cost). The baseline is measured once, on the first
+engine, and every method's speedup is over it; all points run the same prompts, one request at a time (the
+conc=1 regime the choice of k matters for); each cell is the median of its runs. A requested method that
+cannot run here (no drafter given, no `mtp.*` weights) is named in a note and the others are swept.
+Against --base-url the server's proposer and k are fixed at start-up, so one call measures one method at
+one k and merges it into the sweep already in --out: restart the server with the next configuration and
+call tune again.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime as dt
+import gc
 import json
 import sys
 from dataclasses import dataclass, field
@@ -29,19 +34,41 @@ from blockspec.bench.bench_cmd import (
 )
 from blockspec.bench.prompts import DEFAULT_CLASSES, Prompt, load_prompt_sets
 from blockspec.bench.stats import median
-from blockspec.bench.tune_report import JSON_NAME, choose, format_tune_table, speculative_config, write_tune_outputs
+from blockspec.bench.tune_report import (
+    AR,
+    JSON_NAME,
+    choose,
+    format_tune_table,
+    point_order,
+    speculative_config,
+    write_tune_outputs,
+)
+from blockspec.config import METHODS, MTP_METHODS
 from blockspec.errors import ConfigError
 
 DEFAULT_KS = [4, 6, 8, 10, 12, 15]
 DEFAULT_MTP_NS = [1, 2, 3, 4]  # MTP heads are trained for one step ahead: acceptance falls fast with N
+SYNTHETIC = "synthetic"  # the method of points whose drafts came from --synthetic-accept
+
+
+def method_list(text: str) -> list[str]:
+    """--method: one method or a comma-separated list (dflash, mtp; vLLM's aliases of mtp map to it)."""
+    names = [m.strip() for m in text.split(",") if m.strip()]
+    bad = [m for m in names if m not in METHODS]
+    if not names or bad:
+        raise argparse.ArgumentTypeError(f"not a speculative method: {', '.join(bad) or repr(text)} (choose from "
+                                         f"dflash, mtp or a comma-separated list such as dflash,mtp; "
+                                         f"{', '.join(MTP_METHODS[1:])} are spellings of mtp)")
+    return list(dict.fromkeys("mtp" if m in MTP_METHODS else m for m in names))
 
 
 @dataclass
 class TuneSettings:
     model: str | None = None
     draft: str | None = None
-    method: str = "dflash"  # dflash (--draft DIR) | mtp (the target's own MTP head)
-    ks: list[int] = field(default_factory=lambda: list(DEFAULT_KS))
+    methods: list[str] = field(default_factory=lambda: ["dflash"])  # dflash (--draft DIR), mtp (target's head)
+    ks: list[int] = field(default_factory=lambda: list(DEFAULT_KS))  # DFlash's k
+    ns: list[int] = field(default_factory=lambda: list(DEFAULT_MTP_NS))  # MTP's N
     prompts: str = DEFAULT_CLASSES
     max_tokens: int = 256
     runs: int = 3
@@ -58,17 +85,32 @@ class TuneSettings:
     api_key: str | None = None
     server_model: str | None = None
 
+    def counts(self, method: str) -> list[int]:
+        """The numbers of drafts per step to sweep for `method`: k for DFlash, N for MTP."""
+        return self.ns if method == "mtp" else self.ks
+
+
+@dataclass
+class MethodPlan:
+    """One method's part of an in-process sweep: the engine to build and the k (or N) values to run on it."""
+
+    method: str  # dflash | mtp: the engine's proposer
+    counts: list[int]  # k > 0 values (MTP: N)
+    label: str  # the points' method: the proposer's, or "synthetic"
+    block_size: int | None = None  # the DFlash drafter's
+
 
 class EngineSweep:
     """Runs prompts one at a time through an in-process engine and records each request's stats."""
 
-    def __init__(self, s: TuneSettings, max_k: int) -> None:
+    def __init__(self, s: TuneSettings, max_k: int, method: str = "dflash") -> None:
         from blockspec.config import EngineConfig, SpeculativeConfig
         from blockspec.engine.engine import Engine
 
-        proposes = s.draft is not None or s.method == "mtp"
-        spec = SpeculativeConfig(model=s.draft, num_speculative_tokens=max_k if proposes and max_k else None,
-                                 method=s.method)
+        draft = s.draft if method == "dflash" else None
+        proposes = draft is not None or method == "mtp"
+        spec = SpeculativeConfig(model=draft, num_speculative_tokens=max_k if proposes and max_k else None,
+                                 method=method)
         self.engine = Engine(EngineConfig(model=s.model, speculative=spec, device=s.device, dtype=s.dtype,
                                           max_model_len=s.max_model_len, max_num_seqs=1,
                                           gpu_memory_utilization=s.gpu_memory_utilization,
@@ -76,6 +118,18 @@ class EngineSweep:
         self.settings = s
         self.references: dict[str, list[int]] = {}  # prompt id -> greedy AR output (synthetic mode)
         self.counter = 0
+
+    def close(self) -> None:
+        """Free the engine's memory now, so that the next method's engine finds it (one target at a time)."""
+        import torch
+
+        engine, self.engine = self.engine, None
+        cuda = engine.device.type == "cuda"
+        engine.release()
+        del engine
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
 
     def text(self, prompt: Prompt) -> str:
         eng = self.engine
@@ -115,14 +169,14 @@ class EngineSweep:
                 "completion_tokens": st.completion_tokens}
 
 
-def point_from_requests(k: int, cls: str, runs: list[list[dict[str, Any]]]) -> dict[str, Any]:
-    """One (k, class) cell: median over runs of the per-run median decode tok/s; tau over everything."""
+def point_from_requests(method: str, k: int, cls: str, runs: list[list[dict[str, Any]]]) -> dict[str, Any]:
+    """One (method, k, class) cell: median over runs of the per-run median decode tok/s; tau over everything."""
     reqs = [r for run in runs for r in run]
     steps = sum(r["steps"] for r in reqs)
     width = max((len(r["accepted_per_position"]) for r in reqs), default=0)
     accepted = [sum(r["accepted_per_position"][i] for r in reqs if i < len(r["accepted_per_position"]))
                 for i in range(width)]
-    return {"k": k, "prompt_class": cls,
+    return {"method": method, "k": k, "prompt_class": cls,
             "tok_s": median([median([r["decode_tok_s"] for r in run]) for run in runs]),
             "tok_s_runs": [median([r["decode_tok_s"] for r in run]) for run in runs],
             "tau": sum(r["decode_tokens"] for r in reqs) / steps if steps else None,
@@ -130,99 +184,176 @@ def point_from_requests(k: int, cls: str, runs: list[list[dict[str, Any]]]) -> d
             "requests": len(reqs), "mean_output_tokens": sum(r["completion_tokens"] for r in reqs) / max(len(reqs), 1)}
 
 
-def sweep_in_process(s: TuneSettings, sets: dict[str, list[Prompt]], notes: list[str],
-                     quiet: bool) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    ks = sorted({k for k in s.ks if k > 0})
+def _unavailable(method: str, s: TuneSettings) -> str | None:
+    """Why `method` cannot be swept here (None: it can), without building an engine."""
+    if method == "dflash":
+        return None if s.draft or s.synthetic_accept is not None else "no drafter given (pass --draft DIR)"
+    from blockspec.loader.weights import resolve_model_path
+    from blockspec.spec.mtp import mtp_unavailable
+
+    return mtp_unavailable(resolve_model_path(s.model), load=s.load_format != "dummy")
+
+
+def _in_range(method: str, s: TuneSettings, notes: list[str]) -> MethodPlan:
+    """The method's k (or N) values the proposer can draft, the others named in a note."""
+    counts = sorted({k for k in s.counts(method) if k > 0})
     block = None
-    if s.method == "mtp":
+    if method == "mtp":
         from blockspec.spec.mtp import MAX_DRAFTS
 
-        dropped = [k for k in ks if k > MAX_DRAFTS]
-        if dropped:
-            notes.append(f"N {', '.join(map(str, dropped))} skipped: at most {MAX_DRAFTS} MTP drafts per step")
-        ks = [k for k in ks if k <= MAX_DRAFTS]
+        limit, why = MAX_DRAFTS, f"at most {MAX_DRAFTS} MTP drafts per step"
     elif s.draft:
         from blockspec.spec.dflash import DrafterConfig
 
         block = DrafterConfig.from_dir(Path(s.draft)).block_size
-        dropped = [k for k in ks if k > block - 1]
-        if dropped:
-            notes.append(f"k {', '.join(map(str, dropped))} skipped: the drafter's block_size is {block} "
-                         f"(k <= {block - 1})")
-        ks = [k for k in ks if k <= block - 1]
-    elif s.synthetic_accept is None:
-        notes.append("no drafter given: measured the autoregressive baseline (k = 0) only; pass --draft DIR "
-                     "(a DFlash checkpoint) to sweep k")
-        ks = []
+        limit, why = block - 1, f"the drafter's block_size is {block} (k <= {block - 1})"
+    else:
+        limit, why = None, ""
+    if limit is not None and any(k > limit for k in counts):
+        name = "N" if method == "mtp" else "k"
+        notes.append(f"{name} {', '.join(str(k) for k in counts if k > limit)} skipped: {why}")
+        counts = [k for k in counts if k <= limit]
+    label = SYNTHETIC if s.synthetic_accept is not None else method
+    return MethodPlan(method, counts, label, block)
+
+
+def plan_methods(s: TuneSettings, notes: list[str]) -> list[MethodPlan]:
+    """One plan per method that can run (a lone dflash without a drafter: the baseline alone, as a note says).
+    Refuses a lone method that cannot run, and a list of which none can."""
     if s.synthetic_accept is not None:
+        if len(s.methods) > 1:
+            raise ConfigError("--synthetic-accept replaces the proposer's drafts with synthetic ones, so there is "
+                              "nothing to compare between methods: pass one --method")
         if s.temperature != 0:
             raise ConfigError("--synthetic-accept needs --temperature 0 (drafts follow the greedy output)")
         notes.append(f"SYNTHETIC drafts: the target's own greedy continuation, each draft kept with probability "
                      f"{s.synthetic_accept}; tok/s shows what the verify path would give at that acceptance, "
                      "not what a real drafter gives")
-    sweep = EngineSweep(s, max(ks, default=0))
-    eng = sweep.engine
-    ks_all = [0, *ks]
-    total = len(ks_all) * s.runs * sum(len(p) for p in sets.values())
+    why = {m: _unavailable(m, s) for m in s.methods}
+    if len(s.methods) == 1:
+        method = s.methods[0]
+        if why[method] is None:
+            return [_in_range(method, s, notes)]
+        if method == "mtp":
+            raise ConfigError(why[method])
+        notes.append("no drafter given: measured the autoregressive baseline (k = 0) only; pass --draft DIR "
+                     "(a DFlash checkpoint) to sweep k, or --method mtp for a target with an MTP head")
+        return [MethodPlan(method, [], method)]
+    if all(why.values()):
+        raise ConfigError("none of the methods can run here: " + "; ".join(f"{m}: {w}" for m, w in why.items()))
+    for method, reason in why.items():
+        if reason:
+            notes.append(f"{method} not swept: {reason}")
+    return [_in_range(m, s, notes) for m in s.methods if why[m] is None]
+
+
+def _sweep_ks(sweep: EngineSweep, method: str, ks: list[int], sets: dict[str, list[Prompt]], bar) -> list[dict]:
+    s = sweep.settings
+    points = []
+    for k in ks:
+        sweep.use_k(k)
+        first = next(iter(sets.values()))[0]
+        for _ in range(s.warmup):
+            sweep.run(first)
+        label = method if k else AR
+        for cls, prompts in sets.items():
+            runs = []
+            for r in range(s.runs):
+                if bar is not None:
+                    bar.set_description(f"{label} k={k} {cls} run {r + 1}/{s.runs}")
+                run = []
+                for p in prompts:
+                    run.append(sweep.run(p))
+                    if bar is not None:
+                        bar.update(1)
+                runs.append(run)
+            point = point_from_requests(label, k, cls, runs)
+            if label == "dflash":
+                point["draft"] = s.draft
+            points.append(point)
+    return points
+
+
+def sweep_in_process(s: TuneSettings, sets: dict[str, list[Prompt]], notes: list[str],
+                     quiet: bool) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    plans = plan_methods(s, notes)
+    runnable = [p for p in plans if p.counts] or plans[:1]  # an engine only for methods with k to run
+    total = (1 + sum(len(p.counts) for p in runnable)) * s.runs * sum(len(p) for p in sets.values())
     bar = None
     if not quiet:
         from tqdm import tqdm
 
         bar = tqdm(total=total, unit="req", file=sys.stderr, dynamic_ncols=True)
-    points = []
+    points: list[dict[str, Any]] = []
+    env: dict[str, Any] = {}
     try:
-        for k in ks_all:
-            sweep.use_k(k)
-            first = next(iter(sets.values()))[0]
-            for _ in range(s.warmup):
-                sweep.run(first)
-            for cls, prompts in sets.items():
-                runs = []
-                for r in range(s.runs):
-                    if bar is not None:
-                        bar.set_description(f"k={k} {cls} run {r + 1}/{s.runs}")
-                    run = []
-                    for p in prompts:
-                        run.append(sweep.run(p))
-                        if bar is not None:
-                            bar.update(1)
-                    runs.append(run)
-                points.append(point_from_requests(k, cls, runs))
+        for i, plan in enumerate(runnable):
+            sweep = EngineSweep(s, max(plan.counts, default=0), plan.method)
+            try:
+                if not env:
+                    env = {"device": f"{sweep.engine.device.type} {str(sweep.engine.dtype).removeprefix('torch.')}",
+                           "model_path": str(sweep.engine.model_dir)}
+                ks = plan.counts if i else [0, *plan.counts]  # one baseline, on the first engine
+                points += _sweep_ks(sweep, plan.label, ks, sets, bar)
+            finally:
+                sweep.close()
     finally:
         if bar is not None:
             bar.close()
-    env = {"device": f"{eng.device.type} {str(eng.dtype).removeprefix('torch.')}", "model_path": str(eng.model_dir),
-           "block_size": block}
+    env["block_size"] = next((p.block_size for p in plans if p.block_size), None)
     return points, env
 
 
 def sweep_remote(s: TuneSettings, sets: dict[str, list[Prompt]], quiet: bool) -> list[dict[str, Any]]:
-    """Measure the server's current configuration as the single k given with --k."""
-    if len(s.ks) != 1:
-        raise ConfigError("with --base-url, tune measures the k the server runs: pass exactly one --k (0 for a "
-                          "server without a drafter) and call again after restarting the server with the next k")
+    """Measure the server's current configuration as the single method and k given with --method and --k."""
+    if len(s.methods) != 1:
+        raise ConfigError("a server runs one proposer, so with --base-url tune measures one --method per call: "
+                          "start the server with one --speculative-config, pass its --method and --k, then restart "
+                          "it with the other method and call again with the same --out (each call merges into the "
+                          "table there); or drop --base-url to sweep every method in-process")
+    method = s.methods[0]
+    counts = s.counts(method)
+    if len(counts) != 1:
+        raise ConfigError("with --base-url, tune measures the k the server runs: pass exactly one --k (MTP: its N; "
+                          "0 for a server without speculation) and call again after restarting the server with the "
+                          "next k")
     quiet_http_logs()
     bench = BenchSettings(base_url=s.base_url, api_key=s.api_key, model=s.server_model, prompts=s.prompts,
                           concurrency=[1], max_tokens=s.max_tokens, runs=s.runs, warmup=s.warmup,
                           temperature=s.temperature)
     data = asyncio.run(run_bench(bench, quiet=quiet))
     points = []
-    k = s.ks[0]
+    k = counts[0]
     for row in data["results"]:
         spec = row.get("spec") or {}
-        points.append({"k": k, "prompt_class": row["prompt_class"], "tok_s": row["decode_tok_s"],
-                       "tau": spec.get("tau") or (1.0 if k == 0 else None),
-                       "acceptance_per_position": spec.get("acceptance_per_position") or [],
-                       "requests": row["requests"], "errors": row["errors"], "model": data["model"]})
+        point = {"method": method if k else AR, "k": k, "prompt_class": row["prompt_class"],
+                 "tok_s": row["decode_tok_s"], "tau": spec.get("tau") or (1.0 if k == 0 else None),
+                 "acceptance_per_position": spec.get("acceptance_per_position") or [],
+                 "requests": row["requests"], "errors": row["errors"], "model": data["model"]}
+        if k and method == "dflash":
+            point["draft"] = s.draft
+        points.append(point)
     return points
 
 
-def merge_points(old: list[dict[str, Any]], new: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Earlier base-url points plus this call's (which replace any of the same k and class)."""
-    keep = {(p["k"], p["prompt_class"]): p for p in old}
-    keep.update({(p["k"], p["prompt_class"]): p for p in new})
-    order = list(dict.fromkeys(p["prompt_class"] for p in [*old, *new]))
-    return sorted(keep.values(), key=lambda p: (p["k"], order.index(p["prompt_class"])))
+def merge_points(old: list[dict[str, Any]], new: list[dict[str, Any]], old_method: str = "dflash"
+                 ) -> list[dict[str, Any]]:
+    """Earlier base-url points plus this call's (which replace any of the same method, k and class). Points
+    written before tune recorded methods get theirs from the old document's (`old_method`)."""
+    for p in old:
+        p.setdefault("method", AR if p["k"] == 0 else old_method)
+    keep = {(p["method"], p["k"], p["prompt_class"]): p for p in [*old, *new]}  # the later call's point wins
+    merged = list(keep.values())
+    order = point_order(merged)
+    classes = list(dict.fromkeys(p["prompt_class"] for p in [*old, *new]))
+    return sorted(merged, key=lambda p: (order.index((p["method"], p["k"])), classes.index(p["prompt_class"])))
+
+
+def describe_proposers(methods: list[str], points: list[dict[str, Any]], s: TuneSettings) -> str | None:
+    """The header's "+ ..." part: the proposers the points ran (None: the baseline alone)."""
+    draft = s.draft or next((p["draft"] for p in points if p.get("draft")), None)
+    names = {"mtp": "the target's MTP head", "dflash": draft or "a DFlash drafter", SYNTHETIC: "synthetic drafts"}
+    return " / ".join(names[m] for m in methods) or None
 
 
 def run_tune(s: TuneSettings, out_dir: Path | None = None, quiet: bool = False) -> dict[str, Any]:
@@ -239,21 +370,27 @@ def run_tune(s: TuneSettings, out_dir: Path | None = None, quiet: bool = False) 
         points = sweep_remote(s, sets, quiet)
         previous = out_dir / JSON_NAME if out_dir is not None else None
         if previous is not None and previous.is_file():
-            points = merge_points(json.loads(previous.read_text()).get("points", []), points)
+            old = json.loads(previous.read_text())
+            points = merge_points(old.get("points", []), points, old.get("method", "dflash"))
             notes.append(f"merged with the earlier points in {previous}")
         mode, env = "base-url", {"device": s.base_url, "model_path": points[0].get("model") if points else None}
     else:
         points, env = sweep_in_process(s, sets, notes, quiet)
         mode = "in-process"
     chosen = choose(points)
-    spec_k = chosen["best_k"] or chosen["best_speculative_k"]
-    config = speculative_config(s.draft, spec_k, s.method) if s.synthetic_accept is None else None
-    if s.draft is None and s.method != "mtp" and spec_k and s.base_url:
-        notes.append("pass --draft DIR to have the --speculative-config line printed with the drafter path")
+    pick = chosen["best_speculative"]
+    config = None
+    if pick is not None and s.synthetic_accept is None:
+        draft = next((p.get("draft") for p in points if (p["method"], p["k"]) == (pick["method"], pick["k"])
+                      and p.get("draft")), None) or s.draft
+        config = speculative_config(draft, pick["k"], pick["method"])
+        if config is None and pick["method"] == "dflash":
+            notes.append("pass --draft DIR to have the --speculative-config line printed with the drafter path")
     settings = {k: v for k, v in vars(s).items() if k != "api_key"}
+    methods = [m for m in dict.fromkeys(p["method"] for p in points) if m != AR]
     return {"tool": "blockspec tune", "started_at": started, "client_commit": client_commit(), "mode": mode,
             "model": s.model or s.server_model or env.get("model_path") or "embedded default",
-            "drafter": "the target's MTP head" if s.method == "mtp" else s.draft, "method": s.method,
+            "drafter": describe_proposers(methods, points, s), "methods": methods,
             "device": env["device"], "settings": settings,
             "synthetic": None if s.synthetic_accept is None else {"accept_prob": s.synthetic_accept},
             "points": points, **chosen, "speculative_config": config, "notes": notes}
@@ -262,18 +399,24 @@ def run_tune(s: TuneSettings, out_dir: Path | None = None, quiet: bool = False) 
 def add_tune_parser(sub: argparse._SubParsersAction) -> None:
     from blockspec.cli import add_deterministic_arg  # cli imports the bench parsers
 
-    p = sub.add_parser("tune", help="sweep k per prompt class against the autoregressive baseline",
+    p = sub.add_parser("tune", help="sweep k (DFlash) and N (MTP) per prompt class against the autoregressive "
+                                    "baseline",
                        description="Run the engine in-process (or measure a server with --base-url), sweep "
-                                   "num_speculative_tokens per prompt class with k = 0 as the baseline, report tau, "
-                                   "tok/s and speedup, and print the --speculative-config to serve with.")
+                                   "num_speculative_tokens per prompt class with k = 0 as the baseline (DFlash's k, "
+                                   "MTP's N, or both in one table with --method dflash,mtp), report tau, tok/s and "
+                                   "speedup, and print the --speculative-config of the best to serve with.")
     p.add_argument("--model", default=None, help="HF model directory or .gguf (default: the embedded model)")
     p.add_argument("--draft", default=None, help="DFlash drafter directory (DFlash 1 or 2)")
-    p.add_argument("--method", choices=("dflash", "mtp"), default="dflash",
-                   help="mtp: draft with the target checkpoint's own MTP head (Qwen3-Next, Qwen3.5/3.6), sweeping "
-                        "its N drafts per step as k")
+    p.add_argument("--method", type=method_list, default=["dflash"], metavar="METHOD[,METHOD]",
+                   help="dflash (the --draft drafter; default), mtp (the target checkpoint's own MTP head: "
+                        "Qwen3-Next, Qwen3.5/3.6; vLLM's qwen3_next_mtp and qwen3_5_mtp spell it too), or both, "
+                        "dflash,mtp: one engine per method in turn, one baseline, one table, the best of either "
+                        "recommended (a method that cannot run here is noted and skipped)")
     p.add_argument("--k", type=int_list, default=None,
-                   help=f"k values to sweep (default {','.join(map(str, DEFAULT_KS))}; for --method mtp, N: "
-                        f"{','.join(map(str, DEFAULT_MTP_NS))})")
+                   help=f"DFlash k values to sweep (default {','.join(map(str, DEFAULT_KS))}); with --method mtp "
+                        "alone, MTP's N (as --n)")
+    p.add_argument("--n", type=int_list, default=None,
+                   help=f"MTP N values to sweep (default {','.join(map(str, DEFAULT_MTP_NS))})")
     p.add_argument("--prompts", default=DEFAULT_CLASSES, help="as for bench: classes, humaneval, FILE.jsonl, NAME:N")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--runs", type=int, default=3)
@@ -288,7 +431,9 @@ def add_tune_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--synthetic-accept", type=float, default=None, metavar="P",
                    help="no drafter: draft the target's own output, each token kept with probability P "
                         "(labelled synthetic; times the verify path)")
-    p.add_argument("--base-url", default=None, help="measure a running server at its k instead (one --k per call)")
+    p.add_argument("--base-url", default=None,
+                   help="measure a running server at its method and k instead (one --method and one --k per call; "
+                        "calls with the same --out merge into one table)")
     p.add_argument("--api-key", default=None)
     p.add_argument("--server-model", default=None, help="model name to request with --base-url")
     p.add_argument("--out", type=Path, default=None, help="output directory (default: tune-results/DATE-TIME)")
@@ -297,11 +442,24 @@ def add_tune_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_tune)
 
 
+def draft_counts(args: argparse.Namespace) -> tuple[list[int], list[int]]:
+    """(DFlash's k values, MTP's N values) from --k and --n; --k is N when mtp is the only method."""
+    methods = args.method
+    if methods == ["mtp"]:
+        if args.k is not None and args.n is not None:
+            raise ConfigError("with --method mtp alone, --k is MTP's N: pass --k or --n, not both")
+        return list(DEFAULT_KS), args.n or args.k or list(DEFAULT_MTP_NS)
+    if args.n is not None and "mtp" not in methods:
+        raise ConfigError("--n sets MTP's N: add mtp to --method (e.g. --method dflash,mtp), or drop --n")
+    return args.k or list(DEFAULT_KS), args.n or list(DEFAULT_MTP_NS)
+
+
 def cmd_tune(args: argparse.Namespace) -> int:
-    if args.method == "mtp" and args.draft is not None:
-        raise ConfigError("--method mtp drafts with the target's own MTP head: drop --draft")
-    ks = args.k or (DEFAULT_MTP_NS if args.method == "mtp" else DEFAULT_KS)
-    s = TuneSettings(model=args.model, draft=args.draft, method=args.method, ks=ks, prompts=args.prompts,
+    if "mtp" in args.method and "dflash" not in args.method and args.draft is not None:
+        raise ConfigError("--method mtp drafts with the target's own MTP head: drop --draft (or pass "
+                          "--method dflash,mtp to compare the drafter with it)")
+    ks, ns = draft_counts(args)
+    s = TuneSettings(model=args.model, draft=args.draft, methods=args.method, ks=ks, ns=ns, prompts=args.prompts,
                      max_tokens=args.max_tokens,
                      runs=args.runs, warmup=args.warmup, temperature=args.temperature, device=args.device,
                      dtype=args.dtype, max_model_len=args.max_model_len,

@@ -69,9 +69,10 @@ def head_name(checkpoint_name: str) -> str | None:
 FLOAT_DTYPES = ("F32", "F16", "BF16")
 
 
-def check_target(cfg: ModelConfig, target: nn.Module, tensors: dict[str, tuple[str, tuple[int, ...]]] | None) -> None:
-    """Refuse, with the reason, a target whose checkpoint has no MTP head this proposer can run (`tensors`: the
-    checkpoint's {name: (dtype, shape)}, None for random weights)."""
+def check_target(cfg: ModelConfig, target: nn.Module | type[nn.Module],
+                 tensors: dict[str, tuple[str, tuple[int, ...]]] | None) -> None:
+    """Refuse, with the reason, a target whose checkpoint has no MTP head this proposer can run (`target`: the
+    model or its class; `tensors`: the checkpoint's {name: (dtype, shape)}, None for random weights)."""
     if not getattr(target, "has_recurrent_state", False) or not hasattr(target, "packed_projections"):
         raise ConfigError(f"speculative method \"mtp\" runs the MTP head of Qwen3-Next and Qwen3.5/3.6 "
                           f"checkpoints; {cfg.architecture or cfg.model_type} has none: use a DFlash drafter "
@@ -89,6 +90,21 @@ def check_target(cfg: ModelConfig, target: nn.Module, tensors: dict[str, tuple[s
     if layers > 1:
         raise ConfigError(f"the checkpoint declares {layers} MTP layers; blockspec runs heads of one layer (every "
                           "published Qwen3-Next / Qwen3.5 / 3.6 checkpoint)")
+
+
+def mtp_unavailable(model_dir: Path, load: bool = True) -> str | None:
+    """Why the checkpoint in `model_dir` has no MTP head this proposer can run, or None when it has one: the
+    engine's own check, from config.json and the shard headers alone (no weights read, no model built), so
+    `tune` can tell before it builds an engine for the head. load=False: random weights, tensors not checked."""
+    from blockspec.loader.safetensors_loader import read_tensor_headers
+    from blockspec.models.registry import model_class
+
+    cfg = ModelConfig.from_dir(model_dir)
+    try:
+        check_target(cfg, model_class(cfg), read_tensor_headers(model_dir) if load else None)
+    except ConfigError as exc:
+        return str(exc)
+    return None
 
 
 class MTPHead(nn.Module):

@@ -162,3 +162,18 @@ def test_other_head_layouts_load(mtp_models, prefix, tmp_path, monkeypatch):
     assert seen
     for anchor, n, drafts in seen:
         assert drafts == reference_drafts(hf, head, full[:anchor + 1], n), anchor
+
+
+def test_mtp_unavailable_answers_as_the_engine_would(mtp_models, tiny_models, tmp_path):
+    """`tune` asks mtp_unavailable before building an engine for the head: it must give the engine's answer."""
+    from blockspec.spec.mtp import mtp_unavailable
+
+    bare = save_tiny_hybrid(tmp_path / "bare", "qwen3_5", num_layers=2)
+    for path in (tiny_models["qwen3"], bare):
+        with pytest.raises(ConfigError) as refused:
+            mtp_engine(path, 2)
+        assert mtp_unavailable(path) == str(refused.value)
+    for path, _, _ in mtp_models.values():
+        assert mtp_unavailable(path) is None
+    assert mtp_unavailable(bare, load=False) is None  # random weights: a head in the checkpoint's shapes
+    assert mtp_engine(bare, 2, load_format="dummy").proposer.method == "mtp"
