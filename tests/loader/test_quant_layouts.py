@@ -167,3 +167,20 @@ def test_int4_experts_hold_one_packed_stack():
     held = quantized_tensor_bytes(experts)
     assert held == 4 * (quantized_weight_bytes("int4", 64, 64, 32, False, 2)
                         + quantized_weight_bytes("int4", 64, 32, 32, False, 2))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("scheme,group", [("nvfp4", 16), ("int4", 128), ("fp8", 128), ("int8", 128)])
+def test_dummy_weights_are_made_on_the_device_without_large_temporaries(scheme, group):
+    """--load-format dummy builds quantized experts directly in their packed layouts on the device: the peak
+    while making a 122B-sized stack (64 of its 256 experts) stays within the bytes held + one fp8 slice."""
+    from blockspec.models.layers.quant_linear import DUMMY_SLICE_BYTES
+
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    experts = QuantExperts(scheme, 64, 3072, 1024, group, group, dtype=torch.bfloat16, device="cuda")
+    torch.cuda.synchronize()
+    held = quantized_tensor_bytes(experts)
+    assert 0 <= torch.cuda.memory_allocated() - base - held < 1 << 20  # the allocator rounds to 512 bytes
+    assert torch.cuda.max_memory_allocated() - base <= held + DUMMY_SLICE_BYTES + (2 << 20)

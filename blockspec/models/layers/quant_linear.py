@@ -259,19 +259,19 @@ class _QuantTensors(nn.Module):
     @torch.no_grad()
     def init_dummy(self) -> None:
         """Finite random contents of the right magnitude (what --load-format dummy serves; loading overwrites)."""
-        # Generated in the stored dtypes, or in slices (fp8): a 122B model's expert stack is ~0.8 GB packed, and a
-        # float32 or int32 temporary of its shape would be 4x that on top of the weights at the load's peak.
+        # In place, or in slices (fp8): a 122B model's expert stack is ~0.8 GB packed, and a temporary of its
+        # shape (4x that as int32 / float32) would sit on top of the weights at the load's peak.
         gen_dev = self.qweight.device
         if self.scheme in ("int4", "nvfp4", "mxfp4"):
-            self.qweight.copy_(torch.randint(0, 256, self.qweight.shape, device=gen_dev, dtype=torch.uint8))
+            self.qweight.random_(0, 256)
         elif self.scheme == "int8":
-            self.qweight.copy_(torch.randint(-128, 128, self.qweight.shape, device=gen_dev, dtype=torch.int8))
+            self.qweight.random_(-128, 128)
         else:
             rows = self.qweight.view(-1, self.qweight.shape[-1])
             step = max(1, DUMMY_SLICE_BYTES // (4 * rows.shape[1]))
             for r in range(0, rows.shape[0], step):
                 block = rows[r:r + step]
-                block.copy_(torch.randn(block.shape, device=gen_dev).clamp(-3, 3))
+                block.copy_(torch.randn(block.shape, device=gen_dev).clamp_(-3, 3))
         scale = {"int4": 0.02 / 4, "int8": 0.02 / 64, "fp8": 0.02, "nvfp4": 0.02 / 3,
                  "mxfp4": E8M0_BIAS + round(math.log2(0.02 / 3))}[self.scheme]  # mxfp4: an exponent
         self.scales.fill_(scale)
