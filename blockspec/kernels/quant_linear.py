@@ -7,7 +7,9 @@ dtype tile by tile inside the GEMM: the bytes read are the packed weight plus it
 Layouts (a weight of logical shape [N, K] = [out, in]; `QuantLinear` in models/layers/quant_linear.py holds them):
 
 - "int4":  qweight uint8 [N, K/2], element k even in the low nibble; scales [N, K/G] (activation dtype);
-           zeros uint8 [N, K/G] (symmetric formats store 8); w = (q - z) * s; G in {32, 64, 128}.
+           zeros uint8 [N, K/G] (symmetric formats store 8); w = (q - z) * s; G in {32, 64, 128}. With 16-bit
+           scales the kernels read `scale_zero` int32 [N, K/G] (scale bits | zero << 16) in their place: the
+           layer holds it from construction (scales and zeros are views of it), never packed per call.
 - "int8":  qweight int8 [N, K]; scales [N, K/G] (G may equal K: per channel); zeros int8 [N, K/G] or None.
 - "fp8":   qweight float8_e4m3fn [N, K]; scales float32 [N, 1] (per channel) or [ceil(N/128), ceil(K/128)].
 - "nvfp4": qweight uint8 [N, K/2] of E2M1 codes (sign | e1 e0 | m, low nibble = even k); scales float8_e4m3fn
