@@ -86,7 +86,7 @@ def param_bytes_estimate(target: dict[str, Any], drafter: dict[str, Any] | None,
     layers as the loader holds them (packed weights + scales)."""
     meta = torch.device("meta")
     cfg = ModelConfig.from_dict(target)
-    qcfg = cfg.raw.get("quantization_config")
+    qcfg = target.get("quantization_config") or cfg.raw.get("quantization_config")  # VLMs: beside text_config
     quant = parse_quantization(qcfg) if qcfg else None
     with deferred_linears() if quant is not None else contextlib.nullcontext():
         model = build_module(lambda: model_class(cfg)(cfg, max_positions=64), meta, dtype)

@@ -21,7 +21,7 @@ import torch
 from blockspec.config import EngineConfig
 from blockspec.engine.detokenizer import IncrementalDetokenizer
 from blockspec.engine.kv_cache import PrefixCacheStats
-from blockspec.engine.memory import plan_kv_blocks
+from blockspec.engine.memory import load_peak, plan_kv_blocks, start_load_peak
 from blockspec.engine.outputs import RequestOutput, SpecDecodeCounters
 from blockspec.engine.sampling_params import SamplingParams
 from blockspec.engine.scheduler import Scheduler
@@ -68,10 +68,14 @@ class Engine:
         torch.manual_seed(config.seed)
 
         try:
+            load_base = start_load_peak(self.device)
             drafter = self._load_drafter()
             target = self._load_target()
             # the configured proposer, kept when k is set to 0 or drafts turn synthetic, so it can come back
             self.proposer: Proposer | None = drafter if drafter is not None else self._load_mtp(target)
+            # device bytes at the load's peak over those held before it (None off CUDA): weights + what loading
+            # briefly held beside them; the start-up report prints it beside the weights
+            self.load_peak_bytes: int | None = load_peak(self.device, load_base)
         except torch.OutOfMemoryError:
             raise OutOfMemoryError(self._weights_oom_message()) from None
         self.num_speculative_tokens = self._initial_k()

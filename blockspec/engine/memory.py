@@ -72,8 +72,35 @@ def weight_bytes(module: torch.nn.Module) -> tuple[int, int]:
     return total + quantized, quantized
 
 
+def start_load_peak(device: torch.device) -> int | None:
+    """Before loading: reset the CUDA peak counter; returns the bytes allocated now (None off CUDA)."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    return torch.cuda.memory_allocated(device)
+
+
+def load_peak(device: torch.device, base: int | None) -> int | None:
+    """After loading: the peak bytes allocated since start_load_peak, over what was allocated then."""
+    if base is None:
+        return None
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - base
+
+
+def loaded_weight_bytes(engine: Engine) -> int:
+    """Bytes of the target's and the proposer's weights as held (quantized layers: packed + scales)."""
+    total = weight_bytes(engine.runner.target)[0]
+    proposer = engine.runner.proposer
+    if proposer is not None and any(True for _ in proposer.parameters()):
+        total += weight_bytes(proposer)[0]
+    return total
+
+
 def weights_report(engine: Engine) -> str:
-    """The start-up line on weight memory (quantized layers counted as held: packed + scales)."""
+    """The start-up line on weight memory (quantized layers counted as held: packed weights, scales, zeros or
+    int4's packed scale|zero), and on CUDA the peak of loading beside them (streamed loading: a little over)."""
     total, quantized = weight_bytes(engine.runner.target)
     line = f"weights: target {_size(total)}"
     if quantized:
@@ -81,6 +108,9 @@ def weights_report(engine: Engine) -> str:
     proposer = engine.runner.proposer
     if proposer is not None and any(True for _ in proposer.parameters()):
         line += f", {proposer.describe()} proposer {_size(weight_bytes(proposer)[0])}"
+    peak = getattr(engine, "load_peak_bytes", None)
+    if peak is not None:
+        line += f"; peak during load {_size(peak)} (weights + {_size(max(0, peak - loaded_weight_bytes(engine)))})"
     return line
 
 

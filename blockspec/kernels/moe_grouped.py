@@ -24,7 +24,8 @@ in as expert id E that every token picks in slot k, with weight sigmoid(shared_e
 read its own gate/up/down tensors for that id (no copy; checkpoint names unchanged).
 
 Quantized experts (models/layers/quant_linear.QuantExpertWeights: int4, int8, fp8 per channel or 128x128
-blocks, NVFP4 with a global scale per expert, MXFP4): the grouped GEMMs read the stacked packed tensors and
+blocks, NVFP4 with a global scale per expert, MXFP4; int4 with 16-bit scales reads the holder's stacked
+`scale_zero`, built with the layer, never per call): the grouped GEMMs read the stacked packed tensors and
 dequantize each (expert, N tile, K tile) in registers with the dense quantized GEMMs' tiles
 (kernels/quant_tiles.py), per-row scales and the global scale applied to the accumulator; bytes read are the
 packed weights and their scales. A quantized shared expert is not folded (it keeps its QuantLinear path).
@@ -488,18 +489,22 @@ def quant_operand(holder, dtype: torch.dtype) -> QuantOperand | None:
     group_size, out_features, in_features, perm) as the kernels read it with `dtype` activations; None where
     they do not (an act-order permutation, a layout they do not index)."""
     # imported here: kernels.quant_linear imports the layouts' definitions, whose module imports this one
-    from blockspec.kernels.quant_linear import QuantWeights, fast_unpack, kernel_operands, quant_meta
+    from blockspec.kernels.quant_linear import QuantWeights, fast_unpack, kernel_operands, quant_meta, scale_zero_of
 
     qw, s, z, gs = holder.qweight, holder.scales, holder.zeros, holder.global_scale
+    packed = scale_zero_of(holder)  # int4 with 16-bit scales: [E, N, K/G] int32, s and z are views of it
     if getattr(holder, "perm", None) is not None or qw.dim() != 3 or s.dim() != 3:
         return None
     e = qw.shape[0]
-    if not (qw.is_contiguous() and s.is_contiguous() and (z is None or z.is_contiguous())) or s.shape[0] != e:
+    contiguous = packed.is_contiguous() if packed is not None else s.is_contiguous() and (z is None or
+                                                                                          z.is_contiguous())
+    if not (qw.is_contiguous() and contiguous) or s.shape[0] != e:
         return None
     if gs is not None and (tuple(gs.shape) != (e,) or not gs.is_contiguous()):
         return None
     first = QuantWeights(holder.scheme, qw[0], s[0], None if z is None else z[0], None if gs is None else gs[0],
-                         holder.group_size, holder.out_features, holder.in_features)
+                         holder.group_size, holder.out_features, holder.in_features,
+                         scale_zero=None if packed is None else packed[0])
     meta = quant_meta(first)
     if meta is None:
         return None

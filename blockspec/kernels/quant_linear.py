@@ -7,7 +7,9 @@ dtype tile by tile inside the GEMM: the bytes read are the packed weight plus it
 Layouts (a weight of logical shape [N, K] = [out, in]; `QuantLinear` in models/layers/quant_linear.py holds them):
 
 - "int4":  qweight uint8 [N, K/2], element k even in the low nibble; scales [N, K/G] (activation dtype);
-           zeros uint8 [N, K/G] (symmetric formats store 8); w = (q - z) * s; G in {32, 64, 128}.
+           zeros uint8 [N, K/G] (symmetric formats store 8); w = (q - z) * s; G in {32, 64, 128}. With 16-bit
+           scales the kernels read `scale_zero` int32 [N, K/G] (scale bits | zero << 16) in their place: the
+           layer holds it from construction (scales and zeros are views of it), never packed per call.
 - "int8":  qweight int8 [N, K]; scales [N, K/G] (G may equal K: per channel); zeros int8 [N, K/G] or None.
 - "fp8":   qweight float8_e4m3fn [N, K]; scales float32 [N, 1] (per channel) or [ceil(N/128), ceil(K/128)].
 - "nvfp4": qweight uint8 [N, K/2] of E2M1 codes (sign | e1 e0 | m, low nibble = even k); scales float8_e4m3fn
@@ -41,7 +43,14 @@ import torch.nn.functional as F
 
 from blockspec.kernels._triton import HAVE_TRITON, INTERPRET, use_triton
 from blockspec.kernels.quant_tiles import FP4_GLOBAL_BIAS
-from blockspec.models.layers.quant_linear import FP8_BLOCK, LAYOUTS, MXFP4_GROUP, NVFP4_GROUP, SCHEMES
+from blockspec.models.layers.quant_linear import (
+    FP8_BLOCK,
+    LAYOUTS,
+    MXFP4_GROUP,
+    NVFP4_GROUP,
+    SCHEMES,
+    packs_scale_zero,
+)
 from blockspec.models.layers.quant_linear import dequantize as layout_dequantize
 
 PREFILL_DEQUANT_MIN_M = 1024  # rows: from here dequantize + cuBLAS beats the in-register tl.dot GEMM (to tune)
@@ -97,7 +106,9 @@ def dequantize(scheme: str, qweight: torch.Tensor, scales: torch.Tensor, zeros: 
 @dataclass
 class QuantWeights:
     """The attributes the kernels read from a layer (QuantLinear exposes the same), as a plain record: what
-    the tests and bench/quant_gemm.py build their random layers as."""
+    the tests and bench/quant_gemm.py build their random layers as. int4 with 16-bit scales gets its packed
+    `scale_zero` at construction, as a QuantLinear holds it (the record's scales and zeros stay its own
+    tensors: do not write into them afterwards)."""
     scheme: str
     qweight: torch.Tensor
     scales: torch.Tensor
@@ -107,6 +118,12 @@ class QuantWeights:
     out_features: int
     in_features: int
     bias: torch.Tensor | None = None
+    scale_zero: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if (self.scale_zero is None and self.zeros is not None and self.scales.shape == self.zeros.shape
+                and packs_scale_zero(self.scheme, self.scales.dtype)):
+            self.scale_zero = packed_scale_zero(self.scales, self.zeros)
 
     def to(self, device: torch.device | str) -> QuantWeights:
         return QuantWeights(**{k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in vars(self).items()})
@@ -283,9 +300,13 @@ def quant_meta(layer) -> QuantMeta | None:
     MXFP4 (GPT-OSS experts) is read by the grouped MoE kernels, which call this on one expert's tensors."""
     scheme, n, k = layer.scheme, layer.out_features, layer.in_features
     qw, s, z, gs = layer.qweight, layer.scales, layer.zeros, layer.global_scale
-    if scheme not in LAYOUTS or s.dim() != 2 or not (qw.is_contiguous() and s.is_contiguous()):
+    packed = scale_zero_of(layer)  # int4 with 16-bit scales: what the kernels read (s, z are views then)
+    if scheme not in LAYOUTS or s.dim() != 2 or not qw.is_contiguous():
         return None
-    if z is not None and not z.is_contiguous():
+    if packed is not None:
+        if not packed.is_contiguous() or packed.shape != s.shape:
+            return None
+    elif not s.is_contiguous() or (z is not None and not z.is_contiguous()):
         return None
     if scheme == "int4":
         g = layer.group_size if layer.group_size and layer.group_size > 0 else k
@@ -425,25 +446,40 @@ def packed_scale_zero(scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor
     return bits | (zeros.to(torch.int32) << 16)
 
 
-def _packed_int4_groups(layer) -> torch.Tensor:
-    """The layer's packed_scale_zero, built once and kept beside its scales (a plain attribute: not in the
-    state dict; ~4 bytes a group, 1/32 byte a weight at g128), rebuilt if the scales were replaced."""
-    cached = getattr(layer, "_scale_zero", None)
-    if cached is None or cached[0] is not layer.scales or cached[1] is not layer.zeros:
-        cached = (layer.scales, layer.zeros, packed_scale_zero(layer.scales, layer.zeros))
-        object.__setattr__(layer, "_scale_zero", cached)
-    return cached[2]
+def scale_zero_of(layer) -> torch.Tensor | None:
+    """The packed int4 scale|zero tensor the layer holds (QuantLinear / QuantExpertWeights / QuantWeights
+    build it when they are made: models/layers/quant_linear._QuantTensors), or None."""
+    return getattr(layer, "scale_zero", None)
 
 
 def kernel_operands(layer, meta: QuantMeta) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(qweight, scales, zeros) as the kernels take them: float8 tensors as uint8 views (decoded by bitcast),
     a missing zeros tensor replaced by the scales (never read), int4 with 16-bit scales reading its scales
-    and zeros from one int32 tensor in place of the zeros (the scales then only give their dtype)."""
+    and zeros from one int32 tensor in place of the zeros (the scales then only give their dtype). That
+    tensor is the layer's `scale_zero`; a duck-typed layer without one gets it packed for this call."""
     qw = layer.qweight.view(torch.uint8) if meta.scheme == "fp8" else layer.qweight
     s = layer.scales.view(torch.uint8) if meta.scheme == "nvfp4" else layer.scales
-    if meta.scheme == "int4" and s.dtype in (torch.bfloat16, torch.float16):
-        return qw, s, _packed_int4_groups(layer)
+    if meta.scheme == "int4" and packs_scale_zero("int4", s.dtype):
+        packed = scale_zero_of(layer)
+        return qw, s, packed if packed is not None else packed_scale_zero(layer.scales, layer.zeros)
     return qw, s, layer.zeros if layer.zeros is not None else s
+
+
+def bytes_read(layer, meta: QuantMeta | None = None) -> int:
+    """Bytes one pass of the kernels over the layer's weight streams: the packed weight, the scales (int4
+    with 16-bit scales: its scale|zero int32s instead of scales and zeros), zeros where they are read, the
+    global scale and the bias. What rooflines divide by."""
+    meta = meta or quant_meta(layer)
+    if meta is None:
+        raise ValueError(f"the kernels do not read this {layer.scheme} layer")
+    qw, s, z = kernel_operands(layer, meta)
+    tensors = [qw, z] if meta.scheme == "int4" and z.dtype == torch.int32 else \
+        [qw, s] + ([z] if meta.has_zero and z is not s else [])
+    if meta.has_gs:
+        tensors.append(layer.global_scale)
+    if layer.bias is not None:
+        tensors.append(layer.bias)
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def _gemm_triton(x: torch.Tensor, layer, meta: QuantMeta, residual: torch.Tensor | None,

@@ -149,3 +149,22 @@ def test_quantized_lm_head_is_kept_dequantized(sources, tmp_path):
     model = load_quantized(out)
     assert type(model.lm_head) is torch.nn.Linear
     assert torch.equal(model.lm_head.weight, reference_weights(ref)["lm_head.weight"])
+
+
+@pytest.mark.parametrize("src", ["qwen3", "qwen3_moe"])
+def test_int4_scales_and_zeros_land_packed_at_load(sources, tmp_path, src):
+    """Loaded in bfloat16, every int4 layer (dense and stacked experts) holds its scales and zeros as the one
+    int32 a group the kernels read (`scale_zero`), built by loading, not on the first GEMM: equal to packing
+    the float32 load's scales (rounded to bfloat16) and zeros."""
+    from blockspec.kernels.quant_linear import packed_scale_zero
+    from blockspec.models.layers.quant_linear import _QuantTensors
+
+    out, _ = write_ct_checkpoint(sources[src], tmp_path / "int4", "int4_asym_g32")
+    apart = dict(load_quantized(out).named_modules())  # float32 scales: held apart
+    holders = {n: m for n, m in load_quantized(out, torch.bfloat16).named_modules() if isinstance(m, _QuantTensors)}
+    assert holders and (src != "qwen3_moe" or any(n.endswith("experts.gate_up_proj") for n in holders))
+    for name, held in holders.items():
+        ref = apart[name]
+        assert ref.scale_zero is None and held.scale_zero is not None
+        assert torch.equal(held.zeros, ref.zeros) and torch.equal(held.scales, ref.scales.to(torch.bfloat16))
+        assert torch.equal(held.scale_zero, packed_scale_zero(ref.scales.to(torch.bfloat16), ref.zeros))

@@ -107,8 +107,80 @@ def test_quantized_experts_equal_the_reference_on_dequantized_stacks():
 
 
 def test_byte_counts():
-    assert quantized_weight_bytes("int4", 4096, 4096, 128, True, 2) == 4096 * 2048 + 4096 * 32 * 3
+    # int4: 16-bit scales and uint8 zeros held (and read) as one int32 a group; float32 scales apart
+    assert quantized_weight_bytes("int4", 4096, 4096, 128, True, 2) == 4096 * 2048 + 4096 * 32 * 4
+    assert quantized_weight_bytes("int4", 4096, 4096, 128, True, 4) == 4096 * 2048 + 4096 * 32 * 5
     assert quantized_weight_bytes("nvfp4", 4096, 4096, 16, True, 2) == 4096 * 2048 + 4096 * 256 + 4
     assert quantized_weight_bytes("fp8", 4096, 4096, 0, True, 2) == 4096 * 4096 + 4096 * 4
     assert quantized_weight_bytes("fp8", 300, 300, 128, True, 2) == 300 * 300 + 9 * 4
     assert quantized_weight_bytes("int8", 64, 64, 32, False, 2) == 64 * 64 + 128 * 3
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_int4_scales_and_zeros_are_views_of_one_packed_buffer(dtype):
+    """int4 with 16-bit scales holds scale|zero as one int32 a group (what the kernels read), registered as a
+    non-persistent buffer; scales / zeros are views of it, so writing them (as the loader does) fills it."""
+    from blockspec.kernels.quant_linear import packed_scale_zero
+
+    layer = QuantLinear("int4", 128, 48, 32, symmetric=False, dtype=dtype)
+    assert "scale_zero" in dict(layer.named_buffers()) and "scale_zero" not in layer.state_dict()
+    assert layer.scale_zero.dtype == torch.int32 and layer.scale_zero.shape == (48, 4)
+    scales = torch.rand(48, 4, generator=GEN).to(dtype) + 0.1
+    zeros = torch.randint(0, 17, (48, 4), generator=GEN, dtype=torch.uint8)
+    layer.scales.copy_(scales)
+    layer.zeros[:5].copy_(zeros[:5])  # row slices, as the loader fills fused shards
+    layer.zeros[5:].copy_(zeros[5:])
+    assert torch.equal(layer.scale_zero, packed_scale_zero(scales, zeros))
+    assert torch.equal(layer.scales, scales) and torch.equal(layer.zeros, zeros)
+    assert layer.scales.untyped_storage().data_ptr() == layer.scale_zero.untyped_storage().data_ptr()
+    # held once: packed weights + 4 bytes a group, the figure `plan` counts
+    assert quantized_tensor_bytes(layer) == 48 * 64 + 48 * 4 * 4 == quantized_weight_bytes("int4", 48, 128, 32,
+                                                                                             False, 2)
+    x = torch.randn(3, 128, generator=GEN).to(dtype)
+    torch.testing.assert_close(layer(x), F.linear(x, dequantize("int4", layer.qweight, scales, zeros, None, 32, dtype)))
+    with pytest.raises(AttributeError, match="view of its scale_zero"):
+        layer.scales = scales
+
+
+def test_packed_int4_buffer_follows_to():
+    """.to() moves the packed tensor once and re-makes the views; float32 scales unpack, 16-bit ones re-pack."""
+    from blockspec.kernels.quant_linear import packed_scale_zero
+
+    layer = QuantLinear("int4", 64, 16, 32, symmetric=False, dtype=torch.bfloat16)
+    layer.scales.copy_(torch.rand(16, 2, generator=GEN) + 0.1)
+    layer.zeros.copy_(torch.randint(0, 16, (16, 2), generator=GEN))
+    want = layer.dequantize(torch.float32)
+    layer.float()
+    assert layer.scale_zero is None and layer.scales.dtype == torch.float32 and layer.scales.is_contiguous()
+    assert torch.equal(layer.dequantize(torch.float32), want)
+    layer.bfloat16()
+    assert torch.equal(layer.scale_zero, packed_scale_zero(layer.scales, layer.zeros))
+    assert torch.equal(layer.dequantize(torch.float32), want)
+    layer.to("cpu")
+    assert layer.scales.untyped_storage().data_ptr() == layer.scale_zero.untyped_storage().data_ptr()
+
+
+def test_int4_experts_hold_one_packed_stack():
+    experts = QuantExperts("int4", 4, 64, 32, 32, 32, symmetric=False, dtype=torch.bfloat16)
+    for holder, shape in ((experts.gate_up_proj, (4, 64, 2)), (experts.down_proj, (4, 64, 1))):
+        assert holder.scale_zero.shape == shape and holder.scales.shape == shape
+    held = quantized_tensor_bytes(experts)
+    assert held == 4 * (quantized_weight_bytes("int4", 64, 64, 32, False, 2)
+                        + quantized_weight_bytes("int4", 64, 32, 32, False, 2))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("scheme,group", [("nvfp4", 16), ("int4", 128), ("fp8", 128), ("int8", 128)])
+def test_dummy_weights_are_made_on_the_device_without_large_temporaries(scheme, group):
+    """--load-format dummy builds quantized experts directly in their packed layouts on the device: the peak
+    while making a 122B-sized stack (64 of its 256 experts) stays within the bytes held + one fp8 slice."""
+    from blockspec.models.layers.quant_linear import DUMMY_SLICE_BYTES
+
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    experts = QuantExperts(scheme, 64, 3072, 1024, group, group, dtype=torch.bfloat16, device="cuda")
+    torch.cuda.synchronize()
+    held = quantized_tensor_bytes(experts)
+    assert 0 <= torch.cuda.memory_allocated() - base - held < 1 << 20  # the allocator rounds to 512 bytes
+    assert torch.cuda.max_memory_allocated() - base <= held + DUMMY_SLICE_BYTES + (2 << 20)

@@ -137,3 +137,18 @@ def test_dummy_weights_in_quantized_layouts(quantized_qwen3):
     assert isinstance(engine.runner.target.model.layers[0].self_attn.qkv_proj, QuantLinear)
     out = engine.generate(["hi"], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]
     assert len(out.token_ids) == 4
+
+
+def test_plan_and_start_up_report_count_int4s_packed_scales(quantized_qwen3, caplog):
+    """In bfloat16 an int4 layer holds its scales and zeros as one int32 a group (scale_zero, what the kernels
+    read): the engine's weight bytes and plan's figure both count it, as the only copy of them."""
+    with caplog.at_level(logging.INFO, logger="blockspec"):
+        engine = Engine(EngineConfig(model=str(quantized_qwen3), device="cpu", dtype="bfloat16"))
+    total, quantized = weight_bytes(engine.runner.target)
+    layers = [m for m in engine.runner.target.modules() if isinstance(m, QuantLinear)]
+    packed = sum(m.scale_zero.numel() * 4 for m in layers)
+    assert packed and quantized == sum(m.qweight.numel() for m in layers) + packed
+    assert "of it quantized layers" in caplog.text
+    config = json.loads((quantized_qwen3 / "config.json").read_text())
+    plan = target_footprint(config, "bfloat16", model_dir=quantized_qwen3)
+    assert plan.weight_bytes == total

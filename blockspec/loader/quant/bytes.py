@@ -1,8 +1,9 @@
 """Bytes of quantized weights as blockspec holds them (packed codes + scales + zeros), from shapes alone.
 
 The start-up report and `blockspec plan` count these, not the checkpoint's stored bytes (GPTQ stores
-fp16 scales and int32 zero points, we hold model-dtype scales and uint8 zeros), and the roofline's bytes
-per decode token are the bytes actually read.
+fp16 scales and int32 zero points, we hold model-dtype scales and uint8 zeros: with bf16 / fp16 scales both
+in one int32 a group, `scale_zero`, the only copy), and the roofline's bytes per decode token are the bytes
+actually read (for every layout here the kernels read exactly what is held).
 """
 
 from __future__ import annotations
@@ -19,13 +20,14 @@ from blockspec.models.layers.quant_linear import FP8_BLOCK, MXFP4_GROUP, NVFP4_G
 SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8,
                      "U32": 4, "U16": 2, "U8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "BOOL": 1}
 FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")
+INT4_PACKED_GROUP_BYTES = 4  # int4 with 16-bit scales: scale bits | zero << 16 (models/layers/quant_linear)
 
 
 def quantized_weight_bytes(scheme: str, n: int, k: int, group_size: int, symmetric: bool, elem_bytes: int) -> int:
     """Bytes of one [n, k] weight in our layout (group_size as on the layer: int K/G, fp8 0 or 128)."""
-    if scheme == "int4":
+    if scheme == "int4":  # 16-bit scales: scale and zero packed in one int32 a group (held and read as such)
         groups = n * (k // group_size)
-        return n * k // 2 + groups * (elem_bytes + 1)
+        return n * k // 2 + groups * (INT4_PACKED_GROUP_BYTES if elem_bytes == 2 else elem_bytes + 1)
     if scheme == "int8":
         groups = n * (k // group_size)
         return n * k + groups * elem_bytes + (0 if symmetric else groups)

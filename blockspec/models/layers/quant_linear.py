@@ -9,7 +9,9 @@ the per-scheme register tiles of both are in kernels/quant_tiles.py). A weight o
 - "int4":  qweight uint8 [N, K/2], two unsigned nibbles per byte, element k even in the LOW nibble;
            scales [N, K/G] model dtype; zeros uint8 [N, K/G] (unsigned; symmetric formats store 8; a
            GPTQ v1 checkpoint whose zero point was 0 stores 16, its off-by-one kept as the format defines
-           it); w[n, k] = (q[n, k] - zeros[n, k // G]) * scales[n, k // G].
+           it); w[n, k] = (q[n, k] - zeros[n, k // G]) * scales[n, k // G]. With bf16 / fp16 scales both
+           live in one int32 a group, `scale_zero` (scale bits | zero << 16: what the kernels read, one
+           4-byte load a group), and `scales` / `zeros` are strided views into it (see _QuantTensors).
 - "int8":  qweight int8 [N, K]; scales [N, K/G] model dtype; zeros int8 [N, K/G] or None; w = (q - z) * s.
 - "fp8":   qweight float8_e4m3fn [N, K]; scales float32 [N, 1] (per channel, group_size 0; per-tensor
            scales are expanded to it) or [ceil(N/128), ceil(K/128)] (128x128 blocks, group_size 128);
@@ -31,6 +33,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -50,6 +53,7 @@ FP8_BLOCK = 128
 # E2M1 magnitudes by the 3 low bits of a code; bit 3 is the sign.
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 _E2M1_TABLES: dict[torch.device, torch.Tensor] = {}
+DUMMY_SLICE_BYTES = 64 << 20  # the largest temporary init_dummy makes (random fp8 weights, in float32 slices)
 
 
 # ---- packing helpers (shared with the loader's format converters) ---------------------------------
@@ -137,6 +141,12 @@ def layout_shapes(scheme: str, n: int, k: int, group_size: int, symmetric: bool
     raise ValueError(f"unknown quantization scheme {scheme!r}")
 
 
+def packs_scale_zero(scheme: str, dtype: torch.dtype) -> bool:
+    """Whether a layout holds its scales and zeros as one int32 a group (`scale_zero`): int4 with 16-bit
+    scales, the only int4 the kernels' packed load reads (float32 scales do not fit 16 bits)."""
+    return scheme == "int4" and dtype in (torch.bfloat16, torch.float16)
+
+
 def check_shape(scheme: str, n: int, k: int, group_size: int) -> str | None:
     """Why [N, K] cannot take this layout (None when it can)."""
     if scheme in ("int4", "nvfp4", "mxfp4") and k % 2:
@@ -170,14 +180,78 @@ class _QuantTensors(nn.Module):
         self.symmetric = symmetric
         self.shard_sizes = list(shard_sizes) if shard_sizes else [out_features]
         self.dtype = dtype  # the model dtype (scales of int layouts, dequantized output by default)
+        packed = packs_scale_zero(scheme, dtype)
         for name, spec in layout_shapes(scheme, out_features, in_features, group_size, symmetric).items():
             if spec is None:
                 self.register_buffer(name, None)
                 continue
             shape, tdtype = spec
-            self.register_buffer(name, torch.empty((*leading, *shape), dtype=tdtype or dtype, device=device))
+            if packed and name == "scales":  # scale_zero holds them; scales / zeros are set as views below
+                self.register_buffer("scale_zero", torch.zeros((*leading, *shape), dtype=torch.int32, device=device),
+                                     persistent=False)
+            if not (packed and name in ("scales", "zeros")):
+                self.register_buffer(name, torch.empty((*leading, *shape), dtype=tdtype or dtype, device=device))
+        if packed:
+            self._alias_scale_zero(dtype)
+        else:
+            self.register_buffer("scale_zero", None, persistent=False)
         self.register_buffer("perm", None)  # act-order input permutation (int64 [K]), set by the loader
         self.init_dummy()
+
+    # ---- int4 with 16-bit scales: one packed tensor, scales and zeros as views of it ----------------------
+    # Why not the scales and zeros plus a packed copy: the kernels read only the packed int32 (one 4-byte load
+    # a group, wide enough for cp.async), so separate scales (2 bytes) and zeros (1) would be 3 bytes a group
+    # that no GPU pass reads, ~190 MB on an 8B int4 g128 model: memory a Thor-class box cannot spare. And not
+    # built later from them (on the first GEMM, as before): then it was outside `plan` and the start-up report,
+    # built during CUDA-graph warm-up, and briefly held beside them. As the storage itself it is allocated with
+    # the layer, filled by the loader through the views (copy_ into `scales` writes the low 16 bits of each
+    # int32, into `zeros` its third byte; the fourth stays 0), moves with .to() and is counted once; the
+    # reference path, dequantize and the loader read and write `scales` / `zeros` exactly as before.
+
+    def _alias_scale_zero(self, dtype: torch.dtype) -> None:
+        """scales / zeros as views of scale_zero: the low int16 of each int32 as `dtype`, its third byte."""
+        if sys.byteorder != "little":
+            raise RuntimeError("the packed int4 scale|zero layout assumes a little-endian host")
+        packed = self.scale_zero
+        self._buffers["scales"] = packed.view(dtype)[..., 0::2]
+        self._buffers["zeros"] = packed.view(torch.uint8)[..., 2::4]
+
+    def __setattr__(self, name: str, value) -> None:
+        if name in ("scales", "zeros") and self.__dict__.get("_buffers", {}).get("scale_zero") is not None:
+            raise AttributeError(f"{name} of a packed int4 layer is a view of its scale_zero: write into it "
+                                 f"(.{name}.copy_(...)) instead of replacing it")
+        super().__setattr__(name, value)
+
+    def _apply(self, fn, recurse: bool = True):
+        """.to() / .cuda() / .half(): the packed tensor moves once and the views are re-made on it (moving the
+        views as buffers of their own would copy them apart); a new scale dtype re-packs or unpacks."""
+        if self.scale_zero is None:
+            super()._apply(fn, recurse)
+            if packs_scale_zero(self.scheme, self.scales.dtype):  # e.g. float32 scales made bfloat16
+                self._set_scale_dtype(self.scales.dtype)
+            return self
+        dtype = self._buffers.pop("scales").dtype
+        del self._buffers["zeros"]
+        try:
+            super()._apply(fn, recurse)
+        finally:
+            self._alias_scale_zero(dtype)
+        new = fn(torch.empty(0, dtype=dtype, device=self.scale_zero.device)).dtype
+        if new != dtype:
+            self._set_scale_dtype(new)
+        return self
+
+    def _set_scale_dtype(self, dtype: torch.dtype) -> None:
+        scales, zeros = self.scales.to(dtype), self.zeros.clone()
+        self.dtype = dtype
+        if packs_scale_zero(self.scheme, dtype):
+            self._buffers["scale_zero"] = torch.zeros(scales.shape, dtype=torch.int32, device=scales.device)
+            self._alias_scale_zero(dtype)
+            self.scales.copy_(scales)
+            self.zeros.copy_(zeros)
+        else:
+            self._buffers["scale_zero"] = None
+            self._buffers["scales"], self._buffers["zeros"] = scales, zeros
 
     def shard_offset(self, index: int) -> int:
         return sum(self.shard_sizes[:index])
@@ -185,16 +259,22 @@ class _QuantTensors(nn.Module):
     @torch.no_grad()
     def init_dummy(self) -> None:
         """Finite random contents of the right magnitude (what --load-format dummy serves; loading overwrites)."""
+        # In place, or in slices (fp8): a 122B model's expert stack is ~0.8 GB packed, and a temporary of its
+        # shape (4x that as int32 / float32) would sit on top of the weights at the load's peak.
         gen_dev = self.qweight.device
         if self.scheme in ("int4", "nvfp4", "mxfp4"):
-            self.qweight.copy_(torch.randint(0, 256, self.qweight.shape, device=gen_dev, dtype=torch.int32))
+            self.qweight.random_(0, 256)
         elif self.scheme == "int8":
-            self.qweight.copy_(torch.randint(-128, 128, self.qweight.shape, device=gen_dev, dtype=torch.int32))
+            self.qweight.random_(-128, 128)
         else:
-            self.qweight.copy_(torch.randn(self.qweight.shape, device=gen_dev).clamp(-3, 3))
+            rows = self.qweight.view(-1, self.qweight.shape[-1])
+            step = max(1, DUMMY_SLICE_BYTES // (4 * rows.shape[1]))
+            for r in range(0, rows.shape[0], step):
+                block = rows[r:r + step]
+                block.copy_(torch.randn(block.shape, device=gen_dev).clamp_(-3, 3))
         scale = {"int4": 0.02 / 4, "int8": 0.02 / 64, "fp8": 0.02, "nvfp4": 0.02 / 3,
                  "mxfp4": E8M0_BIAS + round(math.log2(0.02 / 3))}[self.scheme]  # mxfp4: an exponent
-        self.scales.copy_(torch.full(self.scales.shape, scale, device=gen_dev))
+        self.scales.fill_(scale)
         if self.zeros is not None:
             self.zeros.fill_(8 if self.scheme == "int4" else 0)
         if self.global_scale is not None:
@@ -353,11 +433,13 @@ class QuantExperts(nn.Module):
 
 
 def quantized_tensor_bytes(module: nn.Module) -> int:
-    """Bytes held by the quantized layouts inside `module` (packed weights, scales, zeros, globals)."""
+    """Bytes held by the quantized layouts inside `module` (packed weights, scales, zeros or the packed
+    scale_zero they are views of, globals, permutations): each storage once."""
     total = 0
     for sub in module.modules():
         if isinstance(sub, _QuantTensors):
-            for name in ("qweight", "scales", "zeros", "global_scale", "perm"):
+            names = ("qweight", "scale_zero") if sub.scale_zero is not None else ("qweight", "scales", "zeros")
+            for name in (*names, "global_scale", "perm"):
                 t = getattr(sub, name, None)
                 if t is not None:
                     total += t.numel() * t.element_size()
