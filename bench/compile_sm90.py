@@ -1,0 +1,93 @@
+"""Compile Triton kernels for sm_90 on a machine without a GPU: catches frontend and type errors (a reassigned
+argument that specialised to a constant, a branch whose two sides disagree) before device time is spent.
+
+Triton's CUDA backend ships its own ptxas, so `triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32))`
+runs anywhere. Use the device's Triton (3.6 on the lent H100/H200):
+    pip download --no-deps triton==3.6.0 -d /tmp/t36 && pip install --no-deps --target /tmp/t36site /tmp/t36/*.whl
+    PYTHONPATH=/tmp/t36site:. python bench/compile_sm90.py
+Each case names the kernel and its constexprs as the wrappers launch them; prints one line a case, exits 1 on any
+failure. Add a case when a kernel's signature or a compile-time branch changes.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from blockspec.kernels import deterministic_linear as dl  # noqa: E402
+from blockspec.kernels import paged_attention as pa  # noqa: E402
+from blockspec.kernels import skinny_linear as sl  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+
+
+def compile_case(fn, types: dict[str, str], consts: dict, div16: tuple[str, ...] = (), num_warps: int = 4,
+                 num_stages: int = 3) -> None:
+    sig = {n: "constexpr" if n in consts else types[n] for n in fn.arg_names}
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in div16}
+    triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=TARGET,
+                   options={"num_warps": num_warps, "num_stages": num_stages})
+
+
+def cases() -> list[tuple[str, tuple, dict]]:
+    out = []
+    bf16 = {n: "*bf16" for n in ("X", "W", "B", "NW", "Y", "W2", "Y2", "XN")}
+    skinny = {**bf16, "M": "i32", "N_OUT": "i32", "eps": "fp32", "N2": "i32", "TILES1": "i32"}
+    base = dict(K=2048, HAS_BIAS=False, HAS_NORM=True, GATED=False, HAS_RES=False, DOT_PRECISION="tf32")
+    for dot in (False, True):
+        tile = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128) if dot else dict(BLOCK_M=1, BLOCK_N=8, BLOCK_K=1024)
+        for pair, norm_out in ((False, False), (True, False), (False, True)):
+            out.append((f"skinny_linear dot={dot} pair={pair} norm_out={norm_out}",
+                        (sl._skinny_linear_kernel, skinny, dict(base, USE_DOT=dot, PAIR=pair, NORM_OUT=norm_out,
+                                                                 **tile)),
+                        dict(div16=("X", "W", "Y", "N_OUT"))))
+    out.append(("skinny_linear gated + residual + bias",
+                (sl._skinny_linear_kernel, skinny, dict(base, HAS_BIAS=True, GATED=True, HAS_RES=True, USE_DOT=False,
+                                                         PAIR=False, NORM_OUT=False, BLOCK_M=1, BLOCK_N=8,
+                                                         BLOCK_K=1024)), {}))
+    merge = {"Part": "*fp32", "M": "*fp32", "L": "*fp32", "Out": "*bf16", "SINKS": "*bf16", "GATE": "*bf16",
+             **{n: "i32" for n in ("stride_ob", "stride_oh", "stride_os", "stride_om", "stride_t", "stride_h",
+                                   "stride_gt", "stride_gh", "q_len", "num_splits")}}
+    for gate in (False, True):
+        out.append((f"merge_splits gate={gate}", (pa._merge_splits_kernel, merge, dict(
+            GROUP=8, HEAD_DIM=256, BLOCK_M=16, SPLITS=8, HAS_SINKS=False, HAS_GATE=gate)), dict(num_warps=1)))
+    paged = {n: "i32" for n in pa._paged_attention_kernel.arg_names}
+    paged.update(Q="*bf16", K="*bf16", V="*bf16", Out="*fp32", M="*fp32", L="*fp32", BT="*i32", SEQ_LENS="*i32",
+                 KV_START="*i32", Q_START="*i32", scale="fp32")
+    for split_tiles in (0, 8):
+        out.append((f"paged_attention SPLIT_TILES={split_tiles}", (pa._paged_attention_kernel, paged, dict(
+            GROUP=8, HEAD_DIM=256, PAGE=16, BLOCK_M=16, BLOCK_N=64, CAUSAL=True, WINDOWED=False, HAS_Q_START=False,
+            ROW_TILES=1, SPLIT_TILES=split_tiles)), dict(num_stages=2)))
+    fixed = {n: "i32" for n in pa._merge_fixed_splits_kernel.arg_names}
+    fixed.update(Part="*fp32", M="*fp32", L="*fp32", Out="*bf16", SEQ_LENS="*i32")
+    out.append(("merge_fixed_splits", (pa._merge_fixed_splits_kernel, fixed, dict(SPLIT=512, GROUP=4, HEAD_DIM=128,
+                                                                                   BLOCK_M=64)), dict(num_warps=1)))
+    det = {n: "*bf16" for n in ("X", "W", "B", "Y")} | {"M": "i32", "N_OUT": "i32"}
+    for gated, res in ((False, False), (True, False), (False, True)):
+        out.append((f"deterministic_linear gated={gated} residual={res}", (dl._deterministic_linear_kernel, det, dict(
+            K=4096, HAS_BIAS=False, GATED=gated, HAS_RES=res, DOT_PRECISION="tf32", BLOCK_M=16, BLOCK_N=32,
+            BLOCK_K=128)), dict(div16=("X", "W", "Y"), num_stages=4)))
+    return out
+
+
+def main() -> int:
+    failed = 0
+    for label, (fn, types, consts), opts in cases():
+        try:
+            compile_case(fn, types, consts, **opts)
+            print(f"ok    {label}")
+        except Exception as exc:  # report every case, then fail
+            failed += 1
+            print(f"FAIL  {label}: {type(exc).__name__}: {str(exc)[:800]}")
+    print(f"triton {triton.__version__}, sm_90: {len(cases()) - failed} compiled, {failed} failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
