@@ -17,6 +17,10 @@ from blockspec.loader.errors import ModelLoadError
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+# Files beside the weights that some uploads keep out of the index, or ship without one: the MTP head of
+# NVFP4 re-packs of Qwen3.5 / 3.6 (model.safetensors + model_mtp.safetensors, unquantized). Read with the
+# checkpoint when present and not already listed; the target's loader skips their `mtp.*` names as always.
+SIDECAR_FILES = ("model_mtp.safetensors",)
 
 
 def checkpoint_shards(model_dir: Path) -> dict[Path, list[str] | None]:
@@ -47,15 +51,21 @@ def checkpoint_shards(model_dir: Path) -> dict[Path, list[str] | None]:
                 f"{INDEX_FILE} in {model_dir} references missing shard(s) {', '.join(missing[:3])}"
                 f"{' ...' if len(missing) > 3 else ''}: the download is incomplete, fetch them again"
             )
-        return shards
+        return shards | _sidecars(model_dir, shards)
     single = model_dir / SINGLE_FILE
     if single.is_file():
-        return {single: None}
+        return {single: None} | _sidecars(model_dir, {single: None})
     hint = " (it holds .bin weights: convert them to safetensors)" if any(model_dir.glob("*.bin")) else ""
     raise ModelLoadError(
         f"no {SINGLE_FILE} or {INDEX_FILE} in {model_dir}{hint}: "
         "pass a Hugging Face model directory with safetensors weights"
     )
+
+
+def _sidecars(model_dir: Path, shards: dict[Path, list[str] | None]) -> dict[Path, list[str] | None]:
+    """SIDECAR_FILES present in model_dir that the index does not already assign tensors to (all their tensors)."""
+    return {model_dir / name: None for name in SIDECAR_FILES
+            if (model_dir / name).is_file() and model_dir / name not in shards}
 
 
 def read_tensor_headers(model_dir: Path) -> dict[str, tuple[str, tuple[int, ...]]]:

@@ -177,3 +177,26 @@ def test_mtp_unavailable_answers_as_the_engine_would(mtp_models, tiny_models, tm
         assert mtp_unavailable(path) is None
     assert mtp_unavailable(bare, load=False) is None  # random weights: a head in the checkpoint's shapes
     assert mtp_engine(bare, 2, load_format="dummy").proposer.method == "mtp"
+
+
+@pytest.mark.parametrize("indexed", [False, True], ids=["no-index", "index-without-it"])
+def test_head_in_a_sidecar_file_loads(mtp_models, indexed, tmp_path, monkeypatch):
+    """NVFP4 re-packs ship the head as model_mtp.safetensors beside model.safetensors, with no index or with an
+    index that does not list it: the head loads from it (and the target ignores it), drafting as the reference."""
+    import json
+
+    path, head, hf = mtp_models["qwen3_5"]
+    moved = shutil.copytree(path, tmp_path / "moved")
+    tensors = load_file(moved / "model.safetensors")
+    mtp = {n: t for n, t in tensors.items() if ".mtp." in f".{n}"}
+    assert len(mtp) > 5
+    save_file({n: t for n, t in tensors.items() if n not in mtp}, moved / "model.safetensors")
+    save_file(mtp, moved / "model_mtp.safetensors")
+    if indexed:
+        (moved / "model.safetensors.index.json").write_text(json.dumps(
+            {"metadata": {}, "weight_map": {n: "model.safetensors" for n in tensors if n not in mtp}}))
+    engine = mtp_engine(moved, 3)
+    full, seen = decode_drafts(engine, monkeypatch, engine.encode(PROMPTS[2]), 8)
+    assert seen
+    for anchor, n, drafts in seen:
+        assert drafts == reference_drafts(hf, head, full[:anchor + 1], n), anchor
