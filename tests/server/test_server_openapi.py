@@ -8,6 +8,7 @@ value on the bound is taken and the value just past it is a 400), without genera
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -96,4 +97,10 @@ def test_schemathesis_finds_no_server_errors(small_server, tmp_path):
     run = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=tmp_path)
     tail = run.stdout[-4000:] + run.stderr[-2000:]
     assert run.returncode == 0, tail
-    assert "No issues found" in run.stdout and "Fuzzing" in run.stdout and "Coverage" in run.stdout, tail
+    assert "Fuzzing" in run.stdout and "Coverage" in run.stdout, tail
+    # every generated case passed the server-error check: "No issues found", or (when schemathesis adds a
+    # warning, e.g. that most generated chat requests were refused with 4xx: a loose schema, not a failure)
+    # the summary's "N generated, N passed"
+    counts = re.search(r"(\d+) generated, (\d+) passed(.*)", run.stdout)
+    assert "No issues found" in run.stdout or (counts is not None and counts[1] == counts[2] and int(counts[1]) > 0
+                                               and "fail" not in counts[3] and "error" not in counts[3]), tail
