@@ -151,6 +151,12 @@ class LlamaForCausalLM(nn.Module):
         return [layer.self_attn.attn for layer in self.model.layers]
 
     @property
+    def prefill_graph_safe(self) -> bool:
+        """Every row's computation stays in its row and the paged KV cache (dense MLPs: no routing), so a short
+        prefill padded to a bucket can be one CUDA graph (runner/prefill_graphs.py)."""
+        return all(isinstance(layer.mlp, LlamaMLP) for layer in self.model.layers)
+
+    @property
     def lm_head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 

@@ -19,6 +19,7 @@ from blockspec.models.layers.attention import forward_context, ragged_metadata
 from blockspec.models.layers.recurrent_state import StateMetadata
 from blockspec.runner.acceptance import accept
 from blockspec.runner.decode_step import DecodeStep
+from blockspec.runner.prefill_graphs import PrefillGraphs, graph_prefill_supported
 from blockspec.spec.proposer import Drafts, Proposer, StepContext, TargetNeeds
 
 
@@ -43,13 +44,21 @@ class ModelRunner:
         self.num_blocks = 0
         self.num_speculative_tokens = 0
         self.decode: DecodeStep | None = None  # CUDA fast path for uniform decode/verify steps
+        self.prefill: PrefillGraphs | None = None  # CUDA graphs for one sequence's short prefill
 
     # ---- CUDA decode fast path --------------------------------------------------------------
 
-    def prepare_decode(self, max_batch: int, max_model_len: int, use_graphs: bool, log=print) -> float:
-        """Set up the uniform-decode fast path (and capture its CUDA graphs); returns capture seconds."""
+    def prepare_decode(self, max_batch: int, max_model_len: int, use_graphs: bool, log=print,
+                       max_prefill_tokens: int = 512) -> float:
+        """Set up the uniform-decode fast path and the short-prefill graphs (capturing their CUDA graphs);
+        returns capture seconds."""
         self.decode = DecodeStep(self, max_batch, max_model_len, use_graphs)
-        return self.decode.capture(log)
+        elapsed = self.decode.capture(log)
+        self.prefill = None
+        if use_graphs and self.device.type == "cuda" and graph_prefill_supported(self.target):
+            self.prefill = PrefillGraphs(self, max_prefill_tokens, max_model_len)
+            elapsed += self.prefill.capture(self.needs.layer_ids, log)
+        return elapsed
 
     @property
     def scratch_block(self) -> int:
@@ -153,6 +162,13 @@ class ModelRunner:
 
     def _target(self, items: list[ScheduledSeq], drafts: Drafts | None
                 ) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
+        bucket = self.prefill.bucket(items) if self.prefill is not None else None
+        if bucket is not None:  # one sequence's short prefill: a graph replay
+            seq, n = items[0].seq, items[0].num_new
+            hidden, layers, self._last_tokens = self.prefill.run(items, bucket,
+                                                                 seq.token_ids(seq.num_computed, seq.num_computed + n))
+            features = self.needs.select(hidden, layers)
+            return hidden, (features.clone() if features is not None else None), [0]  # kept past the next replay
         tokens, positions, spans, offsets, draft_at, counts = [], [], [], [], [], []
         for item in items:
             seq = item.seq
