@@ -55,16 +55,22 @@ def graph_prefill_supported(target: torch.nn.Module) -> bool:
 
 
 class PrefillGraphs:
-    def __init__(self, runner: ModelRunner, max_tokens: int, max_model_len: int) -> None:
+    """use_graphs=False runs the same padded forward eagerly (any device): what the CPU tests check the padding
+    against, the graphs being captures of exactly that function."""
+
+    def __init__(self, runner: ModelRunner, max_tokens: int, max_model_len: int, use_graphs: bool = True) -> None:
         self.r = runner
+        self.use_graphs = use_graphs
         self.buckets = [b for b in PREFILL_BUCKETS if b <= max_tokens]
         self.max_blocks = -(-(max_model_len + PREFILL_BUCKETS[-1]) // runner.block_size)
         top = self.buckets[-1] if self.buckets else 0
+        cuda = runner.device.type == "cuda"
         self.buffer = torch.zeros(3 * top + self.max_blocks + 2, dtype=torch.int64, device=runner.device)
-        self.staging = torch.zeros(self.buffer.shape[0], dtype=torch.int64, pin_memory=True)
+        self.staging = torch.zeros(self.buffer.shape[0], dtype=torch.int64, pin_memory=cuda)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, object]] = {}
-        self._layer_ids: tuple[int, ...] = ()
-        self._copied = torch.cuda.Event()  # the staging buffer's last upload (chunked prefills may not sync)
+        self._layer_ids: tuple[int, ...] = runner.needs.layer_ids
+        # the staging buffer's last upload (chunked prefills may not sync between steps)
+        self._copied = torch.cuda.Event() if cuda else None
         self.replays = 0
 
     def _split(self, flat: torch.Tensor, p: int) -> PrefillInputs:
@@ -75,7 +81,7 @@ class PrefillGraphs:
 
     def bucket(self, items: list[ScheduledSeq]) -> int | None:
         """The bucket one step takes, or None for the eager path (several sequences, drafts, too many tokens)."""
-        if not self._graphs or len(items) != 1 or items[0].num_drafts:
+        if (self.use_graphs and not self._graphs) or len(items) != 1 or items[0].num_drafts:
             return None
         n = items[0].num_new
         return next((b for b in self.buckets if b >= n), None)
@@ -109,31 +115,45 @@ class PrefillGraphs:
         seq = items[0].seq
         t = len(tokens)
         staging = self._split(self.staging, p)
-        self._copied.synchronize()
+        if self._copied is not None:
+            self._copied.synchronize()
         self._fill(staging, p, seq.block_table, seq.num_computed, tokens)
         v = self._split(self.buffer, p)
         v.flat.copy_(staging.flat, non_blocking=True)
-        self._copied.record()
-        graph, (hidden, features) = self._graphs[p]
-        graph.replay()
+        if self._copied is not None:
+            self._copied.record()
+        if self.use_graphs:
+            graph, (hidden, features) = self._graphs[p]
+            graph.replay()
+        else:
+            hidden, features = self._forward(v)
         self.replays += 1
         return hidden[:t], (features[:t] if features is not None else None), v.tokens[:t]
 
     @torch.inference_mode()
     def capture(self, layer_ids: tuple[int, ...], log: Callable[[str], None]) -> float:
-        """Capture every bucket, largest first (one memory pool), on all-padding inputs."""
+        """Capture every bucket, largest first (one memory pool), on all-padding inputs. A capture that fails
+        leaves short prefills on the eager path (logged), never a failed start-up."""
         self._graphs.clear()
-        if not self.buckets:
-            return 0.0
         self._layer_ids = tuple(layer_ids)
+        if not self.buckets or not self.use_graphs:
+            return 0.0
         start = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
-        for p in sorted(self.buckets, reverse=True):
-            v = self._split(self.buffer, p)
-            staging = self._split(self.staging, p)
-            self._fill(staging, p, [], 0, [])
-            v.flat.copy_(staging.flat)
-            self._graphs[p] = capture_graph(self._forward, v, pool=pool)
+        try:
+            for p in sorted(self.buckets, reverse=True):
+                v = self._split(self.buffer, p)
+                staging = self._split(self.staging, p)
+                self._fill(staging, p, [], 0, [])
+                v.flat.copy_(staging.flat)
+                self._graphs[p] = capture_graph(self._forward, v, pool=pool)
+        except (RuntimeError, torch.OutOfMemoryError) as exc:
+            self._graphs.clear()
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            log(f"prefill CUDA graphs not captured ({type(exc).__name__}: {str(exc)[:200]}): short prefills run "
+                "eagerly")
+            return time.perf_counter() - start
         torch.cuda.synchronize()
         elapsed = time.perf_counter() - start
         log(f"captured {len(self._graphs)} prefill CUDA graphs (one sequence, up to {self.buckets[-1]} new tokens: "
