@@ -1,7 +1,8 @@
 """The short-prefill path's padding (runner/prefill_graphs.py), checked on the CPU: the padded forward the CUDA
-graphs capture, run eagerly, gives the general path's greedy output token for token (fp32 tiny Qwen3 with a
-random DFlash drafter, k = 0 and 7): prompts of 1 to 300 tokens (buckets 32 to 512, one filling its bucket
-exactly) and turns whose prefix is cached, so the padded rows sit after a hit's cached context."""
+graphs capture, run eagerly, gives the general path's output (fp32 tiny Qwen3 with a random DFlash drafter,
+k = 0 and 7): the same greedy tokens and the same log-probabilities of every token to 1e-4, for prompts of 1 to
+300 tokens (buckets 32 to 512) and for turns whose prefix is cached, so the padded rows sit after a hit's
+cached context."""
 
 from __future__ import annotations
 
@@ -16,22 +17,35 @@ PREFIX = list(range(5, 5 + 230))
 TURNS = [PREFIX + [7, 8, 9], [3], PREFIX + list(range(40, 100)), list(range(11, 139)), PREFIX + [1] * 33]
 
 
-def run(model, drafter, k: int, padded: bool) -> tuple[list[list[int]], int]:
+def run(model, drafter, k: int, padded: bool) -> tuple[list[list[int]], list[list[list[float]]], int]:
     spec = SpeculativeConfig(model=str(drafter), num_speculative_tokens=k) if k else SpeculativeConfig()
     engine = Engine(EngineConfig(model=str(model), device="cpu", dtype="float32", max_num_seqs=2, speculative=spec))
     if padded:
         engine.runner.prefill = PrefillGraphs(engine.runner, 512, engine.max_model_len, use_graphs=False)
-    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    outs = [engine.generate([prompt], params)[0].token_ids for prompt in TURNS]  # one at a time: later ones hit
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=4, detokenize=False)
+    tokens, logprobs = [], []
+    for i, prompt in enumerate(TURNS):  # one at a time: the later turns hit the prefix cache
+        engine.add_request(f"t{i}", prompt, params)
+        lps: list[list[float]] = []
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                lps.extend([lp.logprob, *(v for _, v in lp.top)] for lp in out.new_logprobs or [])
+                if out.finished:
+                    tokens.append(out.token_ids)
+        logprobs.append(lps)
     assert engine.prefix_cache_stats.hits > 0
     replays = engine.runner.prefill.replays if padded else 0
     engine.release()
-    return outs, replays
+    return tokens, logprobs, replays
 
 
 @pytest.mark.parametrize("k", [0, 7])
 def test_padded_prefill_equals_general_path(tiny_models, tiny_drafter, k):
-    padded, replays = run(tiny_models["qwen3"], tiny_drafter, k, padded=True)
-    general, _ = run(tiny_models["qwen3"], tiny_drafter, k, padded=False)
-    assert replays == len(TURNS) - 1  # the 1-token prompt is a decode step (the decode graphs)
-    assert padded == general
+    tokens, logprobs, replays = run(tiny_models["qwen3"], tiny_drafter, k, padded=True)
+    want_tokens, want_logprobs, _ = run(tiny_models["qwen3"], tiny_drafter, k, padded=False)
+    assert replays == len(TURNS) - 1  # the 1-token prompt is a decode step (the decode graphs' path)
+    assert tokens == want_tokens
+    for got, want in zip(logprobs, want_logprobs):
+        assert len(got) == len(want) == 6
+        for a, b in zip(got, want):
+            assert a == pytest.approx(b, abs=1e-4)
