@@ -50,6 +50,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat-template", default=None)
     p.add_argument("--load-format", default="auto", help="auto | dummy (random weights)")
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--prefill-cuda-graphs", action=argparse.BooleanOptionalAction, default=False,
+                   help="replay a CUDA graph for one sequence's prefill of up to 512 new tokens (a prefix-cache hit's "
+                        "turn, a short prompt), whose eager launches wait on the host; dense attention targets "
+                        "(default: off until measured)")
     add_deterministic_arg(p)
     add_prefix_caching_args(p)
 
@@ -99,7 +103,7 @@ def engine_config_from_args(args: argparse.Namespace):
                         load_format=args.load_format, enforce_eager=args.enforce_eager,
                         enable_prefix_caching=args.enable_prefix_caching, mamba_cache_mode=args.mamba_cache_mode,
                         mamba_block_size=args.mamba_block_size, mamba_cache_snapshots=args.mamba_cache_snapshots,
-                        deterministic=args.deterministic)
+                        deterministic=args.deterministic, prefill_cuda_graphs=args.prefill_cuda_graphs)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

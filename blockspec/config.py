@@ -97,6 +97,9 @@ class EngineConfig:
     # --deterministic: batch-invariant kernels in the target (models/deterministic.py), so greedy output is the
     # same bits for any k and batch; dense targets only (others are refused)
     deterministic: bool = False
+    # --prefill-cuda-graphs: one sequence's prefill of up to 512 new tokens (a prefix-cache hit's turn, a short
+    # prompt) replays a CUDA graph (runner/prefill_graphs.py); off until its GPU figures are in
+    prefill_cuda_graphs: bool = False
 
     def snapshot_interval(self) -> int:
         """Tokens between a hybrid prompt's state snapshots; 0 when none are taken."""
@@ -146,6 +149,9 @@ class EngineConfig:
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError("--max-model-len must be at least 2")
         check_reasoning_parser(self.reasoning_parser)
+        if self.prefill_cuda_graphs and self.enforce_eager:
+            raise ConfigError("--prefill-cuda-graphs captures CUDA graphs, which --enforce-eager turns off: drop one "
+                              "of the two")
         k = self.speculative.num_speculative_tokens
         if k is not None and k < 0:
             raise ConfigError("num_speculative_tokens must be non-negative")

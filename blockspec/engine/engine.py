@@ -90,7 +90,7 @@ class Engine:
             self.runner.proposer = None
         self.runner.num_speculative_tokens = self.num_speculative_tokens
         self.runner.prepare_decode(config.max_num_seqs, self.max_model_len, not config.enforce_eager, log.info,
-                                   config.max_num_batched_tokens)
+                                   config.max_num_batched_tokens if config.prefill_cuda_graphs else 0)
         self.allocator = block_allocator(self, num_blocks)  # + a state slot per sequence for hybrids
         self.allocator.tracks_drafter = self.runner.keeps_context
         self.scheduler = Scheduler(self.allocator, config.max_num_seqs, config.max_num_batched_tokens,
@@ -221,7 +221,8 @@ class Engine:
         self.num_speculative_tokens = self.scheduler.k = self.runner.num_speculative_tokens = k
         self.spec_counters = SpecDecodeCounters(accepted_per_pos=[0] * k)
         self.runner.prepare_decode(self.config.max_num_seqs, self.max_model_len, not self.config.enforce_eager,
-                                   log.info, self.config.max_num_batched_tokens)
+                                   log.info,
+                                   self.config.max_num_batched_tokens if self.config.prefill_cuda_graphs else 0)
         self._set_lookahead()
 
     def reset_prefix_cache(self) -> None:

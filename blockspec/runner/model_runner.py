@@ -49,15 +49,19 @@ class ModelRunner:
     # ---- CUDA decode fast path --------------------------------------------------------------
 
     def prepare_decode(self, max_batch: int, max_model_len: int, use_graphs: bool, log=print,
-                       max_prefill_tokens: int = 512) -> float:
-        """Set up the uniform-decode fast path and the short-prefill graphs (capturing their CUDA graphs);
-        returns capture seconds."""
+                       prefill_graph_tokens: int = 0) -> float:
+        """Set up the uniform-decode fast path (and capture its CUDA graphs) and, when prefill_graph_tokens > 0
+        (--prefill-cuda-graphs: the step's token budget), the short-prefill graphs; returns capture seconds."""
         self.decode = DecodeStep(self, max_batch, max_model_len, use_graphs)
         elapsed = self.decode.capture(log)
         self.prefill = None
-        if use_graphs and self.device.type == "cuda" and graph_prefill_supported(self.target):
-            self.prefill = PrefillGraphs(self, max_prefill_tokens, max_model_len)
-            elapsed += self.prefill.capture(self.needs.layer_ids, log)
+        if prefill_graph_tokens and use_graphs and self.device.type == "cuda":
+            if graph_prefill_supported(self.target):
+                self.prefill = PrefillGraphs(self, prefill_graph_tokens, max_model_len)
+                elapsed += self.prefill.capture(self.needs.layer_ids, log)
+            else:
+                log("--prefill-cuda-graphs: not for this model (recurrent state or routed experts carry across "
+                    "padded rows): prefills run eagerly")
         return elapsed
 
     @property

@@ -49,3 +49,22 @@ def test_padded_prefill_equals_general_path(tiny_models, tiny_drafter, k):
         assert len(got) == len(want) == 6
         for a, b in zip(got, want):
             assert a == pytest.approx(b, abs=1e-4)
+
+
+def test_flag_maps_and_refuses_enforce_eager(tiny_models):
+    """--prefill-cuda-graphs reaches EngineConfig; with --enforce-eager (no graphs at all) it is refused, not
+    ignored; on the CPU the engine builds no graphs and says nothing is wrong."""
+    from blockspec.cli import build_parser, engine_config_from_args
+    from blockspec.errors import ConfigError
+
+    args = build_parser().parse_args(["generate", "hi", "--model", str(tiny_models["qwen3"]), "--no-draft",
+                                      "--prefill-cuda-graphs"])
+    config = engine_config_from_args(args)
+    assert config.prefill_cuda_graphs
+    config.enforce_eager = True
+    with pytest.raises(ConfigError, match="--enforce-eager"):
+        config.validate()
+    engine = Engine(EngineConfig(model=str(tiny_models["qwen3"]), device="cpu", dtype="float32",
+                                 prefill_cuda_graphs=True))
+    assert engine.runner.prefill is None
+    engine.release()

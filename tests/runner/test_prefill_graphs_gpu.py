@@ -2,8 +2,9 @@
 
 GPU only (skips without CUDA). Tiny random Llama / Qwen2 / Qwen3 targets with a random DFlash drafter, in fp32
 (the paged kernel the graphs use and the eager path's SDPA agree to far below the logit gaps): greedy output
-with graphs equals `--enforce-eager` token for token, over prompts of 1 to 300 tokens and over turns that hit
-the prefix cache (a shared prefix plus a new turn: the hit's prefill is one graph replay), for k = 0 and 7.
+with `--prefill-cuda-graphs` equals `--enforce-eager` token for token, over prompts of 1 to 300 tokens and over
+turns that hit the prefix cache (a shared prefix plus a new turn: the hit's prefill is one graph replay), for
+k = 0 and 7.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ TURNS = [PREFIX + [7, 8, 9], PREFIX + list(range(40, 100)), [3], list(range(11, 
 def run(model, drafter, k: int, eager: bool) -> tuple[list[list[int]], int]:
     spec = SpeculativeConfig(model=str(drafter), num_speculative_tokens=k) if k else SpeculativeConfig()
     engine = Engine(EngineConfig(model=str(model), device="cuda", dtype="float32", max_num_seqs=4,
-                                 enforce_eager=eager, speculative=spec, gpu_memory_utilization=0.3))
+                                 enforce_eager=eager, speculative=spec, gpu_memory_utilization=0.3,
+                                 prefill_cuda_graphs=not eager))
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     outs = [engine.generate([prompt], params)[0].token_ids for prompt in TURNS]  # one at a time: hits
     replays = engine.runner.prefill.replays if engine.runner.prefill is not None else 0
