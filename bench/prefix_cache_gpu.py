@@ -85,7 +85,8 @@ def build(model_dir: Path, draft_dir: Path, args: argparse.Namespace, max_len: i
     return Engine(EngineConfig(model=str(model_dir), device=args.device, dtype=args.dtype, max_model_len=max_len,
                                max_num_seqs=1, load_format="dummy", speculative=spec, kv_cache_memory=kv,
                                enable_prefix_caching=cache, max_num_batched_tokens=args.max_num_batched_tokens,
-                               mamba_block_size=args.mamba_block_size))
+                               mamba_block_size=args.mamba_block_size,
+                               prefill_cuda_graphs=args.prefill_cuda_graphs and args.device == "cuda"))
 
 
 def shared_prefix(engine: Engine, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
@@ -281,6 +282,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--mamba-block-size", type=int, default=None, help="hybrids: tokens between state snapshots")
     p.add_argument("--profile", action="store_true", help="profile one hit's TTFT (top GPU kernels)")
+    p.add_argument("--prefill-cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
+                   help="the engines' --prefill-cuda-graphs (both engines alike; default on: the hit's short prefill "
+                        "is host-bound without it)")
     p.add_argument("--dry-run", action="store_true", help="tiny configs on the CPU (float32), a few tokens")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
