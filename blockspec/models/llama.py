@@ -152,9 +152,12 @@ class LlamaForCausalLM(nn.Module):
 
     @property
     def prefill_graph_safe(self) -> bool:
-        """Every row's computation stays in its row and the paged KV cache (dense MLPs: no routing), so a short
-        prefill padded to a bucket can be one CUDA graph (runner/prefill_graphs.py)."""
-        return all(isinstance(layer.mlp, LlamaMLP) for layer in self.model.layers)
+        """Every row's computation stays in its row and the paged KV cache (dense MLPs, or MoE blocks that route
+        each token on its own), so a short prefill padded to a bucket can be one CUDA graph
+        (runner/prefill_graphs.py): padding rows only add expert work whose output is never read."""
+        from blockspec.models.layers.moe import SparseMoeBlock
+
+        return all(isinstance(layer.mlp, (LlamaMLP, SparseMoeBlock)) for layer in self.model.layers)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:

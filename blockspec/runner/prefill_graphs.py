@@ -11,9 +11,9 @@ attention's GPU time, far below the host time it saves).
 Padding: a bucket of P rows holds the T real tokens first. Queries sit at positions start .. start + P - 1
 (seq_len = start + P), so every real query sees exactly its own causal prefix; the P - T padding rows write
 their K/V into the scratch block, and the block table points every position past the real tokens at it.
-Their outputs are never read. Models whose layers keep recurrent state (Gated DeltaNet hybrids) or route
-tokens (MoE) stay on the eager path: a padded row would advance a state, and a 512-token MoE step has not
-been measured in a graph.
+Their outputs are never read. MoE blocks route every token on its own, so padding rows only add expert work.
+Models whose layers keep recurrent state (Gated DeltaNet hybrids) stay on the eager path: a padded row would
+advance the state.
 """
 
 from __future__ import annotations

@@ -11,7 +11,8 @@ import pytest
 from blockspec.config import EngineConfig, SpeculativeConfig
 from blockspec.engine.engine import Engine
 from blockspec.engine.sampling_params import SamplingParams
-from blockspec.runner.prefill_graphs import PrefillGraphs
+from blockspec.runner.prefill_graphs import PrefillGraphs, graph_prefill_supported
+from tests.tiny_hybrid import save_tiny_hybrid
 
 PREFIX = list(range(5, 5 + 230))
 TURNS = [PREFIX + [7, 8, 9], [3], PREFIX + list(range(40, 100)), list(range(11, 139)), PREFIX + [1] * 33]
@@ -39,10 +40,12 @@ def run(model, drafter, k: int, padded: bool) -> tuple[list[list[int]], list[lis
     return tokens, logprobs, replays
 
 
-@pytest.mark.parametrize("k", [0, 7])
-def test_padded_prefill_equals_general_path(tiny_models, tiny_drafter, k):
-    tokens, logprobs, replays = run(tiny_models["qwen3"], tiny_drafter, k, padded=True)
-    want_tokens, want_logprobs, _ = run(tiny_models["qwen3"], tiny_drafter, k, padded=False)
+@pytest.mark.parametrize("family,k", [("qwen3", 0), ("qwen3", 7), ("qwen3_moe", 0)])
+def test_padded_prefill_equals_general_path(tiny_models, tiny_drafter, tmp_path, family, k):
+    """The MoE target: padding rows route to experts of their own, real rows' routing and outputs untouched."""
+    model = tiny_models["qwen3"] if family == "qwen3" else save_tiny_hybrid(tmp_path / family, family, num_layers=4)
+    tokens, logprobs, replays = run(model, tiny_drafter, k, padded=True)
+    want_tokens, want_logprobs, _ = run(model, tiny_drafter, k, padded=False)
     assert replays == len(TURNS) - 1  # the 1-token prompt is a decode step (the decode graphs' path)
     assert tokens == want_tokens
     for got, want in zip(logprobs, want_logprobs):
@@ -68,3 +71,16 @@ def test_flag_maps_and_refuses_enforce_eager(tiny_models):
                                  prefill_cuda_graphs=True))
     assert engine.runner.prefill is None
     engine.release()
+
+
+def test_which_targets_take_graphs(tiny_models, tmp_path):
+    """Dense and MoE targets do (rows independent outside the KV cache); Gated DeltaNet hybrids do not."""
+    def target(path):
+        engine = Engine(EngineConfig(model=str(path), device="cpu", dtype="float32", max_num_seqs=1))
+        model = engine.runner.target
+        engine.release()
+        return model
+
+    assert graph_prefill_supported(target(tiny_models["qwen3"]))
+    assert graph_prefill_supported(target(save_tiny_hybrid(tmp_path / "moe", "qwen3_moe", num_layers=2)))
+    assert not graph_prefill_supported(target(save_tiny_hybrid(tmp_path / "hybrid", "qwen3_5", num_layers=4)))
