@@ -98,7 +98,7 @@ class EngineConfig:
     # same bits for any k and batch; dense targets only (others are refused)
     deterministic: bool = False
     # --prefill-cuda-graphs: one sequence's prefill of up to 512 new tokens (a prefix-cache hit's turn, a short
-    # prompt) replays a CUDA graph (runner/prefill_graphs.py); off until its GPU figures are in
+    # prompt) replays a CUDA graph (runner/prefill_graphs.py; dense and MoE targets); off until measured on a GPU
     prefill_cuda_graphs: bool = False
 
     def snapshot_interval(self) -> int:
