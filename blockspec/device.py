@@ -1,4 +1,4 @@
-"""Moving small host-side lists (step metadata, per-request parameters) to the device.
+"""Host-side helpers about the device: moving small lists to it, and what it can run.
 
 A plain `torch.tensor(values, device="cuda")` copies from pageable memory, which blocks the host;
 staging through pinned memory and copying asynchronously keeps a step free of host syncs.
@@ -6,7 +6,19 @@ staging through pinned memory and copying asynchronously keeps a step free of ho
 
 from __future__ import annotations
 
+import functools
+
 import torch
+
+
+def cuda_capability(device: torch.device) -> tuple[int, int]:
+    """(major, minor) of a CUDA device, looked up once: kernel dispatch asks on every call."""
+    return _capability(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
 
 
 def upload(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -348,6 +348,37 @@ def _next_pow2(x: int) -> int:
     return 1 << (x - 1).bit_length()
 
 
+_KEY_TILE = 64  # keys per step of the paged kernel (BLOCK_N); fixed splits are whole tiles
+
+
+def _split_partials(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                    seq_lens: torch.Tensor, kv_start: torch.Tensor, q_start: torch.Tensor | None, q_len: int,
+                    scale: float, causal: bool, window: int | None, num_splits: int, block_m: int,
+                    split_tiles: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """The partial softmaxes of every (sequence, KV head, row tile, split): (o, m, l, rows per KV head) for a merge
+    kernel. split_tiles 0: each sequence's key range shared evenly among num_splits; > 0: fixed absolute splits
+    of that many 64-key tiles (--deterministic)."""
+    b_count, head_dim = seq_lens.shape[0], q.shape[2]
+    num_kv = k_cache.shape[2]
+    group = q.shape[1] // num_kv
+    row_tiles = -(-(q_len * group) // block_m)
+    total_m = row_tiles * block_m
+    o = torch.empty(b_count, num_kv, num_splits, total_m, head_dim, device=q.device, dtype=torch.float32)
+    m = torch.empty(b_count, num_kv, num_splits, total_m, device=q.device, dtype=torch.float32)
+    ll = torch.empty_like(m)
+    _paged_attention_kernel[(b_count, num_kv * row_tiles, num_splits)](
+        q, k_cache, v_cache, o, m, ll, block_tables, seq_lens, kv_start, seq_lens if q_start is None else q_start,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0), o.stride(0), o.stride(1), o.stride(2), o.stride(3),
+        scale, q_len, num_splits, window or 0,
+        GROUP=group, HEAD_DIM=head_dim, PAGE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_N=_KEY_TILE, CAUSAL=causal,
+        WINDOWED=window is not None, HAS_Q_START=q_start is not None, ROW_TILES=row_tiles, SPLIT_TILES=split_tiles,
+        num_warps=4, num_stages=2,
+    )
+    return o, m, ll, total_m
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     seq_lens: torch.Tensor, kv_start: torch.Tensor, q_len: int, scale: float, causal: bool,
                     num_splits: int = 8, sinks: torch.Tensor | None = None, window: int | None = None,
@@ -366,23 +397,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     # Row tiles of at most 8192 / head_dim rows (a [BLOCK_M, HEAD_DIM] float32 accumulator of <= 64 registers a
     # thread): a 27B verify (16 queries x 6 heads, head_dim 256) as 3 programs of 32 rows a (KV head, split),
     # not one of 128 whose accumulator spilled.
-    rows = q_len * group
-    block_m = min(max(16, _next_pow2(rows)), max(16, 8192 // head_dim))
-    row_tiles = -(-rows // block_m)
-    total_m = row_tiles * block_m
-    o = torch.empty(b_count, num_kv, num_splits, total_m, head_dim, device=q.device, dtype=torch.float32)
-    m = torch.empty(b_count, num_kv, num_splits, total_m, device=q.device, dtype=torch.float32)
-    ll = torch.empty_like(m)
-    _paged_attention_kernel[(b_count, num_kv * row_tiles, num_splits)](
-        q, k_cache, v_cache, o, m, ll, block_tables, seq_lens, kv_start, seq_lens if q_start is None else q_start,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_tables.stride(0), o.stride(0), o.stride(1), o.stride(2), o.stride(3),
-        scale, q_len, num_splits, window or 0,
-        GROUP=group, HEAD_DIM=head_dim, PAGE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_N=64, CAUSAL=causal,
-        WINDOWED=window is not None, HAS_Q_START=q_start is not None, ROW_TILES=row_tiles, SPLIT_TILES=0,
-        num_warps=4, num_stages=2,
-    )
+    block_m = min(max(16, _next_pow2(q_len * group)), max(16, 8192 // head_dim))
+    o, m, ll, total_m = _split_partials(q, k_cache, v_cache, block_tables, seq_lens, kv_start, q_start, q_len, scale,
+                                        causal, window, num_splits, block_m, 0)
     out = torch.empty_like(q)
     gate_t = q if gate is None else gate
     _merge_splits_kernel[(b_count, num_kv, q_len * group)](
@@ -426,7 +443,6 @@ def ragged_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 # ---- deterministic mode (--deterministic) ---------------------------------------------------------------------
 
 DETERMINISTIC_SPLIT = 512  # keys per split, at absolute positions [s * 512, (s + 1) * 512)
-_DET_BLOCK_N = 64  # key tile, as the kernel above uses
 
 
 def _det_block_m(head_dim: int) -> int:
@@ -479,23 +495,10 @@ def fixed_split_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv, page = k_cache.shape[2], k_cache.shape[1]
     group = num_heads // num_kv
-    block_m = _det_block_m(head_dim)
-    row_tiles = -(-(q_len * group) // block_m)
-    total_m = row_tiles * block_m
     num_splits = -(-(block_tables.shape[1] * page) // split_tokens)
-    o = torch.empty(b_count, num_kv, num_splits, total_m, head_dim, device=q.device, dtype=torch.float32)
-    m = torch.empty(b_count, num_kv, num_splits, total_m, device=q.device, dtype=torch.float32)
-    ll = torch.empty_like(m)
-    _paged_attention_kernel[(b_count, num_kv * row_tiles, num_splits)](
-        q, k_cache, v_cache, o, m, ll, block_tables, seq_lens, torch.zeros_like(seq_lens), seq_lens,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_tables.stride(0), o.stride(0), o.stride(1), o.stride(2), o.stride(3),
-        scale, q_len, num_splits, 0,
-        GROUP=group, HEAD_DIM=head_dim, PAGE=page, BLOCK_M=block_m, BLOCK_N=_DET_BLOCK_N, CAUSAL=True,
-        WINDOWED=False, HAS_Q_START=False, ROW_TILES=row_tiles, SPLIT_TILES=split_tokens // _DET_BLOCK_N,
-        num_warps=4, num_stages=2,
-    )
+    o, m, ll, total_m = _split_partials(q, k_cache, v_cache, block_tables, seq_lens, torch.zeros_like(seq_lens), None,
+                                        q_len, scale, True, None, num_splits, _det_block_m(head_dim),
+                                        split_tokens // _KEY_TILE)
     out = torch.empty_like(q)
     _merge_fixed_splits_kernel[(b_count, num_kv, q_len * group)](
         o, m, ll, out, seq_lens, o.stride(0), o.stride(1), o.stride(2), o.stride(3), out.stride(0), out.stride(1),

@@ -35,12 +35,12 @@ which also read "mxfp4" through `quant_meta`.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from blockspec.device import cuda_capability
 from blockspec.kernels._triton import HAVE_TRITON, INTERPRET, use_triton
 from blockspec.kernels.quant_tiles import FP4_GLOBAL_BIAS
 from blockspec.models.layers.quant_linear import (
@@ -407,18 +407,13 @@ def launch_config(meta: QuantMeta, m: int) -> LaunchConfig:
     return LaunchConfig(True, 32 if m <= 32 else 64, 64, 64 if k >= 64 else 32, 1, 4, 3)
 
 
-@functools.cache
-def _capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
-
-
 def _native_blackwell(x: torch.Tensor, layer, residual: torch.Tensor | None) -> torch.Tensor | None:
     """Dispatch point for native Blackwell (sm_100 / 110 / 120 / 121) block-scaled FP4 / FP8 tensor-core GEMMs
     (tcgen05 / mma with e2m1 or e4m3 operands and ue4m3 / ue8m0 scales): there the activations would be
     quantized on the fly and the weights never dequantized. Not written yet: returns None, and the caller
     falls through to the W4A16 / W8A16 kernels, which run on Blackwell too."""
     if x.is_cuda and layer.scheme in ("nvfp4", "fp8"):
-        major, _ = _capability(x.device.index if x.device.index is not None else torch.cuda.current_device())
+        major, _ = cuda_capability(x.device)
         if major in (10, 11, 12):
             return None  # TODO(issue 14): native FP4 / FP8 GEMM here
     return None

@@ -89,11 +89,9 @@ class GatedAttention(nn.Module):
         return q, gate, k, v
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        t = x.shape[0]
         q, gate, k, v = self._split(self.qkv_proj(x))
         q, k = self.rotary(positions, self.q_norm(q), self.k_norm(k))
-        out = self.attn(q.contiguous(), k, v) * torch.sigmoid(gate.reshape(t, -1))
-        return self.o_proj(out)
+        return self.o_proj(self.attn(q.contiguous(), k, v, gate=gate))
 
     def forward_residual(self, positions: torch.Tensor, h: torch.Tensor, norm: nn.Module) -> torch.Tensor:
         """Decode rows on the GPU: h += o_proj(attention(norm(h))) with the norm folded into the q|k|v GEMM,

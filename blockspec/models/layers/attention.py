@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.bias import causal_lower_right
 
-from blockspec.device import upload
+from blockspec.device import cuda_capability, upload
 from blockspec.kernels.paged_attention import (
     fixed_split_attention,
     paged_attention,
@@ -201,7 +201,7 @@ def _flash_varlen_ok(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and k_cache.dtype == q.dtype
             and d % 8 == 0 and d <= 256 and q.shape[1] % k_cache.shape[2] == 0 and q.stride(-1) == 1
             and hasattr(torch.ops.aten, "_flash_attention_forward")
-            and torch.cuda.get_device_capability(q.device)[0] >= 8)
+            and cuda_capability(q.device)[0] >= 8)
 
 
 def tail_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_slots: torch.Tensor,

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from blockspec.device import cuda_capability
 from blockspec.errors import ConfigError
 from blockspec.kernels.moe_grouped import (
     SharedWeights,
@@ -144,7 +145,7 @@ def grouped_supported(x: torch.Tensor) -> bool:
     if not hasattr(torch, "_grouped_mm"):
         return False
     if x.device.type == "cuda":
-        return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0)
+        return x.dtype == torch.bfloat16 and cuda_capability(x.device) >= (9, 0)
     return x.device.type == "cpu"
 
 

@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from blockspec.device import cuda_capability
 from blockspec.errors import ConfigError
 from blockspec.kernels._triton import use_triton
 from blockspec.kernels.skinny_linear import linear
@@ -303,7 +304,7 @@ def _triton_quant_linear():
 def native_low_precision_supported(x: torch.Tensor, layer: QuantLinear) -> bool:
     """Blackwell (sm100+) tensor cores run FP4 and FP8 GEMMs natively."""
     return (x.is_cuda and layer.scheme in ("nvfp4", "fp8")
-            and torch.cuda.get_device_capability(x.device) >= (10, 0))
+            and cuda_capability(x.device) >= (10, 0))
 
 
 class QuantLinear(_QuantTensors):
