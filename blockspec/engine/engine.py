@@ -89,8 +89,7 @@ class Engine:
         if not self.num_speculative_tokens:
             self.runner.proposer = None
         self.runner.num_speculative_tokens = self.num_speculative_tokens
-        self.runner.prepare_decode(config.max_num_seqs, self.max_model_len, not config.enforce_eager, log.info,
-                                   config.max_num_batched_tokens if config.prefill_cuda_graphs else 0)
+        self._prepare_decode()
         self.allocator = block_allocator(self, num_blocks)  # + a state slot per sequence for hybrids
         self.allocator.tracks_drafter = self.runner.keeps_context
         self.scheduler = Scheduler(self.allocator, config.max_num_seqs, config.max_num_batched_tokens,
@@ -220,10 +219,14 @@ class Engine:
         self.allocator.tracks_drafter = self.runner.keeps_context
         self.num_speculative_tokens = self.scheduler.k = self.runner.num_speculative_tokens = k
         self.spec_counters = SpecDecodeCounters(accepted_per_pos=[0] * k)
-        self.runner.prepare_decode(self.config.max_num_seqs, self.max_model_len, not self.config.enforce_eager,
-                                   log.info,
-                                   self.config.max_num_batched_tokens if self.config.prefill_cuda_graphs else 0)
+        self._prepare_decode()
         self._set_lookahead()
+
+    def _prepare_decode(self) -> None:
+        """The runner's CUDA-graph fast paths for the current proposer and k (at start-up and when k changes)."""
+        c = self.config
+        self.runner.prepare_decode(c.max_num_seqs, self.max_model_len, not c.enforce_eager, log.info,
+                                   c.max_num_batched_tokens if c.prefill_cuda_graphs else 0)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block and state snapshot (vLLM's name). Call it after changing the target's
