@@ -50,10 +50,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat-template", default=None)
     p.add_argument("--load-format", default="auto", help="auto | dummy (random weights)")
     p.add_argument("--enforce-eager", action="store_true")
-    p.add_argument("--prefill-cuda-graphs", action=argparse.BooleanOptionalAction, default=False,
+    p.add_argument("--prefill-cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="replay a CUDA graph for one sequence's prefill of up to 512 new tokens (a prefix-cache hit's "
                         "turn, a short prompt), whose eager launches wait on the host; dense and MoE targets "
-                        "(default: off until measured)")
+                        "(default: on, except with --enforce-eager or --deterministic)")
     add_deterministic_arg(p)
     add_prefix_caching_args(p)
 

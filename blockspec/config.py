@@ -98,8 +98,15 @@ class EngineConfig:
     # same bits for any k and batch; dense targets only (others are refused)
     deterministic: bool = False
     # --prefill-cuda-graphs: one sequence's prefill of up to 512 new tokens (a prefix-cache hit's turn, a short
-    # prompt) replays a CUDA graph (runner/prefill_graphs.py; dense and MoE targets); off until measured on a GPU
-    prefill_cuda_graphs: bool = False
+    # prompt) replays a CUDA graph (runner/prefill_graphs.py; dense and MoE targets); None: on unless
+    # --enforce-eager or --deterministic (whose bit-equality tests run the eager prefill)
+    prefill_cuda_graphs: bool | None = None
+
+    def uses_prefill_graphs(self) -> bool:
+        """--prefill-cuda-graphs as given, or its default: on where the CUDA graphs are."""
+        if self.prefill_cuda_graphs is not None:
+            return self.prefill_cuda_graphs
+        return not (self.enforce_eager or self.deterministic)
 
     def snapshot_interval(self) -> int:
         """Tokens between a hybrid prompt's state snapshots; 0 when none are taken."""
@@ -149,7 +156,7 @@ class EngineConfig:
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError("--max-model-len must be at least 2")
         check_reasoning_parser(self.reasoning_parser)
-        if self.prefill_cuda_graphs and self.enforce_eager:
+        if self.prefill_cuda_graphs is True and self.enforce_eager:
             raise ConfigError("--prefill-cuda-graphs captures CUDA graphs, which --enforce-eager turns off: drop one "
                               "of the two")
         k = self.speculative.num_speculative_tokens

@@ -226,7 +226,7 @@ class Engine:
         """The runner's CUDA-graph fast paths for the current proposer and k (at start-up and when k changes)."""
         c = self.config
         self.runner.prepare_decode(c.max_num_seqs, self.max_model_len, not c.enforce_eager, log.info,
-                                   c.max_num_batched_tokens if c.prefill_cuda_graphs else 0)
+                                   c.max_num_batched_tokens if c.uses_prefill_graphs() else 0)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block and state snapshot (vLLM's name). Call it after changing the target's

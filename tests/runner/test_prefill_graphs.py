@@ -55,14 +55,24 @@ def test_padded_prefill_equals_general_path(tiny_models, tiny_drafter, tmp_path,
 
 
 def test_flag_maps_and_refuses_enforce_eager(tiny_models):
-    """--prefill-cuda-graphs reaches EngineConfig; with --enforce-eager (no graphs at all) it is refused, not
-    ignored; on the CPU the engine builds no graphs and says nothing is wrong."""
+    """--prefill-cuda-graphs reaches EngineConfig and is on by default, off by default under --enforce-eager and
+    --deterministic; asked for with --enforce-eager (no graphs at all) it is refused, not ignored; on the CPU the
+    engine builds no graphs and says nothing is wrong."""
     from blockspec.cli import build_parser, engine_config_from_args
     from blockspec.errors import ConfigError
 
-    args = build_parser().parse_args(["generate", "hi", "--model", str(tiny_models["qwen3"]), "--no-draft",
-                                      "--prefill-cuda-graphs"])
-    config = engine_config_from_args(args)
+    def config_of(*flags: str) -> EngineConfig:
+        args = build_parser().parse_args(["generate", "hi", "--model", str(tiny_models["qwen3"]), "--no-draft",
+                                          *flags])
+        return engine_config_from_args(args)
+
+    assert config_of().uses_prefill_graphs()
+    assert not config_of("--no-prefill-cuda-graphs").uses_prefill_graphs()
+    assert not config_of("--enforce-eager").uses_prefill_graphs()
+    assert not config_of("--deterministic").uses_prefill_graphs()
+    assert config_of("--deterministic", "--prefill-cuda-graphs").uses_prefill_graphs()
+    config_of("--enforce-eager").validate()  # the default yields to --enforce-eager without a word
+    config = config_of("--prefill-cuda-graphs")
     assert config.prefill_cuda_graphs
     config.enforce_eager = True
     with pytest.raises(ConfigError, match="--enforce-eager"):
