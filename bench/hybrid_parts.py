@@ -164,6 +164,7 @@ def step_bytes(split: dict[str, Any], experts_per_layer: list[float] | None = No
     return split["dense"] + split["lm_head"] + sum(n * e["bytes_per_expert"] for n, e in zip(touched, split["experts"]))
 
 
+@torch.inference_mode()  # as the engine runs: with grad enabled the experts take the reference path
 def quantized_experts_capturable(device: str) -> dict[str, Any]:
     """Whether quantized MoE experts run inside a CUDA graph (a kernel that dequantizes in registers, no host
     sync) or only eagerly (the dequantize-then-matmul reference reads the routed ids back to the host)."""
