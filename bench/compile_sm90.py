@@ -5,13 +5,19 @@ Triton's CUDA backend ships its own ptxas, so `triton.compile(ASTSource(...), ta
 runs anywhere. Use the device's Triton (3.6 on the lent H100/H200):
     pip download --no-deps triton==3.6.0 -d /tmp/t36 && pip install --no-deps --target /tmp/t36site /tmp/t36/*.whl
     PYTHONPATH=/tmp/t36site:. python bench/compile_sm90.py
-Each case names the kernel and its constexprs as the wrappers launch them; prints one line a case, exits 1 on any
-failure. Add a case when a kernel's signature or a compile-time branch changes.
+Each case names the kernel and its constexprs as the wrappers launch them; prints one line a case with the
+registers and stack bytes a thread of the compiled cubin (`cuobjdump -res-usage`; spills live on the stack),
+exits 1 on any failure (a case marked `no_spill` fails if it has a stack). Add a case when a kernel's signature
+or a compile-time branch changes.
 """
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -28,11 +34,30 @@ TARGET = GPUTarget("cuda", 90, 32)
 
 
 def compile_case(fn, types: dict[str, str], consts: dict, div16: tuple[str, ...] = (), num_warps: int = 4,
-                 num_stages: int = 3) -> None:
+                 num_stages: int = 3, no_spill: bool = False) -> tuple[int, int] | None:
+    """Compile one case; (registers, stack bytes) a thread of the cubin Triton built (spills live on the stack),
+    or None where Triton's cuobjdump is not bundled."""
     sig = {n: "constexpr" if n in consts else types[n] for n in fn.arg_names}
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in div16}
-    triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=TARGET,
-                   options={"num_warps": num_warps, "num_stages": num_stages})
+    kernel = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=TARGET,
+                            options={"num_warps": num_warps, "num_stages": num_stages})
+    usage = resources(kernel.asm["cubin"])
+    if no_spill and usage is not None and usage[1]:
+        raise AssertionError(f"spills: {usage[1]} stack bytes a thread ({usage[0]} registers)")
+    return usage
+
+
+def resources(cubin: bytes) -> tuple[int, int] | None:
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not cuobjdump.exists():
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.cubin")
+        Path(path).write_bytes(cubin)
+        report = subprocess.run([str(cuobjdump), "-res-usage", path], capture_output=True, text=True,
+                                check=True).stdout
+    regs, stack = re.search(r"REG:(\d+)", report), re.search(r"STACK:(\d+)", report)
+    return int(regs.group(1)), int(stack.group(1))
 
 
 def cases() -> list[tuple[str, tuple, dict]]:
@@ -57,6 +82,10 @@ def cases() -> list[tuple[str, tuple, dict]]:
     for gate in (False, True):
         out.append((f"merge_splits gate={gate}", (pa._merge_splits_kernel, merge, dict(
             GROUP=8, HEAD_DIM=256, BLOCK_M=16, SPLITS=8, HAS_SINKS=False, HAS_GATE=gate)), dict(num_warps=1)))
+    for head_dim in (128, 256):  # batch-1 decode: 32 splits (paged_attention.split_count)
+        out.append((f"merge_splits 32 splits head_dim={head_dim}", (pa._merge_splits_kernel, merge, dict(
+            GROUP=8, HEAD_DIM=head_dim, BLOCK_M=16, SPLITS=32, HAS_SINKS=False, HAS_GATE=head_dim == 256)),
+            dict(num_warps=pa._merge_warps(32, head_dim))))
     paged = {n: "i32" for n in pa._paged_attention_kernel.arg_names}
     paged.update(Q="*bf16", K="*bf16", V="*bf16", Out="*fp32", M="*fp32", L="*fp32", BT="*i32", SEQ_LENS="*i32",
                  KV_START="*i32", Q_START="*i32", scale="fp32")
@@ -64,6 +93,19 @@ def cases() -> list[tuple[str, tuple, dict]]:
         out.append((f"paged_attention SPLIT_TILES={split_tiles}", (pa._paged_attention_kernel, paged, dict(
             GROUP=8, HEAD_DIM=256, PAGE=16, BLOCK_M=16, BLOCK_N=64, CAUSAL=True, WINDOWED=False, HAS_Q_START=False,
             ROW_TILES=1, SPLIT_TILES=split_tiles)), dict(num_stages=2)))
+    for head_dim, block_m in ((64, 128), (128, 16), (128, 64), (256, 16), (256, 32)):  # the default path's tiles
+        block_n, warps = pa._tile(head_dim)
+        out.append((f"paged_attention head_dim={head_dim} BLOCK_M={block_m}", (pa._paged_attention_kernel, paged, dict(
+            GROUP=8, HEAD_DIM=head_dim, PAGE=16, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=True, WINDOWED=False,
+            HAS_Q_START=False, ROW_TILES=1, SPLIT_TILES=0)), dict(num_stages=2, num_warps=warps, no_spill=True)))
+    ragged = {n: "i32" for n in pa._ragged_attention_kernel.arg_names}
+    ragged.update(Q="*bf16", K="*bf16", V="*bf16", Out="*bf16", SINKS="*bf16", QUERY_INDEX="*i32", QUERY_POS="*i32",
+                  KV_SLOTS="*i32", scale="fp32")
+    for head_dim, group in ((64, 3), (128, 8), (256, 6)):  # SmolLM2, Qwen3-Coder, Qwen3.6-27B: 64-row tiles
+        block_n, warps = pa._tile(head_dim)
+        out.append((f"ragged_attention head_dim={head_dim} GROUP={group}", (pa._ragged_attention_kernel, ragged, dict(
+            GROUP=group, HEAD_DIM=head_dim, BLOCK_Q=64 // group, BLOCK_M=64, BLOCK_N=block_n, WINDOWED=False,
+            HAS_SINKS=False)), dict(num_stages=2, num_warps=warps, no_spill=True)))
     fixed = {n: "i32" for n in pa._merge_fixed_splits_kernel.arg_names}
     fixed.update(Part="*fp32", M="*fp32", L="*fp32", Out="*bf16", SEQ_LENS="*i32")
     out.append(("merge_fixed_splits", (pa._merge_fixed_splits_kernel, fixed, dict(SPLIT=512, GROUP=4, HEAD_DIM=128,
@@ -80,8 +122,9 @@ def main() -> int:
     failed = 0
     for label, (fn, types, consts), opts in cases():
         try:
-            compile_case(fn, types, consts, **opts)
-            print(f"ok    {label}")
+            usage = compile_case(fn, types, consts, **opts)
+            regs = f"  ({usage[0]} registers, {usage[1]} stack bytes)" if usage else ""
+            print(f"ok    {label}{regs}")
         except Exception as exc:  # report every case, then fail
             failed += 1
             print(f"FAIL  {label}: {type(exc).__name__}: {str(exc)[:800]}")

@@ -21,6 +21,16 @@ def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device, looked up once: launch grids are sized from it."""
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def upload(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     host = torch.tensor(values, dtype=dtype)
     if device.type != "cuda":

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import torch
 
+from blockspec.device import sm_count
 from blockspec.kernels._triton import HAVE_TRITON, use_triton
 
 if HAVE_TRITON:  # CPU-only installs: the reference below is the implementation there
@@ -348,13 +349,24 @@ def _next_pow2(x: int) -> int:
     return 1 << (x - 1).bit_length()
 
 
-_KEY_TILE = 64  # keys per step of the paged kernel (BLOCK_N); fixed splits are whole tiles
+_KEY_TILE = 64  # keys per step of the paged kernel (BLOCK_N) in --deterministic mode; fixed splits are whole tiles
+
+
+def _tile(head_dim: int) -> tuple[int, int]:
+    """(keys a step, warps) of the paged and ragged kernels' default path. The key tiles are gathered through the
+    block table into registers (no cp.async pipeline), and at 4 warps with 64-key tiles ptxas gives every row tile
+    of head_dim 128 and 256 255 registers and spills (704-1068 bytes a thread at head_dim 256 in the paged kernel,
+    1.8 KB in the ragged one: Qwen3.5 / 3.6 attention, the DFlash drafters' blocks). 8 warps, with 32-key tiles
+    at head_dim 256, leave every row tile the wrappers pick without spills (the ragged kernel at 8 query heads a
+    KV head: 8 bytes), compiled for sm_90 by Triton 3.6 and 3.9 (bench/compile_sm90.py)."""
+    return (32 if head_dim >= 256 else 64), 8
 
 
 def _split_partials(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     seq_lens: torch.Tensor, kv_start: torch.Tensor, q_start: torch.Tensor | None, q_len: int,
                     scale: float, causal: bool, window: int | None, num_splits: int, block_m: int,
-                    split_tiles: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+                    split_tiles: int, block_n: int = _KEY_TILE, num_warps: int = 4
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """The partial softmaxes of every (sequence, KV head, row tile, split): (o, m, l, rows per KV head) for a merge
     kernel. split_tiles 0: each sequence's key range shared evenly among num_splits; > 0: fixed absolute splits
     of that many 64-key tiles (--deterministic)."""
@@ -372,20 +384,38 @@ def _split_partials(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0), o.stride(0), o.stride(1), o.stride(2), o.stride(3),
         scale, q_len, num_splits, window or 0,
-        GROUP=group, HEAD_DIM=head_dim, PAGE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_N=_KEY_TILE, CAUSAL=causal,
+        GROUP=group, HEAD_DIM=head_dim, PAGE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal,
         WINDOWED=window is not None, HAS_Q_START=q_start is not None, ROW_TILES=row_tiles, SPLIT_TILES=split_tiles,
-        num_warps=4, num_stages=2,
+        num_warps=num_warps, num_stages=2,
     )
     return o, m, ll, total_m
 
 
+_SPLITS = 8  # key-range splits of a (sequence, KV head, row tile) by default
+_MAX_SPLITS = 32
+_FEW_ROWS = 16  # query rows a KV head up to which the splits grow to fill the GPU (decode, not verify blocks)
+
+
+def split_count(device: torch.device, programs: int, rows: int) -> int:
+    """How many splits each (sequence, KV head, row tile) program's key range takes. 8; for decode rows (a few
+    query rows a KV head) on a GPU that 8 would leave mostly idle -- batch 1 with 2 to 8 KV heads runs 16 to 64
+    programs on 132 SMs, a latency chain of a few tiles each -- enough to give each SM two programs, up to 32.
+    Verify blocks keep 8: their partials (rows x head_dim floats a split, written and merged) would cost more
+    than the splits save. The count is fixed per launch shape (a CUDA graph captures it); each program's share
+    of the keys is computed on the device from the sequence's length, so short contexts leave splits empty."""
+    if rows > _FEW_ROWS or device.type != "cuda":
+        return _SPLITS
+    return max(_SPLITS, min(_MAX_SPLITS, -(-2 * sm_count(device) // programs)))
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     seq_lens: torch.Tensor, kv_start: torch.Tensor, q_len: int, scale: float, causal: bool,
-                    num_splits: int = 8, sinks: torch.Tensor | None = None, window: int | None = None,
+                    num_splits: int | None = None, sinks: torch.Tensor | None = None, window: int | None = None,
                     q_start: torch.Tensor | None = None, gate: torch.Tensor | None = None) -> torch.Tensor:
     """Triton paged attention on CUDA (the reference elsewhere); same contract as paged_attention_ref. q may be
     a strided view (unit stride along head_dim: a slice of the fused projection). `gate` [B * q_len, H, D] (a
-    view as q): the output times sigmoid(gate), Qwen3-Next / 3.5's gated attention, in the merge launch."""
+    view as q): the output times sigmoid(gate), Qwen3-Next / 3.5's gated attention, in the merge launch.
+    num_splits None: `split_count`."""
     if not use_triton(q):
         out = paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, kv_start, q_len, scale, causal,
                                   sinks, window, q_start)
@@ -398,16 +428,25 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     # thread): a 27B verify (16 queries x 6 heads, head_dim 256) as 3 programs of 32 rows a (KV head, split),
     # not one of 128 whose accumulator spilled.
     block_m = min(max(16, _next_pow2(q_len * group)), max(16, 8192 // head_dim))
+    if num_splits is None:
+        num_splits = split_count(q.device, b_count * num_kv * -(-(q_len * group) // block_m), q_len * group)
+    block_n, num_warps = _tile(head_dim)
     o, m, ll, total_m = _split_partials(q, k_cache, v_cache, block_tables, seq_lens, kv_start, q_start, q_len, scale,
-                                        causal, window, num_splits, block_m, 0)
+                                        causal, window, num_splits, block_m, 0, block_n, num_warps)
     out = torch.empty_like(q)
     gate_t = q if gate is None else gate
     _merge_splits_kernel[(b_count, num_kv, q_len * group)](
         o, m, ll, out, q if sinks is None else sinks, gate_t, o.stride(0), o.stride(1), o.stride(2), o.stride(3),
         out.stride(0), out.stride(1), gate_t.stride(0), gate_t.stride(1), q_len, num_splits, GROUP=group,
         HEAD_DIM=head_dim, BLOCK_M=total_m, SPLITS=_next_pow2(num_splits), HAS_SINKS=sinks is not None,
-        HAS_GATE=gate is not None, num_warps=1)
+        HAS_GATE=gate is not None, num_warps=_merge_warps(num_splits, head_dim))
     return out
+
+
+def _merge_warps(num_splits: int, head_dim: int) -> int:
+    """One warp up to 2048 partial values a row (8 splits of head_dim 256, the launch measured so far); more for
+    the decode's up-to-32 splits, so the [SPLITS, HEAD_DIM] tile stays at <= 64 float32 registers a thread."""
+    return max(1, min(8, _next_pow2(num_splits) * head_dim // 2048))
 
 
 def ragged_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -429,13 +468,14 @@ def ragged_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     flat_v = v_cache.view(-1, num_kv, head_dim)
     out = torch.empty(b_count * qmax, num_heads, head_dim, device=q.device, dtype=q.dtype)
     query_index, query_pos, kv_slots = (t.contiguous() for t in (query_index, query_pos, kv_slots))
+    block_n, num_warps = _tile(head_dim)  # at 4 warps head_dim 256 spilled 1.8 KB a thread
     _ragged_attention_kernel[(b_count, num_kv, triton.cdiv(qmax, block_q))](
         q, flat_k, flat_v, out, q if sinks is None else sinks, query_index, query_pos, kv_slots,
         q.stride(0), q.stride(1), flat_k.stride(0), flat_k.stride(1), flat_v.stride(0), flat_v.stride(1),
         out.stride(0), out.stride(1), query_index.stride(0), query_pos.stride(0), kv_slots.stride(0),
         qmax, kv_slots.shape[1], scale, window or 0,
-        GROUP=group, HEAD_DIM=head_dim, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=64,
-        WINDOWED=window is not None, HAS_SINKS=sinks is not None, num_warps=4, num_stages=2,
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
+        WINDOWED=window is not None, HAS_SINKS=sinks is not None, num_warps=num_warps, num_stages=2,
     )
     return out[query_unpad]
 

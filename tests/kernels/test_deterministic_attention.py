@@ -71,6 +71,9 @@ def test_kernel_matches_reference(dtype):
 @kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_query_is_bit_identical_alone_in_a_verify_block_and_in_a_prefill_chunk(dtype):
+    if DEVICE == "cpu" and dtype == torch.float32:
+        pytest.skip("the interpreter's float32 tl.dot is NumPy's matmul, whose BLAS blocking (and so a row's "
+                    "rounding) follows the matrix's shape; the GPU's MMA does not")
     q_all, k, v, table = cache(DEVICE, dtype)
     pos = 200  # the query at position 200: its keys span two splits and part of a third
     alone = attend(q_all, k, v, table, [pos + 1], 1, split_tokens=SPLIT)[0]

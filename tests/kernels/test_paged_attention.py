@@ -8,12 +8,14 @@ import contextlib
 import pytest
 import torch
 
+from blockspec.kernels import paged_attention as pa
 from blockspec.kernels._triton import kernel_device
 from blockspec.kernels.paged_attention import (
     paged_attention,
     paged_attention_ref,
     ragged_paged_attention,
     ragged_paged_attention_ref,
+    split_count,
 )
 from blockspec.models.layers.attention import AttentionMetadata, paged_attention_reference
 
@@ -90,6 +92,34 @@ def test_triton_matches_reference(batch, q_len, heads, kv_heads, head_dim, causa
         err = (out.float() - ref.float()).norm() / ref.float().norm()
         assert err < 1e-2, err
         assert torch.isfinite(out).all()
+
+
+def test_split_count_fills_the_gpu_for_decode_rows_only(monkeypatch):
+    """Batch-1 decode with few KV heads takes up to 32 splits (two programs an SM); many programs, verify blocks
+    (more than 16 rows a KV head) and the CPU keep 8."""
+    monkeypatch.setattr(pa, "sm_count", lambda device: 132)
+    cuda = torch.device("cuda")
+    assert split_count(cuda, 4, 8) == 32  # Qwen3-Coder-30B decode: 4 KV heads, 8 query heads each
+    assert split_count(cuda, 24, 1) == 11  # 24 programs: 264 / 24
+    assert split_count(cuda, 128, 8) == 8  # batch 16 x 8 KV heads already fills it
+    assert split_count(cuda, 12, 96) == 8  # a 27B verify block: 16 queries x 6 heads a KV head
+    assert split_count(torch.device("cpu"), 4, 8) == 8
+
+
+@pytest.mark.skipif(DEVICE is None, reason="Triton kernel needs a CUDA GPU (or TRITON_INTERPRET=1)")
+@pytest.mark.parametrize("splits", [1, 32])
+def test_many_splits_match_reference(splits):
+    """32 splits over contexts of 1 to 70 keys leave most splits empty (-inf partials the merge must weigh 0);
+    over 300 keys every split holds one 64-key tile or none; decode rows (q_len 1) as the decode path runs."""
+    dtype = torch.float32 if DEVICE == "cpu" else torch.bfloat16
+    for max_len, seed in ((3, 0), (70, 1), (300, 2)):
+        q, kc, vc, tables, seq_lens, kv_start = random_case(DEVICE, dtype, 2, 1, 8, 2, 128, max_len=max_len,
+                                                             seed=seed)
+        kv_start.zero_()
+        with torch.no_grad():
+            out = paged_attention(q, kc, vc, tables, seq_lens, kv_start, 1, 128**-0.5, True, num_splits=splits)
+        ref = paged_attention_ref(q, kc, vc, tables, seq_lens, kv_start, 1, 128**-0.5, True)
+        assert float((out.float() - ref.float()).norm() / ref.float().norm()) < 1e-2
 
 
 @pytest.mark.skipif(DEVICE is None, reason="Triton kernel needs a CUDA GPU (or TRITON_INTERPRET=1)")
