@@ -411,11 +411,12 @@ def split_count(device: torch.device, programs: int, rows: int) -> int:
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     seq_lens: torch.Tensor, kv_start: torch.Tensor, q_len: int, scale: float, causal: bool,
                     num_splits: int | None = None, sinks: torch.Tensor | None = None, window: int | None = None,
-                    q_start: torch.Tensor | None = None, gate: torch.Tensor | None = None) -> torch.Tensor:
+                    q_start: torch.Tensor | None = None, gate: torch.Tensor | None = None,
+                    tile: tuple[int, int] | None = None) -> torch.Tensor:
     """Triton paged attention on CUDA (the reference elsewhere); same contract as paged_attention_ref. q may be
     a strided view (unit stride along head_dim: a slice of the fused projection). `gate` [B * q_len, H, D] (a
     view as q): the output times sigmoid(gate), Qwen3-Next / 3.5's gated attention, in the merge launch.
-    num_splits None: `split_count`."""
+    num_splits None: `split_count`; tile None: `_tile` (both set by bench/attention_sweep.py to compare)."""
     if not use_triton(q):
         out = paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, kv_start, q_len, scale, causal,
                                   sinks, window, q_start)
@@ -430,7 +431,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     block_m = min(max(16, _next_pow2(q_len * group)), max(16, 8192 // head_dim))
     if num_splits is None:
         num_splits = split_count(q.device, b_count * num_kv * -(-(q_len * group) // block_m), q_len * group)
-    block_n, num_warps = _tile(head_dim)
+    block_n, num_warps = tile or _tile(head_dim)
     o, m, ll, total_m = _split_partials(q, k_cache, v_cache, block_tables, seq_lens, kv_start, q_start, q_len, scale,
                                         causal, window, num_splits, block_m, 0, block_n, num_warps)
     out = torch.empty_like(q)
