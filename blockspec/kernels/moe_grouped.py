@@ -242,7 +242,8 @@ if HAVE_TRITON:
         if GS_FACTOR != 1.0:
             acc = acc * GS_FACTOR
         if HAS_BIAS:
-            b = tl.load(B + e.to(tl.int64) * N_W + b_rows, mask=n_mask & (e < E), other=0.0)
+            live = b_rows * 0 + e < E  # a vector: Triton's interpreter refuses a mask of vector & scalar
+            b = tl.load(B + e.to(tl.int64) * N_W + b_rows, mask=n_mask & live, other=0.0)
             acc = acc + b.to(tl.float32)[None, :]
         return acc
 
