@@ -27,6 +27,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from blockspec.kernels import deterministic_linear as dl  # noqa: E402
+from blockspec.kernels import moe_grouped as mg  # noqa: E402
 from blockspec.kernels import paged_attention as pa  # noqa: E402
 from blockspec.kernels import skinny_linear as sl  # noqa: E402
 
@@ -110,6 +111,17 @@ def cases() -> list[tuple[str, tuple, dict]]:
     fixed.update(Part="*fp32", M="*fp32", L="*fp32", Out="*bf16", SEQ_LENS="*i32")
     out.append(("merge_fixed_splits", (pa._merge_fixed_splits_kernel, fixed, dict(SPLIT=512, GROUP=4, HEAD_DIM=128,
                                                                                    BLOCK_M=64)), dict(num_warps=1)))
+    grouped = {n: "*bf16" for n in ("A", "W", "WU", "SW", "SWU", "OUT", "QS", "QZ", "QGS", "BIAS")}
+    grouped.update({n: "*i32" for n in ("SORTED", "ITEM_EXPERT", "ITEM_START", "ITEM_COUNT", "NUM_ITEMS")})
+    grouped.update(W="*u8", QS="*u8", QZ="*u8")
+    for t in (1, 16):  # GPT-OSS experts: MXFP4 with biases and the clamped SwiGLU (gate_up)
+        cfg = mg.gemm_config(t, 2880, 2880, mg.max_items(t, 4, 128), True, quantized=True)
+        out.append((f"grouped_gemm mxfp4 bias T={t}", (mg._grouped_gemm_kernel, grouped, dict(
+            N_OUT=2880, K=2880, SLOTS=4, E=128, GATED=True, SHARED=False, USE_DOT=cfg.use_dot, DOT_PRECISION="tf32",
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SCHEME="mxfp4", G=32, NG=90,
+            SCALE_ROW_DIV=1, HAS_ZERO=False, PER_ROW=False, HAS_GS=False, GS_FACTOR=1.0, FAST=False,
+            W_STRIDE=5760 * 1440, S_STRIDE=5760 * 90, Z_STRIDE=5760 * 90, HAS_BIAS=True, CLAMPED=True, LIMIT=7.0,
+            ALPHA=1.702)), dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)))
     det = {n: "*bf16" for n in ("X", "W", "B", "Y")} | {"M": "i32", "N_OUT": "i32"}
     for gated, res in ((False, False), (True, False), (False, True)):
         out.append((f"deterministic_linear gated={gated} residual={res}", (dl._deterministic_linear_kernel, det, dict(
