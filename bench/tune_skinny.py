@@ -43,6 +43,9 @@ SHAPES = {
            ("gate_up", 18432, 2560, "gated"), ("down", 2560, 9216, "residual"), ("lm_head", 248320, 2560, "plain")],
     "35b": [("gdn_qkvz", 12288, 2048, "plain"), ("gdn_out", 2048, 4096, "residual"), ("attn_qkv", 9216, 2048, "plain"),
             ("lm_head", 248320, 2048, "plain")],
+    # Qwen3-Coder-30B-A3B (qwen3_moe): attention q|k|v and o, the router, the head
+    "coder30b": [("qkv", 5120, 2048, "plain"), ("o", 2048, 4096, "residual"), ("router", 128, 2048, "plain"),
+                 ("lm_head", 151936, 2048, "plain")],
 }
 DOT_CONFIGS = [c for c in itertools.product((16, 32, 64), (128, 256), (4, 8), (3, 5))
                if not (c[0] == 16 and c[2] == 8)]
