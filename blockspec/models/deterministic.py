@@ -72,11 +72,11 @@ def swiglu_residual(h: torch.Tensor, norm: nn.Module, gate_up_proj: nn.Linear, d
 def moe_residual(h: torch.Tensor, norm: nn.Module, block: SparseMoeBlock) -> torch.Tensor:
     """h + block(norm(h)) (routed experts, no shared expert), the same arithmetic for any number of rows: the
     fixed-tile kernels where Triton runs, else the block's reference one row at a time (h updated in place)."""
+    if block.shared_expert is not None:  # Qwen3-MoE has none; the hybrids that do are refused before loading
+        raise RuntimeError("deterministic MoE covers routed experts only (no shared expert)")
     x = norm(h)
     logits = deterministic_linear(x, block.gate.weight, block.gate.bias)
     ex = block.experts
-    if block.shared_expert is not None:
-        raise RuntimeError("deterministic MoE covers routed experts only (no shared expert)")
     if fused_supported(x, ex.gate_up_proj, ex.down_proj):
         weights, ids, _ = moe_route(logits, block.top_k, block.renormalize, block_t=FIXED_ROUTE_TOKENS)
         configs = (fixed_gemm_config(x.shape[1]), fixed_gemm_config(ex.intermediate_size))
