@@ -244,6 +244,15 @@ class Engine:
             raise RequestError("this model has no chat template: pass --chat-template or use a raw prompt", "messages")
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
 
+    def check_prompt_ids(self, ids: list[int]) -> None:
+        """RequestError unless `ids` is a non-empty prompt of this vocabulary's token ids (before anything, a
+        detokenizer included, reads them: an id past int64 overflows there)."""
+        if not ids:
+            raise RequestError("the prompt is empty", "prompt")
+        vocab = self.model_config.vocab_size
+        if min(ids) < 0 or max(ids) >= vocab:  # (a generator over a 6,000-token prompt: ~0.5 ms of a hit's TTFT)
+            raise RequestError(f"prompt token ids must be in [0, {vocab})", "prompt")
+
     def encode(self, prompt: str) -> list[int]:
         return self.tokenizer.encode(prompt, add_special_tokens=False) if prompt else []
 
@@ -286,11 +295,7 @@ class Engine:
         params = dataclasses.replace(params)  # the engine fills in max_tokens: never touch the caller's copy
         params.validate()
         ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        if not ids:
-            raise RequestError("the prompt is empty", "prompt")
-        vocab = self.model_config.vocab_size
-        if min(ids) < 0 or max(ids) >= vocab:  # (a generator over a 6,000-token prompt: ~0.5 ms of a hit's TTFT)
-            raise RequestError(f"prompt token ids must be in [0, {vocab})", "prompt")
+        self.check_prompt_ids(ids)
         room = self.max_model_len - len(ids)
         if room < 1:
             raise RequestError(f"the prompt has {len(ids)} tokens but max_model_len is {self.max_model_len}: "

@@ -64,6 +64,9 @@ def test_malformed_json_is_400(tiny_server, raw):
     ({"model": "tiny", "prompt": ""}, "prompt"),
     ({"model": "tiny", "prompt": []}, "prompt"),
     ({"model": "tiny", "prompt": [1, 2, 100000]}, "prompt"),
+    # ids past int64, echoed: refused before the echo's detokenizer reads them (it raised OverflowError: a 500)
+    ({"model": "tiny", "prompt": [[1, 2], [142344693303439549152926629888, 3]], "echo": True}, "prompt"),
+    ({"model": "tiny", "prompt": [5, 1000], "echo": True}, "prompt"),
     ({"model": "tiny", "prompt": "x", "suffix": "y"}, "suffix"),
     ({"model": "tiny", "prompt": "x", "echo": True, "logprobs": 1}, "echo"),
     ({"model": "tiny", "prompt": "x", "stop": [""]}, "stop"),
