@@ -19,14 +19,16 @@ import argparse
 import itertools
 import json
 import os
-import statistics
-import subprocess
 import sys
 from pathlib import Path
 
 import torch
 
-from blockspec.kernels import paged_attention as pa
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the helpers beside this script
+from gdn_kernels import time_graph  # noqa: E402
+from hybrid_gpu import commit  # noqa: E402
+
+from blockspec.kernels import paged_attention as pa  # noqa: E402
 
 SHAPES = {  # name: (query heads, KV heads, head_dim)
     "smollm2": (9, 3, 64),
@@ -56,27 +58,6 @@ def case(heads: int, kv: int, hd: int, batch: int, q_len: int, ctx: int, copies:
     return q, caches, table, seq_lens, torch.zeros_like(seq_lens)
 
 
-def time_us(fn, copies: int, iters: int) -> float:
-    for i in range(copies):  # compile and warm
-        fn(i)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(copies):
-            fn(i)
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / copies)
-    return statistics.median(times)
-
-
 def measure(name: str, batch: int, q_len: int, ctx: int, args) -> dict:
     heads, kv, hd = SHAPES[name]
     kv_bytes = 2 * batch * ctx * kv * hd * 2
@@ -93,14 +74,12 @@ def measure(name: str, batch: int, q_len: int, ctx: int, args) -> dict:
         err = float((fn(0).float() - ref).norm() / ref.norm())
         if err > 2e-2:
             raise AssertionError(f"{name} b{batch} q{q_len} ctx{ctx} splits {splits} tile {tile}: rel err {err}")
-        return time_us(fn, copies, args.iters), err
+        return time_graph([lambda i=i: fn(i) for i in range(copies)], args.iters)[0], err
 
     row = {"model": name, "batch": batch, "q_len": q_len, "context": ctx, "kv_bytes": kv_bytes}
     row["default_us"], row["default_err"] = run(None, None)
-    group = heads // kv
-    block_m = min(max(16, pa._next_pow2(q_len * group)), max(16, 8192 // hd))
-    programs = batch * kv * -(-(q_len * group) // block_m)
-    row["default_config"] = {"splits": pa.split_count(q.device, programs, q_len * group), "tile": pa._tile(hd)}
+    splits = pa.default_launch(q.device, batch, kv, q_len, heads // kv, hd)[1]
+    row["default_config"] = {"splits": splits, "tile": pa._tile(hd)}
     row["old_us"], _ = run(OLD["splits"], OLD["tile"])
     sweep = [] if not args.sweep else [
         {"splits": s, "tile": t, "us": run(s, t)[0]} for s, t in itertools.product(SPLITS, TILES)]
@@ -109,17 +88,6 @@ def measure(name: str, batch: int, q_len: int, ctx: int, args) -> dict:
     row["best"] = best
     row["default_GBps"] = kv_bytes / row["default_us"] / 1e3
     return row
-
-
-def commit() -> str:
-    env = os.environ.get("COMMIT")
-    if env:
-        return env
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def main() -> None:

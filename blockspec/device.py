@@ -13,22 +13,22 @@ import torch
 
 def cuda_capability(device: torch.device) -> tuple[int, int]:
     """(major, minor) of a CUDA device, looked up once: kernel dispatch asks on every call."""
-    return _capability(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.cache
-def _capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
+    props = _properties(device)
+    return props.major, props.minor
 
 
 def sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device, looked up once: launch grids are sized from it."""
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return _properties(device).multi_processor_count
+
+
+def _properties(device: torch.device):
+    return _properties_of(device.index if device.index is not None else torch.cuda.current_device())
 
 
 @functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
+def _properties_of(index: int):
+    return torch.cuda.get_device_properties(index)
 
 
 def upload(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -408,6 +408,16 @@ def split_count(device: torch.device, programs: int, rows: int) -> int:
     return max(_SPLITS, min(_MAX_SPLITS, -(-2 * sm_count(device) // programs)))
 
 
+def default_launch(device: torch.device, b_count: int, num_kv: int, q_len: int, group: int, head_dim: int
+                   ) -> tuple[int, int]:
+    """(query rows a tile, splits) that paged_attention picks. Row tiles of at most 8192 / head_dim rows (a
+    [BLOCK_M, HEAD_DIM] float32 accumulator of <= 64 registers a thread): a 27B verify (16 queries x 6 heads,
+    head_dim 256) as 3 programs of 32 rows a (KV head, split), not one of 128 whose accumulator spilled."""
+    rows = q_len * group
+    block_m = min(max(16, _next_pow2(rows)), max(16, 8192 // head_dim))
+    return block_m, split_count(device, b_count * num_kv * -(-rows // block_m), rows)
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     seq_lens: torch.Tensor, kv_start: torch.Tensor, q_len: int, scale: float, causal: bool,
                     num_splits: int | None = None, sinks: torch.Tensor | None = None, window: int | None = None,
@@ -425,12 +435,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv = k_cache.shape[2]
     group = num_heads // num_kv
-    # Row tiles of at most 8192 / head_dim rows (a [BLOCK_M, HEAD_DIM] float32 accumulator of <= 64 registers a
-    # thread): a 27B verify (16 queries x 6 heads, head_dim 256) as 3 programs of 32 rows a (KV head, split),
-    # not one of 128 whose accumulator spilled.
-    block_m = min(max(16, _next_pow2(q_len * group)), max(16, 8192 // head_dim))
-    if num_splits is None:
-        num_splits = split_count(q.device, b_count * num_kv * -(-(q_len * group) // block_m), q_len * group)
+    block_m, splits = default_launch(q.device, b_count, num_kv, q_len, group, head_dim)
+    num_splits = num_splits or splits
     block_n, num_warps = tile or _tile(head_dim)
     o, m, ll, total_m = _split_partials(q, k_cache, v_cache, block_tables, seq_lens, kv_start, q_start, q_len, scale,
                                         causal, window, num_splits, block_m, 0, block_n, num_warps)

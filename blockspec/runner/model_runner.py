@@ -60,7 +60,7 @@ class ModelRunner:
                 self.prefill = PrefillGraphs(self, prefill_graph_tokens, max_model_len)
                 elapsed += self.prefill.capture(self.needs.layer_ids, log)
             else:
-                log("--prefill-cuda-graphs: not for this model (its recurrent state would advance over padded "
+                log("prefill CUDA graphs: not for this model (its recurrent state would advance over padded "
                     "rows): prefills run eagerly")
         return elapsed
 

@@ -66,9 +66,11 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
         encoded = []
         for p in prompts:
             ids = engine.encode(p) if isinstance(p, str) else list(p)
+            text = p
             if not isinstance(p, str):
-                engine.check_prompt_ids(ids)  # before the echo's decode reads them
-            text = p if isinstance(p, str) else (engine.tokenizer.decode(ids) if req.echo else "")
+                if req.echo:  # the decode reads the ids before add_request checks them
+                    engine.check_prompt_ids(ids)
+                text = engine.tokenizer.decode(ids) if req.echo else ""
             encoded.append((text, ids))
         items = [(ids, for_choice(params, i)) for _, ids in encoded for i in range(n)]
         return items, encoded
