@@ -79,7 +79,7 @@ def measure(name: str, batch: int, q_len: int, ctx: int, args) -> dict:
     row = {"model": name, "batch": batch, "q_len": q_len, "context": ctx, "kv_bytes": kv_bytes}
     row["default_us"], row["default_err"] = run(None, None)
     splits = pa.default_launch(q.device, batch, kv, q_len, heads // kv, hd)[1]
-    row["default_config"] = {"splits": splits, "tile": pa._tile(hd)}
+    row["default_config"] = {"splits": splits, "tile": pa._decode_tile(q_len * heads // kv)}
     row["old_us"], _ = run(OLD["splits"], OLD["tile"])
     sweep = [] if not args.sweep else [
         {"splits": s, "tile": t, "us": run(s, t)[0]} for s, t in itertools.product(SPLITS, TILES)]

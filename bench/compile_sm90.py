@@ -83,10 +83,10 @@ def cases() -> list[tuple[str, tuple, dict]]:
     for gate in (False, True):
         out.append((f"merge_splits gate={gate}", (pa._merge_splits_kernel, merge, dict(
             GROUP=8, HEAD_DIM=256, BLOCK_M=16, SPLITS=8, HAS_SINKS=False, HAS_GATE=gate)), dict(num_warps=1)))
-    for head_dim in (128, 256):  # batch-1 decode: 32 splits (paged_attention.split_count)
-        out.append((f"merge_splits 32 splits head_dim={head_dim}", (pa._merge_splits_kernel, merge, dict(
-            GROUP=8, HEAD_DIM=head_dim, BLOCK_M=16, SPLITS=32, HAS_SINKS=False, HAS_GATE=head_dim == 256)),
-            dict(num_warps=pa._merge_warps(32, head_dim))))
+    for head_dim in (128, 256):  # batch-1 decode: up to 64 splits (paged_attention.split_count)
+        out.append((f"merge_splits 64 splits head_dim={head_dim}", (pa._merge_splits_kernel, merge, dict(
+            GROUP=8, HEAD_DIM=head_dim, BLOCK_M=16, SPLITS=64, HAS_SINKS=False, HAS_GATE=head_dim == 256)),
+            dict(num_warps=pa._merge_warps(64, head_dim))))
     paged = {n: "i32" for n in pa._paged_attention_kernel.arg_names}
     paged.update(Q="*bf16", K="*bf16", V="*bf16", Out="*fp32", M="*fp32", L="*fp32", BT="*i32", SEQ_LENS="*i32",
                  KV_START="*i32", Q_START="*i32", scale="fp32")
@@ -94,11 +94,12 @@ def cases() -> list[tuple[str, tuple, dict]]:
         out.append((f"paged_attention SPLIT_TILES={split_tiles}", (pa._paged_attention_kernel, paged, dict(
             GROUP=8, HEAD_DIM=256, PAGE=16, BLOCK_M=16, BLOCK_N=64, CAUSAL=True, WINDOWED=False, HAS_Q_START=False,
             ROW_TILES=1, SPLIT_TILES=split_tiles)), dict(num_stages=2)))
-    for head_dim, block_m in ((64, 128), (128, 16), (128, 64), (256, 16), (256, 32)):  # the default path's tiles
-        block_n, warps = pa._tile(head_dim)
+    for head_dim, block_m, rows in ((64, 128, 48), (128, 16, 8), (128, 64, 128), (256, 16, 6), (256, 32, 96)):
+        block_n, warps = pa._decode_tile(rows)  # the default path's tiles; verify blocks (4 warps) spill by choice
         out.append((f"paged_attention head_dim={head_dim} BLOCK_M={block_m}", (pa._paged_attention_kernel, paged, dict(
             GROUP=8, HEAD_DIM=head_dim, PAGE=16, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=True, WINDOWED=False,
-            HAS_Q_START=False, ROW_TILES=1, SPLIT_TILES=0)), dict(num_stages=2, num_warps=warps, no_spill=True)))
+            HAS_Q_START=False, ROW_TILES=1, SPLIT_TILES=0)), dict(num_stages=2, num_warps=warps,
+                                                                  no_spill=rows <= pa._FEW_ROWS and head_dim < 256)))
     ragged = {n: "i32" for n in pa._ragged_attention_kernel.arg_names}
     ragged.update(Q="*bf16", K="*bf16", V="*bf16", Out="*bf16", SINKS="*bf16", QUERY_INDEX="*i32", QUERY_POS="*i32",
                   KV_SLOTS="*i32", scale="fp32")

@@ -172,9 +172,10 @@ if HAVE_TRITON:
             t0 = tl.maximum(split * SPLIT_TILES, first_tile)
             t1 = tl.minimum((split + 1) * SPLIT_TILES, tl.cdiv(hi, BLOCK_N))
             live = split * (SPLIT_TILES * BLOCK_N) < seq_len
-        else:
+        else:  # at least a tile a split: a short context uses fewer of the launched splits (the rest store
+            # m = -inf, which the merge skips), so one launch shape serves every context inside a CUDA graph
             tiles = tl.cdiv(seq_len, BLOCK_N) - first_tile
-            per_split = tl.cdiv(tiles, num_splits)
+            per_split = tl.cdiv(tiles, tl.maximum(tl.minimum(num_splits, tiles), 1))
             t0 = first_tile + split * per_split
             t1 = tl.minimum(t0 + per_split, first_tile + tiles)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -232,6 +233,7 @@ if HAVE_TRITON:
         s_ok = s < num_splits
         ml_base = (b * tl.num_programs(1) + kvh) * num_splits * BLOCK_M
         m = tl.load(M + ml_base + s * BLOCK_M + row, mask=s_ok, other=float("-inf"))
+        s_ok = s_ok & (m != float("-inf"))  # splits that saw no key (past a short context): nothing to read
         ll = tl.load(L + ml_base + s * BLOCK_M + row, mask=s_ok, other=0.0)
         m_max = tl.max(m, 0)
         if HAS_SINKS:
@@ -353,13 +355,18 @@ _KEY_TILE = 64  # keys per step of the paged kernel (BLOCK_N) in --deterministic
 
 
 def _tile(head_dim: int) -> tuple[int, int]:
-    """(keys a step, warps) of the paged and ragged kernels' default path. The key tiles are gathered through the
-    block table into registers (no cp.async pipeline), and at 4 warps with 64-key tiles ptxas gives every row tile
-    of head_dim 128 and 256 255 registers and spills (704-1068 bytes a thread at head_dim 256 in the paged kernel,
-    1.8 KB in the ragged one: Qwen3.5 / 3.6 attention, the DFlash drafters' blocks). 8 warps, with 32-key tiles
-    at head_dim 256, leave every row tile the wrappers pick without spills (the ragged kernel at 8 query heads a
-    KV head: 8 bytes), compiled for sm_90 by Triton 3.6 and 3.9 (bench/compile_sm90.py)."""
+    """(keys a step, warps) of the ragged (prefill) kernel. Its key tiles are gathered through the block table into
+    registers (no cp.async pipeline); at 4 warps with 64-key tiles ptxas spilled 1.8 KB a thread at head_dim 256
+    (bench/compile_sm90.py): 8 warps, with 32-key tiles at head_dim 256."""
     return (32 if head_dim >= 256 else 64), 8
+
+
+def _decode_tile(rows: int) -> tuple[int, int]:
+    """(keys a step, warps) of the paged decode / verify kernel for `rows` query rows a KV head, from
+    bench/attention_sweep.py --sweep on an H100 (bench/results/attention_sweep_h100_0c3de9e.json): 64-key tiles
+    everywhere; 8 warps for decode rows, 4 for verify blocks (Qwen3.6-27B 16 queries: 12.2 us vs 16.6 with the
+    32-key, 8-warp tile that avoids ptxas's spills at head_dim 256: the spills cost less than the extra steps)."""
+    return 64, (8 if rows <= _FEW_ROWS else 4)
 
 
 def _split_partials(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -391,19 +398,19 @@ def _split_partials(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return o, m, ll, total_m
 
 
-_SPLITS = 8  # key-range splits of a (sequence, KV head, row tile) by default
-_MAX_SPLITS = 32
-_FEW_ROWS = 16  # query rows a KV head up to which the splits grow to fill the GPU (decode, not verify blocks)
+_SPLITS = 8  # the fewest key-range splits of a (sequence, KV head, row tile)
+_MAX_SPLITS = 64
+_FEW_ROWS = 16  # query rows a KV head up to which a block counts as decode rows (8 warps a program)
 
 
-def split_count(device: torch.device, programs: int, rows: int) -> int:
-    """How many splits each (sequence, KV head, row tile) program's key range takes. 8; for decode rows (a few
-    query rows a KV head) on a GPU that 8 would leave mostly idle -- batch 1 with 2 to 8 KV heads runs 16 to 64
-    programs on 132 SMs, a latency chain of a few tiles each -- enough to give each SM two programs, up to 32.
-    Verify blocks keep 8: their partials (rows x head_dim floats a split, written and merged) would cost more
-    than the splits save. The count is fixed per launch shape (a CUDA graph captures it); each program's share
-    of the keys is computed on the device from the sequence's length, so short contexts leave splits empty."""
-    if rows > _FEW_ROWS or device.type != "cuda":
+def split_count(device: torch.device, programs: int) -> int:
+    """How many splits each (sequence, KV head, row tile) program's key range may take: enough to give every SM
+    two programs (batch 1 has 2 to 8 KV heads: 8 splits would leave most of 132 SMs idle on a latency chain of
+    tiles), between 8 and 64. The count is fixed per launch shape (a CUDA graph captures it); the kernel uses
+    at most one split a 64-key tile of the sequence (its length is read on the device), so a short context
+    runs fewer and the merge skips the empty ones. H100 sweep (attention_sweep --sweep): batch 1 decode best
+    at 16 splits for 1,024 keys and 64 for 8,192; a 16-query verify block at 16-32; batch 8 at 8."""
+    if device.type != "cuda":
         return _SPLITS
     return max(_SPLITS, min(_MAX_SPLITS, -(-2 * sm_count(device) // programs)))
 
@@ -415,7 +422,7 @@ def default_launch(device: torch.device, b_count: int, num_kv: int, q_len: int, 
     head_dim 256) as 3 programs of 32 rows a (KV head, split), not one of 128 whose accumulator spilled."""
     rows = q_len * group
     block_m = min(max(16, _next_pow2(rows)), max(16, 8192 // head_dim))
-    return block_m, split_count(device, b_count * num_kv * -(-rows // block_m), rows)
+    return block_m, split_count(device, b_count * num_kv * -(-rows // block_m))
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -426,7 +433,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """Triton paged attention on CUDA (the reference elsewhere); same contract as paged_attention_ref. q may be
     a strided view (unit stride along head_dim: a slice of the fused projection). `gate` [B * q_len, H, D] (a
     view as q): the output times sigmoid(gate), Qwen3-Next / 3.5's gated attention, in the merge launch.
-    num_splits None: `split_count`; tile None: `_tile` (both set by bench/attention_sweep.py to compare)."""
+    num_splits None: `split_count`; tile None: `_decode_tile` (both set by bench/attention_sweep.py to compare)."""
     if not use_triton(q):
         out = paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, kv_start, q_len, scale, causal,
                                   sinks, window, q_start)
@@ -437,7 +444,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     group = num_heads // num_kv
     block_m, splits = default_launch(q.device, b_count, num_kv, q_len, group, head_dim)
     num_splits = num_splits or splits
-    block_n, num_warps = tile or _tile(head_dim)
+    block_n, num_warps = tile or _decode_tile(q_len * group)
     o, m, ll, total_m = _split_partials(q, k_cache, v_cache, block_tables, seq_lens, kv_start, q_start, q_len, scale,
                                         causal, window, num_splits, block_m, 0, block_n, num_warps)
     out = torch.empty_like(q)
@@ -452,7 +459,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 def _merge_warps(num_splits: int, head_dim: int) -> int:
     """One warp up to 2048 partial values a row (8 splits of head_dim 256, the launch measured so far); more for
-    the decode's up-to-32 splits, so the [SPLITS, HEAD_DIM] tile stays at <= 64 float32 registers a thread."""
+    the up-to-64 splits, so the [SPLITS, HEAD_DIM] tile stays at <= 64 float32 registers a thread."""
     return max(1, min(8, _next_pow2(num_splits) * head_dim // 2048))
 
 

@@ -158,8 +158,8 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-# Launch configs measured per projection shape on an H100 (bench/tune_skinny.py: --model 4b/35b --rows 1 and
-# --model 27b --rows 16; bench/results/tune_skinny_*_h100.json), where they beat the heuristic below by more
+# Launch configs measured per projection shape on an H100 (bench/tune_skinny.py: --model 4b/35b/coder30b --rows 1
+# and --model 27b/coder30b --rows 16; bench/results/tune_skinny_*_h100.json), where they beat the heuristic below by more
 # than noise: (1 for one row | 16 for the 2-16-row dot path, n output columns, k, gated) -> config.
 _TUNED = {
     (1, 12288, 2560, False): (4, 512, 4, 3),  # Qwen3.5-4B Gated DeltaNet [qkv | z]: 22.9 vs 23.7 us
@@ -169,6 +169,8 @@ _TUNED = {
     (1, 248320, 2560, False): (4, 512, 4, 3),  # 4B LM head (the tied embedding): 401 vs 407
     (1, 12288, 2048, False): (8, 1024, 4, 3),  # Qwen3.6-35B-A3B [qkv | z]: 18.5 vs 20.3
     (1, 9216, 2048, False): (16, 256, 4, 3),  # 35B-A3B attention: 7.2 vs 11.1
+    (1, 5120, 2048, False): (16, 256, 4, 3),  # Qwen3-Coder-30B-A3B q|k|v: 5.1 vs 6.6 (L2-resident: relative only)
+    (16, 5120, 2048, False): (64, 256, 4, 3),  # Coder-30B q|k|v, verify block: 8.3 vs 9.5
     (16, 16384, 5120, False): (64, 128, 4, 3),  # Qwen3.6-27B [qkv | z], verify block: 61.4 vs 62.8
     (16, 5120, 6144, False): (64, 128, 4, 5),  # 27B out_proj / o_proj (+ residual): 25.9 vs 27.9
     (16, 14336, 5120, False): (32, 128, 4, 3),  # 27B attention q|gate|k|v: 54.9 vs 57.0

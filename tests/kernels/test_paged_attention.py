@@ -94,22 +94,22 @@ def test_triton_matches_reference(batch, q_len, heads, kv_heads, head_dim, causa
         assert torch.isfinite(out).all()
 
 
-def test_split_count_fills_the_gpu_for_decode_rows_only(monkeypatch):
-    """Batch-1 decode with few KV heads takes up to 32 splits (two programs an SM); many programs, verify blocks
-    (more than 16 rows a KV head) and the CPU keep 8."""
+def test_split_count_fills_the_gpu(monkeypatch):
+    """Few programs (batch 1, a few KV heads, decode or verify rows) take up to 64 splits (two programs an SM);
+    many programs and the CPU keep 8."""
     monkeypatch.setattr(pa, "sm_count", lambda device: 132)
     cuda = torch.device("cuda")
-    assert split_count(cuda, 4, 8) == 32  # Qwen3-Coder-30B decode: 4 KV heads, 8 query heads each
-    assert split_count(cuda, 24, 1) == 11  # 24 programs: 264 / 24
-    assert split_count(cuda, 128, 8) == 8  # batch 16 x 8 KV heads already fills it
-    assert split_count(cuda, 12, 96) == 8  # a 27B verify block: 16 queries x 6 heads a KV head
-    assert split_count(torch.device("cpu"), 4, 8) == 8
+    assert split_count(cuda, 4) == 64  # Qwen3-Coder-30B decode: 4 KV heads
+    assert split_count(cuda, 24) == 11  # 24 programs: 264 / 24
+    assert split_count(cuda, 128) == 8  # batch 16 x 8 KV heads already fills it
+    assert split_count(cuda, 12) == 22  # a 27B verify block: 4 KV heads x 3 row tiles
+    assert split_count(torch.device("cpu"), 4) == 8
 
 
 @pytest.mark.skipif(DEVICE is None, reason="Triton kernel needs a CUDA GPU (or TRITON_INTERPRET=1)")
-@pytest.mark.parametrize("splits", [1, 32])
+@pytest.mark.parametrize("splits", [1, 32, 64])
 def test_many_splits_match_reference(splits):
-    """32 splits over contexts of 1 to 70 keys leave most splits empty (-inf partials the merge must weigh 0);
+    """32 or 64 splits over contexts of 1 to 70 keys leave most splits empty (-inf partials the merge must weigh 0);
     over 300 keys every split holds one 64-key tile or none; decode rows (q_len 1) as the decode path runs."""
     dtype = torch.float32 if DEVICE == "cpu" else torch.bfloat16
     for max_len, seed in ((3, 0), (70, 1), (300, 2)):
