@@ -29,19 +29,27 @@ from triton.compiler import ASTSource  # noqa: E402
 from blockspec.kernels import deterministic_linear as dl  # noqa: E402
 from blockspec.kernels import moe_grouped as mg  # noqa: E402
 from blockspec.kernels import paged_attention as pa  # noqa: E402
+from blockspec.kernels import quant_linear as ql  # noqa: E402
+from blockspec.kernels import rms_norm as rn  # noqa: E402
 from blockspec.kernels import skinny_linear as sl  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 
 
 def compile_case(fn, types: dict[str, str], consts: dict, div16: tuple[str, ...] = (), num_warps: int = 4,
-                 num_stages: int = 3, no_spill: bool = False) -> tuple[int, int] | None:
+                 num_stages: int = 3, no_spill: bool = False, ptx_has: tuple[str, ...] = ()) -> tuple[int, int] | None:
     """Compile one case; (registers, stack bytes) a thread of the cubin Triton built (spills live on the stack),
-    or None where Triton's cuobjdump is not bundled."""
+    or None where Triton's cuobjdump is not bundled. `ptx_has`: instructions the PTX must contain (the PDL wait,
+    the L2 prefetches)."""
+    consts = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default and p.name not in consts},
+              **consts}  # constexprs left at their defaults (PDL off)
     sig = {n: "constexpr" if n in consts else types[n] for n in fn.arg_names}
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in div16}
     kernel = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=TARGET,
                             options={"num_warps": num_warps, "num_stages": num_stages})
+    missing = [i for i in ptx_has if i not in kernel.asm["ptx"]]
+    if missing:
+        raise AssertionError(f"the PTX lacks {missing}")
     usage = resources(kernel.asm["cubin"])
     if no_spill and usage is not None and usage[1]:
         raise AssertionError(f"spills: {usage[1]} stack bytes a thread ({usage[0]} registers)")
@@ -77,6 +85,25 @@ def cases() -> list[tuple[str, tuple, dict]]:
                 (sl._skinny_linear_kernel, skinny, dict(base, HAS_BIAS=True, GATED=True, HAS_RES=True, USE_DOT=False,
                                                          PAIR=False, NORM_OUT=False, BLOCK_M=1, BLOCK_N=8,
                                                          BLOCK_K=1024)), {}))
+    pdl_ptx = ("griddepcontrol.wait", "griddepcontrol.launch_dependents")
+    for dot in (False, True):  # programmatic dependent launch: the wait, and the weights' lines prefetched before it
+        tile = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128) if dot else dict(BLOCK_M=1, BLOCK_N=8, BLOCK_K=1024)
+        out.append((f"skinny_linear PDL dot={dot}", (sl._skinny_linear_kernel, skinny, dict(
+            base, USE_DOT=dot, PAIR=False, NORM_OUT=False, PDL=True, PF_LINES=16, **tile)),
+            dict(div16=("X", "W", "Y", "N_OUT"), ptx_has=(*pdl_ptx, "prefetch.global.L2"))))
+    quant = {n: "*u8" for n in ("QW", "S", "Z")}
+    quant.update(X="*bf16", GS="*fp32", B="*bf16", Y="*bf16", M="i32", N="i32")
+    for scheme, dot, tile in (("int4", True, dict(BLOCK_M=8, BLOCK_N=16, BLOCK_K=128, SPLIT=4)),
+                              ("nvfp4", False, dict(BLOCK_M=1, BLOCK_N=8, BLOCK_K=512, SPLIT=1))):
+        types = dict(quant, S="*bf16" if scheme == "int4" else "*u8", Z="*i32" if scheme == "int4" else "*u8")
+        out.append((f"quant_linear PDL {scheme} dot={dot}", (ql._quant_linear_kernel, types, dict(
+            SCHEME=scheme, K=4096, G=128 if scheme == "int4" else 16, NG=32 if scheme == "int4" else 256,
+            SCALE_ROW_DIV=1, HAS_ZERO=scheme == "int4", PER_ROW=False, HAS_GS=scheme == "nvfp4", GS_FACTOR=1.0,
+            HAS_BIAS=False, HAS_RES=True, USE_DOT=dot, FAST=True, DOT_PRECISION="tf32", PDL=True, ROW_BYTES=2048,
+            PF_LINES=4, **tile)), dict(div16=("X", "QW", "S", "Y"), ptx_has=(*pdl_ptx, "prefetch.global.L2"))))
+    out.append(("rms_norm PDL", (rn._rms_norm_kernel, {"X": "*bf16", "R": "*bf16", "W": "*bf16", "Y": "*bf16",
+                                                       "RO": "*bf16", "n": "i32", "eps": "fp32"},
+                                 dict(HAS_RES=True, BLOCK=4096, PDL=True)), dict(ptx_has=pdl_ptx)))
     merge = {"Part": "*fp32", "M": "*fp32", "L": "*fp32", "Out": "*bf16", "SINKS": "*bf16", "GATE": "*bf16",
              **{n: "i32" for n in ("stride_ob", "stride_oh", "stride_os", "stride_om", "stride_t", "stride_h",
                                    "stride_gt", "stride_gh", "q_len", "num_splits")}}
@@ -140,7 +167,7 @@ def main() -> int:
             print(f"ok    {label}{regs}")
         except Exception as exc:  # report every case, then fail
             failed += 1
-            print(f"FAIL  {label}: {type(exc).__name__}: {str(exc)[:800]}")
+            print(f"FAIL  {label}: {type(exc).__name__}: {str(exc)[-1500:]}")
     print(f"triton {triton.__version__}, sm_90: {len(cases()) - failed} compiled, {failed} failed")
     return 1 if failed else 0
 

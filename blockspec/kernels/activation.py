@@ -5,14 +5,17 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from blockspec.kernels._triton import HAVE_TRITON, use_triton
+from blockspec.kernels._triton import HAVE_TRITON, pdl, use_triton
 
 if HAVE_TRITON:
     import triton
     import triton.language as tl
 
+    from blockspec.kernels._triton import wait_for_inputs
+
     @triton.jit
-    def _silu_mul_kernel(X, Y, inter, BLOCK: tl.constexpr):
+    def _silu_mul_kernel(X, Y, inter, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        wait_for_inputs(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < inter
@@ -33,5 +36,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     x = gate_up.contiguous().view(-1, 2 * inter)
     y = torch.empty(x.shape[0], inter, dtype=x.dtype, device=x.device)
     block = 1024
-    _silu_mul_kernel[(x.shape[0], triton.cdiv(inter, block))](x, y, inter, BLOCK=block, num_warps=4)
+    on = pdl(x)
+    _silu_mul_kernel[(x.shape[0], triton.cdiv(inter, block))](x, y, inter, BLOCK=block, PDL=on, num_warps=4,
+                                                              launch_pdl=on)
     return y.view(*gate_up.shape[:-1], inter)

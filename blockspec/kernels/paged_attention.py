@@ -27,11 +27,13 @@ from __future__ import annotations
 import torch
 
 from blockspec.device import sm_count
-from blockspec.kernels._triton import HAVE_TRITON, use_triton
+from blockspec.kernels._triton import HAVE_TRITON, pdl, use_triton
 
 if HAVE_TRITON:  # CPU-only installs: the reference below is the implementation there
     import triton
     import triton.language as tl
+
+    from blockspec.kernels._triton import wait_for_inputs
 
 
 def softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
@@ -135,13 +137,14 @@ if HAVE_TRITON:
         scale, q_len, num_splits, window,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, HAS_Q_START: tl.constexpr,
-        ROW_TILES: tl.constexpr, SPLIT_TILES: tl.constexpr,
+        ROW_TILES: tl.constexpr, SPLIT_TILES: tl.constexpr, PDL: tl.constexpr = False,
     ):
         """One (sequence, KV head, tile of BLOCK_M query rows, split of the key range): its rows are the
         (query, head of the group) pairs tile * BLOCK_M.. of that KV head, all queries' heads in one matrix.
         SPLIT_TILES = 0: the sequence's key range shared evenly among the splits; > 0 (deterministic mode):
         split s holds the absolute key tiles [s * SPLIT_TILES, (s + 1) * SPLIT_TILES), tiles no row of the
         program can see are skipped (exactly nothing for those rows), splits past the sequence store nothing."""
+        wait_for_inputs(PDL)
         b = tl.program_id(0)
         kvh = tl.program_id(1) // ROW_TILES
         rows = (tl.program_id(1) % ROW_TILES) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -220,10 +223,11 @@ if HAVE_TRITON:
     def _merge_splits_kernel(Part, M, L, Out, SINKS, GATE, stride_ob, stride_oh, stride_os, stride_om, stride_t,
                              stride_h, stride_gt, stride_gh, q_len, num_splits, GROUP: tl.constexpr,
                              HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, SPLITS: tl.constexpr,
-                             HAS_SINKS: tl.constexpr, HAS_GATE: tl.constexpr):
+                             HAS_SINKS: tl.constexpr, HAS_GATE: tl.constexpr, PDL: tl.constexpr = False):
         """Combine the splits' partial softmaxes of one query row (log-sum-exp weights), the sink's logit
         joining the normaliser; with HAS_GATE the output times sigmoid(gate), rounded as the two PyTorch ops
         (sigmoid in the activation dtype, then the product) would round it."""
+        wait_for_inputs(PDL)
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         row = tl.program_id(2)
@@ -385,6 +389,7 @@ def _split_partials(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     o = torch.empty(b_count, num_kv, num_splits, total_m, head_dim, device=q.device, dtype=torch.float32)
     m = torch.empty(b_count, num_kv, num_splits, total_m, device=q.device, dtype=torch.float32)
     ll = torch.empty_like(m)
+    on = pdl(q)
     _paged_attention_kernel[(b_count, num_kv * row_tiles, num_splits)](
         q, k_cache, v_cache, o, m, ll, block_tables, seq_lens, kv_start, seq_lens if q_start is None else q_start,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -393,7 +398,7 @@ def _split_partials(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         scale, q_len, num_splits, window or 0,
         GROUP=group, HEAD_DIM=head_dim, PAGE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal,
         WINDOWED=window is not None, HAS_Q_START=q_start is not None, ROW_TILES=row_tiles, SPLIT_TILES=split_tiles,
-        num_warps=num_warps, num_stages=2,
+        PDL=on, num_warps=num_warps, num_stages=2, launch_pdl=on,
     )
     return o, m, ll, total_m
 
@@ -449,11 +454,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                                         causal, window, num_splits, block_m, 0, block_n, num_warps)
     out = torch.empty_like(q)
     gate_t = q if gate is None else gate
+    on = pdl(q)
     _merge_splits_kernel[(b_count, num_kv, q_len * group)](
         o, m, ll, out, q if sinks is None else sinks, gate_t, o.stride(0), o.stride(1), o.stride(2), o.stride(3),
         out.stride(0), out.stride(1), gate_t.stride(0), gate_t.stride(1), q_len, num_splits, GROUP=group,
         HEAD_DIM=head_dim, BLOCK_M=total_m, SPLITS=_next_pow2(num_splits), HAS_SINKS=sinks is not None,
-        HAS_GATE=gate is not None, num_warps=_merge_warps(num_splits, head_dim))
+        HAS_GATE=gate is not None, PDL=on, num_warps=_merge_warps(num_splits, head_dim), launch_pdl=on)
     return out
 
 

@@ -8,14 +8,17 @@ from __future__ import annotations
 
 import torch
 
-from blockspec.kernels._triton import HAVE_TRITON, use_triton
+from blockspec.kernels._triton import HAVE_TRITON, pdl, use_triton
 
 if HAVE_TRITON:
     import triton
     import triton.language as tl
 
+    from blockspec.kernels._triton import wait_for_inputs
+
     @triton.jit
-    def _rms_norm_kernel(X, R, W, Y, RO, n, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+    def _rms_norm_kernel(X, R, W, Y, RO, n, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        wait_for_inputs(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < n
@@ -51,6 +54,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     y = torch.empty_like(x2)
     res_out = torch.empty_like(x2) if residual is not None else None
     r2 = residual.contiguous().view(-1, n) if residual is not None else x2
+    on = pdl(x)
     _rms_norm_kernel[(x2.shape[0],)](x2, r2, weight, y, res_out if res_out is not None else y, n, eps,
-                                     HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(n), num_warps=4)
+                                     HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(n), PDL=on,
+                                     num_warps=4, launch_pdl=on)
     return y.view_as(x), (res_out.view_as(x) if res_out is not None else None)

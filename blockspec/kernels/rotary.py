@@ -11,15 +11,19 @@ from __future__ import annotations
 
 import torch
 
-from blockspec.kernels._triton import HAVE_TRITON, use_triton
+from blockspec.kernels._triton import HAVE_TRITON, pdl, use_triton
 
 if HAVE_TRITON:
     import triton
     import triton.language as tl
 
+    from blockspec.kernels._triton import wait_for_inputs
+
     @triton.jit
     def _rope_kernel(QKV, POS, COS, SIN, QW, KW, KC, VC, SLOTS, stride_t, num_q, num_k, eps,
-                     HAS_NORM: tl.constexpr, STORE: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr):
+                     HAS_NORM: tl.constexpr, STORE: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
+                     PDL: tl.constexpr):
+        wait_for_inputs(PDL)
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         half = HALF
@@ -94,11 +98,12 @@ def rope_qk(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: 
                            k_cache, v_cache, slots)
     has_norm, store = q_weight is not None, k_cache is not None
     heads = num_q + 2 * num_k if store else num_q + num_k
+    on = pdl(qkv)
     _rope_kernel[(qkv.shape[0], heads)](
         qkv, positions, cos, sin, q_weight if has_norm else cos, k_weight if has_norm else cos,
         k_cache if store else qkv, v_cache if store else qkv, slots if store else positions,
         qkv.stride(0), num_q, num_k, eps, HAS_NORM=has_norm, STORE=store, HEAD_DIM=head_dim, HALF=head_dim // 2,
-        num_warps=1)
+        PDL=on, num_warps=1, launch_pdl=on)
 
 
 # ---- heads at any offsets, partial rotary, zero-centred norms (Qwen3-Next / Qwen3.5 gated attention) ------
@@ -110,10 +115,11 @@ if HAVE_TRITON:
     @triton.jit
     def _rope_heads_kernel(X, POS, COS, SIN, QW, KW, KC, VC, SLOTS, stride_t, num_q, num_k, q_stride, k_base,
                            v_base, eps, NORM: tl.constexpr, STORE: tl.constexpr, HEAD_DIM: tl.constexpr,
-                           ROT: tl.constexpr):
+                           ROT: tl.constexpr, PDL: tl.constexpr):
         # One program per (token, head). Query heads start every q_stride elements (the gated attention's
         # q_proj interleaves [q, gate] per head), key heads at k_base, value heads at v_base. The first ROT
         # dimensions rotate (neox halves), the rest pass through; the norm spans the whole head.
+        wait_for_inputs(PDL)
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         i = tl.arange(0, HEAD_DIM)
@@ -205,8 +211,9 @@ def rope_heads(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin:
     store = k_cache is not None
     heads = num_q + 2 * num_k if store else num_q + num_k
     has_norm = norm != NORM_NONE
+    on = pdl(x)
     _rope_heads_kernel[(x.shape[0], heads)](
         x, positions, cos, sin, q_weight if has_norm else cos, k_weight if has_norm else cos,
         k_cache if store else x, v_cache if store else x, slots if store else positions,
         x.stride(0), num_q, num_k, q_stride, k_base, v_base, eps, NORM=norm, STORE=store, HEAD_DIM=head_dim,
-        ROT=rot, num_warps=1 if head_dim <= 128 else 2)
+        ROT=rot, PDL=on, num_warps=1 if head_dim <= 128 else 2, launch_pdl=on)

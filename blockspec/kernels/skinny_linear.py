@@ -14,13 +14,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from blockspec.kernels._triton import HAVE_TRITON, use_triton
+from blockspec.kernels._triton import HAVE_TRITON, pdl, prefetch_lines, use_triton
 from blockspec.kernels.activation import silu_mul_ref
 from blockspec.kernels.rms_norm import rms_norm, rms_norm_ref
 
 if HAVE_TRITON:
     import triton
     import triton.language as tl
+
+    from blockspec.kernels._triton import prefetch_l2, wait_for_inputs
 
     @triton.jit
     def _accumulate(acc, xv, w, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr):
@@ -37,7 +39,8 @@ if HAVE_TRITON:
                               HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr, GATED: tl.constexpr,
                               HAS_RES: tl.constexpr, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                              PAIR: tl.constexpr, NORM_OUT: tl.constexpr):
+                              PAIR: tl.constexpr, NORM_OUT: tl.constexpr, PDL: tl.constexpr = False,
+                              PF_LINES: tl.constexpr = 0):
         # One program owns BLOCK_N output columns for all M rows; with GATED it reads the matching gate rows
         # (n) and up rows (N_OUT + n) of W. With HAS_RES, Y is the residual: read, added to, written back.
         # With PAIR the programs from TILES1 on compute a second projection of the same x (W2 -> Y2, N2
@@ -63,6 +66,14 @@ if HAVE_TRITON:
         x_rows = X + offs_m[:, None].to(tl.int64) * K  # [BLOCK_M, 1]
         g_rows = W + offs_n[:, None].to(tl.int64) * K  # [BLOCK_N, 1]
         u_rows = W + (offs_n[:, None] + N_OUT).to(tl.int64) * K
+        if PDL:  # noqa: SIM102 (compile-time around compile-time)
+            if PF_LINES > 0:  # the weight rows' first lines while the previous kernel finishes
+                line: tl.constexpr = 1024 // W.dtype.element_ty.primitive_bitwidth  # elements a 128-byte line
+                ln = tl.arange(0, PF_LINES)[None, :] * line
+                prefetch_l2(g_rows + ln, n_mask[:, None] & (ln >= 0))
+                if GATED:
+                    prefetch_l2(u_rows + ln, n_mask[:, None] & (ln >= 0))
+        wait_for_inputs(PDL)
 
         if HAS_NORM and USE_DOT:  # first pass over K: per-row sum of squares, as rms_norm_ref computes it
             # (the dot path keeps its operand a plain load: a transformed one stalls Triton's pipelining)
@@ -159,8 +170,8 @@ def _cdiv(a: int, b: int) -> int:
 
 
 # Launch configs measured per projection shape on an H100 (bench/tune_skinny.py: --model 4b/35b/coder30b --rows 1
-# and --model 27b/coder30b --rows 16; bench/results/tune_skinny_*_h100.json), where they beat the heuristic below by more
-# than noise: (1 for one row | 16 for the 2-16-row dot path, n output columns, k, gated) -> config.
+# and --model 27b/coder30b --rows 16; bench/results/tune_skinny_*_h100.json), where they beat the heuristic below
+# by more than noise: (1 for one row | 16 for the 2-16-row dot path, n output columns, k, gated) -> config.
 _TUNED = {
     (1, 12288, 2560, False): (4, 512, 4, 3),  # Qwen3.5-4B Gated DeltaNet [qkv | z]: 22.9 vs 23.7 us
     (1, 10240, 2560, False): (4, 512, 4, 3),  # 4B gated attention q|gate|k|v: 19.8 vs 20.4
@@ -264,13 +275,16 @@ def _skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     out = residual if residual is not None else torch.empty(m, n_out, dtype=x.dtype, device=x.device)
     block_n, block_k, num_warps, num_stages = _launch_config(m, n_out, k, gated)
     use_dot = m > 1
+    on = pdl(x)
     _skinny_linear_kernel[(triton.cdiv(n_out, block_n),)](
         x, weight, bias if bias is not None else x, norm_weight if norm_weight is not None else x, out,
         m, n_out, eps, weight, out, n_out, 0, norm_out if norm_out is not None else x, K=k,
         HAS_BIAS=bias is not None, HAS_NORM=norm_weight is not None, GATED=gated, HAS_RES=residual is not None,
         USE_DOT=use_dot, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         BLOCK_M=16 if use_dot else 1, BLOCK_N=block_n, BLOCK_K=block_k, PAIR=False,
-        NORM_OUT=norm_out is not None and norm_weight is not None, num_warps=num_warps, num_stages=num_stages)
+        NORM_OUT=norm_out is not None and norm_weight is not None, PDL=on,
+        PF_LINES=prefetch_lines(weight.shape[0], k * weight.element_size()) if on else 0, num_warps=num_warps,
+        num_stages=num_stages, launch_pdl=on)
     return out
 
 
@@ -284,11 +298,14 @@ def _skinny_pair_triton(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, nor
     block_n, block_k, num_warps, num_stages = _launch_config(m, n1, k)
     tiles1 = triton.cdiv(n1, block_n)
     use_dot = m > 1
+    on = pdl(x)
     _skinny_linear_kernel[(tiles1 + triton.cdiv(n2, block_n),)](
         x, w1, x, norm_weight if norm_weight is not None else x, y1, m, n1, eps, w2, y2, n2, tiles1, x, K=k,
         HAS_BIAS=False, HAS_NORM=norm_weight is not None, GATED=False, HAS_RES=False, USE_DOT=use_dot,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", BLOCK_M=16 if use_dot else 1,
-        BLOCK_N=block_n, BLOCK_K=block_k, PAIR=True, NORM_OUT=False, num_warps=num_warps, num_stages=num_stages)
+        BLOCK_N=block_n, BLOCK_K=block_k, PAIR=True, NORM_OUT=False, PDL=on,
+        PF_LINES=prefetch_lines(n1 + n2, k * w1.element_size()) if on else 0, num_warps=num_warps,
+        num_stages=num_stages, launch_pdl=on)
     return y1, y2
 
 
