@@ -85,7 +85,7 @@ def cases() -> list[tuple[str, tuple, dict]]:
                 (sl._skinny_linear_kernel, skinny, dict(base, HAS_BIAS=True, GATED=True, HAS_RES=True, USE_DOT=False,
                                                          PAIR=False, NORM_OUT=False, BLOCK_M=1, BLOCK_N=8,
                                                          BLOCK_K=1024)), {}))
-    pdl_ptx = ("griddepcontrol.wait", "griddepcontrol.launch_dependents")
+    pdl_ptx = ("griddepcontrol.wait", "griddepcontrol.launch_dependents")  # wait_for_inputs, release_dependents
     for dot in (False, True):  # programmatic dependent launch: the wait, and the weights' lines prefetched before it
         tile = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128) if dot else dict(BLOCK_M=1, BLOCK_N=8, BLOCK_K=1024)
         out.append((f"skinny_linear PDL dot={dot}", (sl._skinny_linear_kernel, skinny, dict(

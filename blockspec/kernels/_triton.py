@@ -39,6 +39,8 @@ PREFETCH_BYTES = 16 << 20  # what a GEMM asks the L2 for ahead of its wait, whol
 def prefetch_lines(rows: int, row_bytes: int) -> int:
     """128-byte lines of each weight row a GEMM prefetches before its PDL wait (a power of two, 0 for none): the
     rows' leading bytes, at most PREFETCH_BYTES over the whole weight (a large one would evict its own start)."""
+    if os.environ.get("BLOCKSPEC_PDL_PREFETCH") == "0":  # EXPERIMENT (remove): PDL without prefetches
+        return 0
     lines = min(row_bytes // 128, PREFETCH_BYTES // max(1, rows * 128))
     return 0 if lines < 1 else 1 << (lines.bit_length() - 1)
 
@@ -76,10 +78,16 @@ if HAVE_TRITON:
     @triton.jit
     def wait_for_inputs(PDL: tl.constexpr):
         """Under PDL: wait until the previous kernel has finished and its writes are visible (nothing of it may
-        be read or overwritten before this), then let the next kernel's programs start arriving. Letting them
-        arrive only after this wait keeps at most one kernel queued behind the running one."""
+        be read or overwritten before this)."""
         if PDL:
             gdc_wait()
+
+    @triton.jit
+    def release_dependents(PDL: tl.constexpr):
+        """Under PDL: the next kernel's programs may start arriving once every program of this one got here.
+        Called late (before the final stores), so that they are placed on the SMs this kernel is leaving: early
+        arrivals sit where there happened to be room and stay there, unbalancing the next kernel's wave."""
+        if PDL:
             gdc_launch_dependents()
 
     @triton.jit

@@ -11,7 +11,7 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-    from blockspec.kernels._triton import wait_for_inputs
+    from blockspec.kernels._triton import release_dependents, wait_for_inputs
 
     @triton.jit
     def _silu_mul_kernel(X, Y, inter, BLOCK: tl.constexpr, PDL: tl.constexpr):
@@ -21,6 +21,7 @@ if HAVE_TRITON:
         mask = cols < inter
         g = tl.load(X + row * 2 * inter + cols, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(X + row * 2 * inter + inter + cols, mask=mask, other=0.0).to(tl.float32)
+        release_dependents(PDL)
         tl.store(Y + row * inter + cols, (g / (1 + tl.exp(-g)) * u).to(Y.dtype.element_ty), mask=mask)
 
 

@@ -33,7 +33,7 @@ if HAVE_TRITON:  # CPU-only installs: the reference below is the implementation 
     import triton
     import triton.language as tl
 
-    from blockspec.kernels._triton import wait_for_inputs
+    from blockspec.kernels._triton import release_dependents, wait_for_inputs
 
 
 def softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
@@ -203,6 +203,7 @@ if HAVE_TRITON:
             v = tl.load(V + blk[:, None] * stride_vb + slot[:, None] * stride_vs + kvh * stride_vh + d[None, :],
                         mask=n_ok[:, None], other=0.0)
             m_i, l_i, acc = _online_softmax_step(s, visible, v, m_i, l_i, acc)
+        release_dependents(PDL)
         base = b * stride_ob + kvh * stride_oh + split * stride_os
         TOTAL_M: tl.constexpr = ROW_TILES * BLOCK_M
         ml = (b * (tl.num_programs(1) // ROW_TILES) + kvh) * num_splits * TOTAL_M + split * TOTAL_M + rows
@@ -258,6 +259,7 @@ if HAVE_TRITON:
             g = tl.load(GATE + (b * q_len + qi) * stride_gt + head * stride_gh + d).to(tl.float32)
             sg = (1.0 / (1.0 + tl.exp(-g))).to(Out.dtype.element_ty)
             y = (y.to(tl.float32) * sg.to(tl.float32)).to(Out.dtype.element_ty)
+        release_dependents(PDL)
         tl.store(Out + (b * q_len + qi) * stride_t + head * stride_h + d, y)
 
 

@@ -150,7 +150,7 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-    from blockspec.kernels._triton import prefetch_l2, wait_for_inputs
+    from blockspec.kernels._triton import prefetch_l2, release_dependents, wait_for_inputs
     from blockspec.kernels.quant_tiles import _dequant_tile  # the per-scheme tiles, shared with the MoE kernels
 
     @triton.jit
@@ -230,6 +230,7 @@ if HAVE_TRITON:
         if HAS_BIAS:
             y += tl.load(B + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
         y = y.to(dtype)  # the F.linear output
+        release_dependents(PDL)
         out_mask = m_mask[:, None] & n_mask[None, :]
         y_ptrs = Y + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
         if HAS_RES:

@@ -14,7 +14,7 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-    from blockspec.kernels._triton import wait_for_inputs
+    from blockspec.kernels._triton import release_dependents, wait_for_inputs
 
     @triton.jit
     def _rms_norm_kernel(X, R, W, Y, RO, n, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
@@ -27,6 +27,7 @@ if HAVE_TRITON:
             r = tl.load(R + row * n + cols, mask=mask, other=0.0)
             x = (x.to(tl.float32) + r.to(tl.float32)).to(RO.dtype.element_ty)
             tl.store(RO + row * n + cols, x, mask=mask)
+        release_dependents(PDL)
         xf = x.to(tl.float32)
         var = tl.sum(xf * xf, 0) / n
         y = (xf * tl.rsqrt(var + eps)).to(Y.dtype.element_ty)

@@ -17,13 +17,14 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-    from blockspec.kernels._triton import wait_for_inputs
+    from blockspec.kernels._triton import release_dependents, wait_for_inputs
 
     @triton.jit
     def _rope_kernel(QKV, POS, COS, SIN, QW, KW, KC, VC, SLOTS, stride_t, num_q, num_k, eps,
                      HAS_NORM: tl.constexpr, STORE: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
                      PDL: tl.constexpr):
         wait_for_inputs(PDL)
+        release_dependents(PDL)  # one (token, head) a program: nothing to wait for after the loads
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         half = HALF
@@ -120,6 +121,7 @@ if HAVE_TRITON:
         # q_proj interleaves [q, gate] per head), key heads at k_base, value heads at v_base. The first ROT
         # dimensions rotate (neox halves), the rest pass through; the norm spans the whole head.
         wait_for_inputs(PDL)
+        release_dependents(PDL)  # one (token, head) a program: nothing to wait for after the loads
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         i = tl.arange(0, HEAD_DIM)

@@ -22,7 +22,7 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-    from blockspec.kernels._triton import prefetch_l2, wait_for_inputs
+    from blockspec.kernels._triton import prefetch_l2, release_dependents, wait_for_inputs
 
     @triton.jit
     def _accumulate(acc, xv, w, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr):
@@ -148,6 +148,7 @@ if HAVE_TRITON:
             g = y.to(tl.float32)
             s = (g / (1.0 + tl.exp(-g))).to(dtype)
             y = (s.to(tl.float32) * yu.to(dtype).to(tl.float32)).to(dtype)
+        release_dependents(PDL)
         out_mask = m_mask[:, None] & n_mask[None, :]
         y_ptrs = Y + offs_m[:, None].to(tl.int64) * N_OUT + offs_n[None, :]
         if HAS_RES:
