@@ -40,7 +40,7 @@ def compile_case(fn, types: dict[str, str], consts: dict, div16: tuple[str, ...]
                  num_stages: int = 3, no_spill: bool = False, ptx_has: tuple[str, ...] = ()) -> tuple[int, int] | None:
     """Compile one case; (registers, stack bytes) a thread of the cubin Triton built (spills live on the stack),
     or None where Triton's cuobjdump is not bundled. `ptx_has`: instructions the PTX must contain (the PDL wait,
-    the L2 prefetches)."""
+    the release)."""
     consts = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default and p.name not in consts},
               **consts}  # constexprs left at their defaults (PDL off)
     sig = {n: "constexpr" if n in consts else types[n] for n in fn.arg_names}
@@ -86,11 +86,11 @@ def cases() -> list[tuple[str, tuple, dict]]:
                                                          PAIR=False, NORM_OUT=False, BLOCK_M=1, BLOCK_N=8,
                                                          BLOCK_K=1024)), {}))
     pdl_ptx = ("griddepcontrol.wait", "griddepcontrol.launch_dependents")  # wait_for_inputs, release_dependents
-    for dot in (False, True):  # programmatic dependent launch: the wait, and the weights' lines prefetched before it
+    for dot in (False, True):  # programmatic dependent launch: the wait and the release
         tile = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128) if dot else dict(BLOCK_M=1, BLOCK_N=8, BLOCK_K=1024)
         out.append((f"skinny_linear PDL dot={dot}", (sl._skinny_linear_kernel, skinny, dict(
-            base, USE_DOT=dot, PAIR=False, NORM_OUT=False, PDL=True, PF_LINES=16, **tile)),
-            dict(div16=("X", "W", "Y", "N_OUT"), ptx_has=(*pdl_ptx, "prefetch.global.L2"))))
+            base, USE_DOT=dot, PAIR=False, NORM_OUT=False, PDL=True, **tile)),
+            dict(div16=("X", "W", "Y", "N_OUT"), ptx_has=pdl_ptx)))
     quant = {n: "*u8" for n in ("QW", "S", "Z")}
     quant.update(X="*bf16", GS="*fp32", B="*bf16", Y="*bf16", M="i32", N="i32")
     for scheme, dot, tile in (("int4", True, dict(BLOCK_M=8, BLOCK_N=16, BLOCK_K=128, SPLIT=4)),
@@ -99,8 +99,8 @@ def cases() -> list[tuple[str, tuple, dict]]:
         out.append((f"quant_linear PDL {scheme} dot={dot}", (ql._quant_linear_kernel, types, dict(
             SCHEME=scheme, K=4096, G=128 if scheme == "int4" else 16, NG=32 if scheme == "int4" else 256,
             SCALE_ROW_DIV=1, HAS_ZERO=scheme == "int4", PER_ROW=False, HAS_GS=scheme == "nvfp4", GS_FACTOR=1.0,
-            HAS_BIAS=False, HAS_RES=True, USE_DOT=dot, FAST=True, DOT_PRECISION="tf32", PDL=True, ROW_BYTES=2048,
-            PF_LINES=4, **tile)), dict(div16=("X", "QW", "S", "Y"), ptx_has=(*pdl_ptx, "prefetch.global.L2"))))
+            HAS_BIAS=False, HAS_RES=True, USE_DOT=dot, FAST=True, DOT_PRECISION="tf32", PDL=True, **tile)),
+            dict(div16=("X", "QW", "S", "Y"), ptx_has=pdl_ptx)))
     out.append(("rms_norm PDL", (rn._rms_norm_kernel, {"X": "*bf16", "R": "*bf16", "W": "*bf16", "Y": "*bf16",
                                                        "RO": "*bf16", "n": "i32", "eps": "fp32"},
                                  dict(HAS_RES=True, BLOCK=4096, PDL=True)), dict(ptx_has=pdl_ptx)))
@@ -149,7 +149,8 @@ def cases() -> list[tuple[str, tuple, dict]]:
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SCHEME="mxfp4", G=32, NG=90,
             SCALE_ROW_DIV=1, HAS_ZERO=False, PER_ROW=False, HAS_GS=False, GS_FACTOR=1.0, FAST=False,
             W_STRIDE=5760 * 1440, S_STRIDE=5760 * 90, Z_STRIDE=5760 * 90, HAS_BIAS=True, CLAMPED=True, LIMIT=7.0,
-            ALPHA=1.702)), dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)))
+            ALPHA=1.702, PDL=t == 1)), dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                                             ptx_has=pdl_ptx if t == 1 else ())))
     det = {n: "*bf16" for n in ("X", "W", "B", "Y")} | {"M": "i32", "N_OUT": "i32"}
     for gated, res in ((False, False), (True, False), (False, True)):
         out.append((f"deterministic_linear gated={gated} residual={res}", (dl._deterministic_linear_kernel, det, dict(

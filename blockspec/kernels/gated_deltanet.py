@@ -27,12 +27,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from blockspec.kernels._triton import HAVE_TRITON, use_triton
+from blockspec.kernels._triton import HAVE_TRITON, pdl, use_triton
 from blockspec.models.layers import delta_rule
 
 if HAVE_TRITON:
     import triton
     import triton.language as tl
+
+    from blockspec.kernels._triton import release_dependents, wait_for_inputs
 
     @triton.jit
     def _gated_norm(x, zf, w, mask, eps, D: tl.constexpr, ROUND_WN: tl.constexpr, dtype: tl.constexpr):
@@ -52,9 +54,12 @@ if HAVE_TRITON:
                               L: tl.constexpr, H: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr,
                               DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                               HAS_COUNTS: tl.constexpr, HAS_WRITE: tl.constexpr, HAS_CKPT: tl.constexpr,
-                              HAS_OUT: tl.constexpr, HAS_NORM: tl.constexpr, ROUND_WN: tl.constexpr):
+                              HAS_OUT: tl.constexpr, HAS_NORM: tl.constexpr, ROUND_WN: tl.constexpr,
+                              PDL: tl.constexpr = False):
         # One program: row n, value head h, value columns [vb * BV, vb * BV + BV) of the [DK, DV] state.
         # The key/query vectors are small and re-normalised by every program that needs them.
+        wait_for_inputs(PDL)
+        release_dependents(PDL)  # few programs: their dependents find the SMs mostly free
         n = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         vb = tl.program_id(2)
@@ -123,9 +128,11 @@ if HAVE_TRITON:
     def _conv_update_kernel(X, STATE, W, Y, READ, WRITE, COUNTS, sx_n, sx_t, sw_c,
                             C: tl.constexpr, L: tl.constexpr, WIDTH: tl.constexpr, LP: tl.constexpr,
                             WP: tl.constexpr, BC: tl.constexpr, HAS_COUNTS: tl.constexpr,
-                            HAS_WRITE: tl.constexpr, HAS_OUT: tl.constexpr):
+                            HAS_WRITE: tl.constexpr, HAS_OUT: tl.constexpr, PDL: tl.constexpr = False):
         # One program: row n, channels [cb * BC, cb * BC + BC). Row r of the row's buffer is saved input r
         # (r < WIDTH) or new input r - WIDTH: two masked loads, one of which is live per element.
+        wait_for_inputs(PDL)
+        release_dependents(PDL)  # few programs: their dependents find the SMs mostly free
         n = tl.program_id(0).to(tl.int64)
         offs_c = tl.program_id(1) * BC + tl.arange(0, BC)
         mask_c = offs_c < C
@@ -170,7 +177,10 @@ if HAVE_TRITON:
 
     @triton.jit
     def _gated_rms_norm_kernel(X, Z, NW, Y, H, so_t, so_h, sz_t, sz_h, eps, D: tl.constexpr,
-                               BH: tl.constexpr, BD: tl.constexpr, ROUND_WN: tl.constexpr):
+                               BH: tl.constexpr, BD: tl.constexpr, ROUND_WN: tl.constexpr,
+                               PDL: tl.constexpr = False):
+        wait_for_inputs(PDL)
+        release_dependents(PDL)  # few programs: their dependents find the SMs mostly free
         t = tl.program_id(0).to(tl.int64)
         offs_h = tl.program_id(1) * BH + tl.arange(0, BH)
         offs_d = tl.arange(0, BD)
@@ -349,7 +359,8 @@ def _gdn_recurrent_triton(q: torch.Tensor | None, k: torch.Tensor, v: torch.Tens
         zz.stride(0), zz.stride(1), zz.stride(2), dk ** -0.5, eps,
         L=length, H=heads, GROUP=heads // hk, DK=dk, DV=dv, BK=bk, BV=block_v,
         HAS_COUNTS=counts is not None, HAS_WRITE=write_slots is not None, HAS_CKPT=checkpoints is not None,
-        HAS_OUT=compute_output, HAS_NORM=fused_norm, ROUND_WN=round_wn, num_warps=num_warps)
+        HAS_OUT=compute_output, HAS_NORM=fused_norm, ROUND_WN=round_wn, PDL=pdl(v), num_warps=num_warps,
+        launch_pdl=pdl(v))
     return out
 
 
@@ -407,7 +418,7 @@ def _causal_conv_update_triton(x: torch.Tensor, conv_state: torch.Tensor, read_s
         x.stride(0), x.stride(1), weight.stride(0),
         C=channels, L=length, WIDTH=width, LP=_pow2(length), WP=_pow2(width), BC=block_c,
         HAS_COUNTS=counts is not None, HAS_WRITE=write_slots is not None, HAS_OUT=compute_output,
-        num_warps=num_warps)
+        PDL=pdl(x), num_warps=num_warps, launch_pdl=pdl(x))
     return y
 
 
@@ -438,5 +449,6 @@ def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
     bh = max(1, min(_pow2(heads), 2048 // bd))
     _gated_rms_norm_kernel[(t, triton.cdiv(heads, bh))](
         o, z, weight, y, heads, o.stride(0), o.stride(1), z.stride(0), z.stride(1), eps, D=d, BH=bh, BD=bd,
-        ROUND_WN=torch.promote_types(weight.dtype, z.dtype) != torch.float32, num_warps=4)
+        ROUND_WN=torch.promote_types(weight.dtype, z.dtype) != torch.float32, PDL=pdl(z), num_warps=4,
+        launch_pdl=pdl(z))
     return y

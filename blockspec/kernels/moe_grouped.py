@@ -45,13 +45,14 @@ import dataclasses
 
 import torch
 
-from blockspec.kernels._triton import HAVE_TRITON, use_triton
+from blockspec.kernels._triton import HAVE_TRITON, pdl, use_triton
 from blockspec.kernels.quant_tiles import FP4_GLOBAL_BIAS
 
 if HAVE_TRITON:
     import triton
     import triton.language as tl
 
+    from blockspec.kernels._triton import release_dependents, wait_for_inputs
     from blockspec.kernels.quant_tiles import _dequant_tile  # the quantized layouts' tiles, shared
     from blockspec.kernels.skinny_linear import _accumulate  # the skinny GEMM's K-tile step, shared
 
@@ -107,7 +108,9 @@ if HAVE_TRITON:
     def _route_kernel(L, X, WS, W_OUT, IDS_OUT, SW_OUT, T,
                       E: tl.constexpr, EP: tl.constexpr, TOP_K: tl.constexpr, KP: tl.constexpr,
                       H: tl.constexpr, RENORM: tl.constexpr, DO_TOPK: tl.constexpr, SHARED: tl.constexpr,
-                      BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+                      BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr = False):
+        wait_for_inputs(PDL)
+        release_dependents(PDL)  # a few programs: their dependents' placement does not matter
         _route_block(L, X, WS, W_OUT, IDS_OUT, SW_OUT, tl.program_id(0) * BLOCK_T, T, E, EP, TOP_K, KP, H,
                      RENORM, DO_TOPK, SHARED, BLOCK_T, BLOCK_H)
 
@@ -177,7 +180,9 @@ if HAVE_TRITON:
     @triton.jit
     def _align_kernel(IDS, SORTED, ITEM_EXPERT, ITEM_START, ITEM_COUNT, NUM_ITEMS, P, T, per_program,
                       TOP_K: tl.constexpr, SLOTS: tl.constexpr, E: tl.constexpr, NB: tl.constexpr,
-                      CHUNK: tl.constexpr, BLOCK_P: tl.constexpr):
+                      CHUNK: tl.constexpr, BLOCK_P: tl.constexpr, PDL: tl.constexpr = False):
+        wait_for_inputs(PDL)
+        release_dependents(PDL)
         _align_body(IDS, SORTED, ITEM_EXPERT, ITEM_START, ITEM_COUNT, NUM_ITEMS, P, T, tl.program_id(0),
                     per_program, TOP_K, SLOTS, E, NB, CHUNK, BLOCK_P, False)
 
@@ -187,10 +192,12 @@ if HAVE_TRITON:
                             E: tl.constexpr, EP: tl.constexpr, TOP_K: tl.constexpr, KP: tl.constexpr,
                             H: tl.constexpr, RENORM: tl.constexpr, SHARED: tl.constexpr, BLOCK_T: tl.constexpr,
                             BLOCK_H: tl.constexpr, SLOTS: tl.constexpr, NB: tl.constexpr, CHUNK: tl.constexpr,
-                            BLOCK_P: tl.constexpr, ONE_TOKEN: tl.constexpr):
+                            BLOCK_P: tl.constexpr, ONE_TOKEN: tl.constexpr, PDL: tl.constexpr = False):
         # One program routes every token, then (after a barrier: it reads the ids back) groups the pairs:
         # one launch instead of two for small steps. One token (ONE_TOKEN, a decode step) needs no sort: its
         # slots are distinct experts, so work item j is slot j (pair j), written from the ids in registers.
+        wait_for_inputs(PDL)
+        release_dependents(PDL)  # one program: the grouped GEMM's programs find every other SM free
         if ONE_TOKEN:
             ids = _route_block(L, X, WS, W_OUT, IDS_OUT, SW_OUT, 0, 1, E, EP, TOP_K, KP, H, RENORM, True, SHARED,
                                1, BLOCK_H)
@@ -258,7 +265,7 @@ if HAVE_TRITON:
                              HAS_GS: tl.constexpr, GS_FACTOR: tl.constexpr, FAST: tl.constexpr,
                              W_STRIDE: tl.constexpr, S_STRIDE: tl.constexpr, Z_STRIDE: tl.constexpr,
                              HAS_BIAS: tl.constexpr, CLAMPED: tl.constexpr, LIMIT: tl.constexpr,
-                             ALPHA: tl.constexpr):
+                             ALPHA: tl.constexpr, PDL: tl.constexpr = False):
         # One program: one work item (an expert and up to CHUNK of its pairs, contiguous in SORTED) times
         # BLOCK_N output columns; it loops over the item's pairs BLOCK_M at a time.
         # GATED (gate_up): A = x [T, K] read at each pair's token; W = gate_up [E, 2 * N_OUT, K] (gate rows
@@ -273,6 +280,7 @@ if HAVE_TRITON:
         # HAS_BIAS: BIAS [E, rows of W] (GPT-OSS), added before the activation / the combine.
         QUANT: tl.constexpr = SCHEME != "none"
         N_W: tl.constexpr = 2 * N_OUT if GATED else N_OUT  # rows of one expert's weight
+        wait_for_inputs(PDL)
         item = tl.program_id(0)
         if item >= tl.load(NUM_ITEMS):
             return
@@ -366,14 +374,17 @@ if HAVE_TRITON:
             else:
                 out_rows = pair
             out_mask = m_mask[:, None] & n_mask[None, :]
+            release_dependents(PDL)  # the first tile's store; later calls have no effect
             tl.store(OUT + out_rows[:, None].to(tl.int64) * N_OUT + offs_n[None, :], y, mask=out_mask)
             m0 += BLOCK_M
 
     @triton.jit
     def _combine_kernel(Y, WTS, SWTS, RES, OUT, H: tl.constexpr, TOP_K: tl.constexpr, SLOTS: tl.constexpr,
-                        SHARED: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_H: tl.constexpr):
+                        SHARED: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_H: tl.constexpr,
+                        PDL: tl.constexpr = False):
         # out[t] = sum over the token's slots, in slot order, of weight * pair row: float32, no atomics.
         # HAS_RES: out[t] = res[t] + that sum, rounded as the separate add rounds (the sum first).
+        wait_for_inputs(PDL)
         t = tl.program_id(0).to(tl.int64)
         offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         mask = offs < H
@@ -388,6 +399,7 @@ if HAVE_TRITON:
         if HAS_RES:
             r = tl.load(RES + t * H + offs, mask=mask, other=0.0)
             out = (out.to(tl.float32) + r.to(tl.float32)).to(OUT.dtype.element_ty)
+        release_dependents(PDL)
         tl.store(OUT + t * H + offs, out, mask=mask)
 
 
@@ -586,10 +598,12 @@ def moe_route(logits: torch.Tensor, top_k: int, renormalize: bool, x: torch.Tens
         return weights, ids, shared_w
     consts = _route_consts(logits, top_k, renormalize, x, shared, block_t)
     dummy = logits
+    on = pdl(logits)
     _route_kernel[(_cdiv(logits.shape[0], consts["BLOCK_T"]),)](
         logits, x if x is not None else dummy, shared_gate if shared else dummy,
         weights if weights is not None else dummy, ids if ids is not None else dummy,
-        shared_w if shared_w is not None else dummy, logits.shape[0], DO_TOPK=topk, num_warps=4, **consts)
+        shared_w if shared_w is not None else dummy, logits.shape[0], DO_TOPK=topk, PDL=on, num_warps=4,
+        launch_pdl=on, **consts)
     return weights, ids, shared_w
 
 
@@ -624,9 +638,10 @@ def moe_align(ids: torch.Tensor, num_experts: int, shared: bool) -> Layout:
     layout, consts = _layout(t, k, num_experts, shared, ids.device)
     pairs = layout.sorted_pairs.numel()
     ids = ids if ids.is_contiguous() else ids.contiguous()
+    on = pdl(ids)
     _align_kernel[(_cdiv(pairs, BLOCK_P),)](
         ids, layout.sorted_pairs, layout.item_expert, layout.item_start, layout.item_count, layout.num_items,
-        pairs, t, BLOCK_P, num_warps=4, **consts)
+        pairs, t, BLOCK_P, PDL=on, num_warps=4, launch_pdl=on, **consts)
     return layout
 
 
@@ -645,12 +660,14 @@ def moe_route_align(logits: torch.Tensor, top_k: int, renormalize: bool, x: torc
     weights, ids, shared_w = _route_outputs(logits, top_k, x, shared, True)
     layout, align_consts = _layout(t, top_k, e, shared, logits.device)
     dummy = logits
+    on = pdl(logits)
     _route_align_kernel[(1,)](
         logits, x if x is not None else dummy, shared_gate if shared else dummy, weights, ids,
         shared_w if shared else dummy, layout.sorted_pairs, layout.item_expert, layout.item_start,
         layout.item_count, layout.num_items, t, layout.sorted_pairs.numel(),
         **_route_consts(logits, top_k, renormalize, x, shared),
-        **{k: v for k, v in align_consts.items() if k not in ("TOP_K", "E")}, ONE_TOKEN=t == 1, num_warps=4)
+        **{k: v for k, v in align_consts.items() if k not in ("TOP_K", "E")}, ONE_TOKEN=t == 1, PDL=on, num_warps=4,
+        launch_pdl=on)
     return weights, ids, shared_w, layout
 
 
@@ -674,6 +691,7 @@ def _grouped_gemm(a: torch.Tensor, w: Weights, wu: torch.Tensor | None, sw: torc
                    FAST=False, GS_FACTOR=1.0)
         strides = (0, 0, 0)
         weight, scales, zeros, gs = w, w, w, None
+    on = pdl(a)
     _grouped_gemm_kernel[(layout.max_items, _cdiv(n_out, cfg.block_n))](
         a, weight, wu if wu is not None else weight, sw if sw is not None else weight,
         swu if swu is not None else weight, out,
@@ -683,7 +701,7 @@ def _grouped_gemm(a: torch.Tensor, w: Weights, wu: torch.Tensor | None, sw: torc
         DOT_PRECISION=dot_precision, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         W_STRIDE=strides[0], S_STRIDE=strides[1], Z_STRIDE=strides[2], HAS_BIAS=bias is not None,
         CLAMPED=limit is not None, LIMIT=float(limit) if limit is not None else 0.0, ALPHA=float(alpha),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **fmt)
+        PDL=on, num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=on, **fmt)
 
 
 def _check_bias(bias: torch.Tensor | None, e: int, n: int, dtype: torch.dtype, name: str) -> torch.Tensor | None:
@@ -744,7 +762,8 @@ def moe_experts(x: torch.Tensor, gate_up, down, weights: torch.Tensor, ids: torc
         raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} does not match x "
                          f"{tuple(x.shape)} {x.dtype}")
     block_h = min(512, _next_pow2(h))
+    on = pdl(x)
     _combine_kernel[(t, _cdiv(h, block_h))](
         y, weights, shared_weight if has_shared else weights, residual if has_res else y, out, H=h, TOP_K=k,
-        SLOTS=slots, SHARED=has_shared, HAS_RES=has_res, BLOCK_H=block_h, num_warps=4)
+        SLOTS=slots, SHARED=has_shared, HAS_RES=has_res, BLOCK_H=block_h, PDL=on, num_warps=4, launch_pdl=on)
     return out

@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from blockspec.device import cuda_capability
-from blockspec.kernels._triton import HAVE_TRITON, INTERPRET, pdl, prefetch_lines, use_triton
+from blockspec.kernels._triton import HAVE_TRITON, INTERPRET, pdl, use_triton
 from blockspec.kernels.quant_tiles import FP4_GLOBAL_BIAS
 from blockspec.models.layers.quant_linear import (
     FP8_BLOCK,
@@ -150,7 +150,7 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-    from blockspec.kernels._triton import prefetch_l2, release_dependents, wait_for_inputs
+    from blockspec.kernels._triton import release_dependents, wait_for_inputs
     from blockspec.kernels.quant_tiles import _dequant_tile  # the per-scheme tiles, shared with the MoE kernels
 
     @triton.jit
@@ -160,7 +160,7 @@ if HAVE_TRITON:
                              HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, USE_DOT: tl.constexpr,
                              FAST: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-                             PDL: tl.constexpr = False, ROW_BYTES: tl.constexpr = 0, PF_LINES: tl.constexpr = 0):
+                             PDL: tl.constexpr = False):
         # Program (pid_n, pid_m) owns BLOCK_N output columns of BLOCK_M rows. Each step of the K loop covers
         # SPLIT * BLOCK_K columns of the weight: slice s = [k0 + s * BLOCK_K, + BLOCK_K). The dot path computes
         # the weight-as-A product acc[s] += W_s @ x_s^T as one batched dot (the warps split over the slices)
@@ -175,10 +175,6 @@ if HAVE_TRITON:
         n_mask = offs_n < N
         m_mask = offs_m < M
         rows = offs_n.to(tl.int64)
-        if PDL:  # noqa: SIM102 (compile-time around compile-time: PF_LINES is only read under PDL)
-            if PF_LINES > 0:  # the weight rows' first lines while the previous kernel finishes (1-byte qweights)
-                ln = tl.arange(0, PF_LINES)
-                prefetch_l2(QW + rows[:, None] * ROW_BYTES + ln[None, :] * 128, n_mask[:, None] & (ln >= 0)[None, :])
         wait_for_inputs(PDL)
         EVEN_K: tl.constexpr = K % (BLOCK_K * SPLIT) == 0
         TILE: tl.constexpr = X.dtype.element_ty if USE_DOT or FAST else tl.float32
@@ -498,8 +494,6 @@ def _gemm_triton(x: torch.Tensor, layer, meta: QuantMeta, residual: torch.Tensor
     dot_precision = "ieee" if x.dtype == torch.float32 else "tf32"
     grid = (triton.cdiv(meta.n, cfg.block_n), triton.cdiv(m, cfg.block_m) if cfg.use_dot else 1)
     on = pdl(x)
-    qw = layer.qweight
-    row_bytes = qw.shape[-1] * qw.element_size()
     _quant_linear_kernel[grid](
         x, *kernel_operands(layer, meta), gs,
         layer.bias if layer.bias is not None else x, out, m, meta.n,
@@ -507,8 +501,7 @@ def _gemm_triton(x: torch.Tensor, layer, meta: QuantMeta, residual: torch.Tensor
         HAS_ZERO=meta.has_zero, PER_ROW=meta.per_row, HAS_GS=meta.has_gs, GS_FACTOR=gs_factor,
         HAS_BIAS=layer.bias is not None, HAS_RES=residual is not None, USE_DOT=cfg.use_dot, FAST=fast,
         DOT_PRECISION=dot_precision, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        SPLIT=cfg.split, PDL=on, ROW_BYTES=row_bytes, PF_LINES=prefetch_lines(meta.n, row_bytes) if on else 0,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=on)
+        SPLIT=cfg.split, PDL=on, num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=on)
     return out
 
 

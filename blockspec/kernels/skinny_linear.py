@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from blockspec.kernels._triton import HAVE_TRITON, pdl, prefetch_lines, use_triton
+from blockspec.kernels._triton import HAVE_TRITON, pdl, use_triton
 from blockspec.kernels.activation import silu_mul_ref
 from blockspec.kernels.rms_norm import rms_norm, rms_norm_ref
 
@@ -22,7 +22,7 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-    from blockspec.kernels._triton import prefetch_l2, release_dependents, wait_for_inputs
+    from blockspec.kernels._triton import release_dependents, wait_for_inputs
 
     @triton.jit
     def _accumulate(acc, xv, w, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr):
@@ -39,8 +39,7 @@ if HAVE_TRITON:
                               HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr, GATED: tl.constexpr,
                               HAS_RES: tl.constexpr, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                              PAIR: tl.constexpr, NORM_OUT: tl.constexpr, PDL: tl.constexpr = False,
-                              PF_LINES: tl.constexpr = 0):
+                              PAIR: tl.constexpr, NORM_OUT: tl.constexpr, PDL: tl.constexpr = False):
         # One program owns BLOCK_N output columns for all M rows; with GATED it reads the matching gate rows
         # (n) and up rows (N_OUT + n) of W. With HAS_RES, Y is the residual: read, added to, written back.
         # With PAIR the programs from TILES1 on compute a second projection of the same x (W2 -> Y2, N2
@@ -66,13 +65,6 @@ if HAVE_TRITON:
         x_rows = X + offs_m[:, None].to(tl.int64) * K  # [BLOCK_M, 1]
         g_rows = W + offs_n[:, None].to(tl.int64) * K  # [BLOCK_N, 1]
         u_rows = W + (offs_n[:, None] + N_OUT).to(tl.int64) * K
-        if PDL:  # noqa: SIM102 (compile-time around compile-time)
-            if PF_LINES > 0:  # the weight rows' first lines while the previous kernel finishes
-                line: tl.constexpr = 1024 // W.dtype.element_ty.primitive_bitwidth  # elements a 128-byte line
-                ln = tl.arange(0, PF_LINES)[None, :] * line
-                prefetch_l2(g_rows + ln, n_mask[:, None] & (ln >= 0))
-                if GATED:
-                    prefetch_l2(u_rows + ln, n_mask[:, None] & (ln >= 0))
         wait_for_inputs(PDL)
 
         if HAS_NORM and USE_DOT:  # first pass over K: per-row sum of squares, as rms_norm_ref computes it
@@ -283,8 +275,7 @@ def _skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
         HAS_BIAS=bias is not None, HAS_NORM=norm_weight is not None, GATED=gated, HAS_RES=residual is not None,
         USE_DOT=use_dot, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         BLOCK_M=16 if use_dot else 1, BLOCK_N=block_n, BLOCK_K=block_k, PAIR=False,
-        NORM_OUT=norm_out is not None and norm_weight is not None, PDL=on,
-        PF_LINES=prefetch_lines(weight.shape[0], k * weight.element_size()) if on else 0, num_warps=num_warps,
+        NORM_OUT=norm_out is not None and norm_weight is not None, PDL=on, num_warps=num_warps,
         num_stages=num_stages, launch_pdl=on)
     return out
 
@@ -304,8 +295,7 @@ def _skinny_pair_triton(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, nor
         x, w1, x, norm_weight if norm_weight is not None else x, y1, m, n1, eps, w2, y2, n2, tiles1, x, K=k,
         HAS_BIAS=False, HAS_NORM=norm_weight is not None, GATED=False, HAS_RES=False, USE_DOT=use_dot,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", BLOCK_M=16 if use_dot else 1,
-        BLOCK_N=block_n, BLOCK_K=block_k, PAIR=True, NORM_OUT=False, PDL=on,
-        PF_LINES=prefetch_lines(n1 + n2, k * w1.element_size()) if on else 0, num_warps=num_warps,
+        BLOCK_N=block_n, BLOCK_K=block_k, PAIR=True, NORM_OUT=False, PDL=on, num_warps=num_warps,
         num_stages=num_stages, launch_pdl=on)
     return y1, y2
 
