@@ -160,13 +160,14 @@ def experts_fused(x: torch.Tensor, gate_up, down, weights: torch.Tensor, ids: to
 
 def fused_applies(x: torch.Tensor, gate_up, down, backend: str) -> bool:
     """The fused kernels run for backend "fused", and for "auto" up to FUSED_MAX_TOKENS tokens (where Triton
-    runs: CUDA, or CPU under TRITON_INTERPRET=1, without grad). Quantized experts also take them at any size
-    while a CUDA graph is being captured: their other path (the reference loop) cannot be captured."""
+    runs: CUDA, or CPU under TRITON_INTERPRET=1, without grad), and at any size while a CUDA graph is being
+    captured (a prefill graph's 512-token bucket): the other paths read the routing back to the host (the
+    reference loop; on an H100 a float32 Qwen3-MoE's prefill capture failed there), which a capture cannot."""
     if backend not in ("auto", "fused") or not fused_supported(x, gate_up, down):
         return False
     if backend == "fused" or x.shape[0] <= FUSED_MAX_TOKENS:
         return True
-    return not isinstance(gate_up, torch.Tensor) and x.is_cuda and torch.cuda.is_current_stream_capturing()
+    return x.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def experts_forward(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
