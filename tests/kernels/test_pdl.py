@@ -1,0 +1,43 @@
+"""Programmatic dependent launch (kernels/_triton.py): off where it cannot apply, and wired the same way in every
+kernel that takes it (a kernel launched early that does not wait for its inputs would read stale data)."""
+
+import importlib
+import re
+
+import pytest
+import torch
+
+from blockspec.kernels import _triton
+
+triton = pytest.importorskip("triton")
+
+MODULES = ["activation", "gated_deltanet", "moe_grouped", "paged_attention", "quant_linear", "rms_norm", "rotary",
+           "skinny_linear"]
+
+
+def test_pdl_is_off_for_cpu_tensors_and_when_disabled(monkeypatch):
+    assert not _triton.pdl(torch.zeros(1))
+    monkeypatch.setenv("BLOCKSPEC_PDL", "0")
+    _triton._pdl_available.cache_clear()
+    try:
+        assert not _triton._pdl_available(0)
+    finally:
+        _triton._pdl_available.cache_clear()
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_every_pdl_kernel_waits_and_every_launch_passes_both_switches(name):
+    module = importlib.import_module(f"blockspec.kernels.{name}")
+    kernels = [v for v in vars(module).values() if isinstance(v, triton.runtime.jit.JITFunction)
+               and "PDL" in v.arg_names and v.fn.__module__ == module.__name__]
+    assert kernels, f"{name} has no PDL kernel"
+    for kernel in kernels:
+        body = kernel.src
+        assert "wait_for_inputs(PDL)" in body, f"{kernel.__name__} takes PDL but never waits"
+        wait = body.index("wait_for_inputs(PDL)")
+        assert "tl.load" not in body[:wait] and "tl.store" not in body[:wait], \
+            f"{kernel.__name__} touches memory before its PDL wait"
+    source = open(module.__file__).read()
+    launches = re.findall(r"launch_pdl=(\w+(?:\(\w+\))?)", source)
+    switches = re.findall(r"\bPDL=(\w+(?:\(\w+\))?)", source)
+    assert launches and sorted(launches) == sorted(switches), (name, launches, switches)
