@@ -3,6 +3,7 @@ kernel that takes it (a kernel launched early that does not wait for its inputs 
 
 import importlib
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -37,7 +38,7 @@ def test_every_pdl_kernel_waits_and_every_launch_passes_both_switches(name):
         wait = body.index("wait_for_inputs(PDL)")
         assert "tl.load" not in body[:wait] and "tl.store" not in body[:wait], \
             f"{kernel.__name__} touches memory before its PDL wait"
-    source = open(module.__file__).read()
+    source = Path(module.__file__).read_text()
     launches = re.findall(r"launch_pdl=(\w+(?:\(\w+\))?)", source)
     switches = re.findall(r"\bPDL=(\w+(?:\(\w+\))?)", source)
     assert launches and sorted(launches) == sorted(switches), (name, launches, switches)
