@@ -131,7 +131,7 @@ def cases() -> list[tuple[str, tuple, dict]]:
     ragged.update(Q="*bf16", K="*bf16", V="*bf16", Out="*bf16", SINKS="*bf16", QUERY_INDEX="*i32", QUERY_POS="*i32",
                   KV_SLOTS="*i32", scale="fp32")
     for head_dim, group in ((64, 3), (128, 8), (256, 6)):  # SmolLM2, Qwen3-Coder, Qwen3.6-27B: 64-row tiles
-        block_n, warps = pa._tile(head_dim)
+        block_n, warps = pa._ragged_tile(head_dim)
         out.append((f"ragged_attention head_dim={head_dim} GROUP={group}", (pa._ragged_attention_kernel, ragged, dict(
             GROUP=group, HEAD_DIM=head_dim, BLOCK_Q=64 // group, BLOCK_M=64, BLOCK_N=block_n, WINDOWED=False,
             HAS_SINKS=False)), dict(num_stages=2, num_warps=warps, no_spill=True)))

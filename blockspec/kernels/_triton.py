@@ -11,6 +11,8 @@ import os
 
 import torch
 
+from blockspec.device import cuda_capability
+
 try:
     import triton  # noqa: F401
 
@@ -51,7 +53,7 @@ def _pdl_available(index: int) -> bool:
         from triton.language.extra.cuda import gdc_wait  # noqa: F401  (Triton >= 3.4)
     except ImportError:
         return False
-    return torch.cuda.get_device_capability(index) >= (9, 0)
+    return cuda_capability(torch.device("cuda", index)) >= (9, 0)
 
 
 if HAVE_TRITON:

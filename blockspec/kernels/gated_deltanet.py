@@ -347,6 +347,7 @@ def _gdn_recurrent_triton(q: torch.Tensor | None, k: torch.Tensor, v: torch.Tens
         out = torch.empty(n_rows, length, heads, dv, dtype=out_dtype, device=v.device)
     zz = _last_contiguous(z) if fused_norm else v
     round_wn = fused_norm and torch.promote_types(norm_weight.dtype, z.dtype) != torch.float32
+    on = pdl(v)
     _gdn_recurrent_kernel[(n_rows, heads, triton.cdiv(dv, block_v))](
         q, k, v, a, b, A_log, dt_bias, ssm, read_slots,
         write_slots if write_slots is not None else read_slots,
@@ -359,8 +360,8 @@ def _gdn_recurrent_triton(q: torch.Tensor | None, k: torch.Tensor, v: torch.Tens
         zz.stride(0), zz.stride(1), zz.stride(2), dk ** -0.5, eps,
         L=length, H=heads, GROUP=heads // hk, DK=dk, DV=dv, BK=bk, BV=block_v,
         HAS_COUNTS=counts is not None, HAS_WRITE=write_slots is not None, HAS_CKPT=checkpoints is not None,
-        HAS_OUT=compute_output, HAS_NORM=fused_norm, ROUND_WN=round_wn, PDL=pdl(v), num_warps=num_warps,
-        launch_pdl=pdl(v))
+        HAS_OUT=compute_output, HAS_NORM=fused_norm, ROUND_WN=round_wn, PDL=on, num_warps=num_warps,
+        launch_pdl=on)
     return out
 
 
@@ -412,13 +413,14 @@ def _causal_conv_update_triton(x: torch.Tensor, conv_state: torch.Tensor, read_s
     weight = _last_contiguous(weight)
     y = torch.empty(n_rows, length, channels, dtype=x.dtype, device=x.device) if compute_output else None
     block_c, num_warps = _conv_launch_config(length, channels)
+    on = pdl(x)
     _conv_update_kernel[(n_rows, triton.cdiv(channels, block_c))](
         x, conv_state, weight, y if y is not None else x, read_slots,
         write_slots if write_slots is not None else read_slots, counts if counts is not None else read_slots,
         x.stride(0), x.stride(1), weight.stride(0),
         C=channels, L=length, WIDTH=width, LP=_pow2(length), WP=_pow2(width), BC=block_c,
         HAS_COUNTS=counts is not None, HAS_WRITE=write_slots is not None, HAS_OUT=compute_output,
-        PDL=pdl(x), num_warps=num_warps, launch_pdl=pdl(x))
+        PDL=on, num_warps=num_warps, launch_pdl=on)
     return y
 
 
@@ -447,8 +449,8 @@ def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
     y = torch.empty(t, heads, d, dtype=z.dtype, device=z.device)
     bd = _pow2(d)
     bh = max(1, min(_pow2(heads), 2048 // bd))
+    on = pdl(z)
     _gated_rms_norm_kernel[(t, triton.cdiv(heads, bh))](
         o, z, weight, y, heads, o.stride(0), o.stride(1), z.stride(0), z.stride(1), eps, D=d, BH=bh, BD=bd,
-        ROUND_WN=torch.promote_types(weight.dtype, z.dtype) != torch.float32, PDL=pdl(z), num_warps=4,
-        launch_pdl=pdl(z))
+        ROUND_WN=torch.promote_types(weight.dtype, z.dtype) != torch.float32, PDL=on, num_warps=4, launch_pdl=on)
     return y

@@ -360,7 +360,7 @@ def _next_pow2(x: int) -> int:
 _KEY_TILE = 64  # keys per step of the paged kernel (BLOCK_N) in --deterministic mode; fixed splits are whole tiles
 
 
-def _tile(head_dim: int) -> tuple[int, int]:
+def _ragged_tile(head_dim: int) -> tuple[int, int]:
     """(keys a step, warps) of the ragged (prefill) kernel. Its key tiles are gathered through the block table into
     registers (no cp.async pipeline); at 4 warps with 64-key tiles ptxas spilled 1.8 KB a thread at head_dim 256
     (bench/compile_sm90.py): 8 warps, with 32-key tiles at head_dim 256."""
@@ -490,7 +490,7 @@ def ragged_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     flat_v = v_cache.view(-1, num_kv, head_dim)
     out = torch.empty(b_count * qmax, num_heads, head_dim, device=q.device, dtype=q.dtype)
     query_index, query_pos, kv_slots = (t.contiguous() for t in (query_index, query_pos, kv_slots))
-    block_n, num_warps = _tile(head_dim)  # at 4 warps head_dim 256 spilled 1.8 KB a thread
+    block_n, num_warps = _ragged_tile(head_dim)  # at 4 warps head_dim 256 spilled 1.8 KB a thread
     _ragged_attention_kernel[(b_count, num_kv, triton.cdiv(qmax, block_q))](
         q, flat_k, flat_v, out, q if sinks is None else sinks, query_index, query_pos, kv_slots,
         q.stride(0), q.stride(1), flat_k.stride(0), flat_k.stride(1), flat_v.stride(0), flat_v.stride(1),
