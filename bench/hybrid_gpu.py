@@ -510,6 +510,7 @@ def task_model(args: argparse.Namespace, key: str, res: dict[str, Any], save: Ca
         save(res)
     if "correlated" in modes:
         hp.set_routing(engine, None)
+        hp.recapture(engine)  # else the graphs below still hold the correlated router
     if args.profile and args.device == "cuda":  # per-kernel GPU time of the k = 15 graphs (bench/profile_decode.py)
         from profile_decode import kernel_table
 
@@ -545,6 +546,12 @@ def task_model(args: argparse.Namespace, key: str, res: dict[str, Any], save: Ca
         if count_experts:  # random tokens in every block: the uniform router's spread
             res["routing"][mode]["verify_blocks"] = touched(mode)
         v = res["verify"][mode] = hp.median_runs(request, runs, warmup)
+        if args.profile and args.device == "cuda":  # real verify steps: their own routing, host gaps included
+            from profile_decode import steps_table
+
+            got: dict[str, Any] = {}
+            table = steps_table(lambda got=got: got.update(request()), 1)
+            res.setdefault("verify_profile", {})[mode] = steps_table_per_step(table, got["steps"], got["step_ms"])
         distinct = res.get("routing", {}).get(mode, {}).get("verify_blocks", {}).get("per_layer")
         v["weight_bytes"] = hp.step_bytes(split, distinct or [min(16 * e["top_k"], e["num_experts"])
                                                               for e in split["experts"]])
@@ -553,6 +560,15 @@ def task_model(args: argparse.Namespace, key: str, res: dict[str, Any], save: Ca
         v["over_ar"] = v["step_ms"] / res["ar"]["step_ms"]
         save(res)
     engine.release()
+
+
+def steps_table_per_step(table: dict[str, Any], steps: int, step_ms: float) -> dict[str, Any]:
+    """A steps_table over one request rescaled to one decode step (the request's prefill is in it too:
+    its kernels are a small share of 127 steps), beside the measured step time."""
+    scale = 1 / max(steps, 1)
+    rows = [[name, round(us * scale, 2), round(n * scale, 2)] for name, us, n in table["kernels"]]
+    return {"steps": steps, "step_us": round(1000 * step_ms, 1), "kernel_us": round(table["kernel_us"] * scale, 1),
+            "launches": round(table["launches"] * scale, 1), "kernels": rows[:40]}
 
 
 def load_memory(engine) -> dict[str, Any]:
@@ -708,6 +724,11 @@ def table(results: dict[str, Any]) -> str:
             lines.append(f"{m['model']}: stopped early: {m['error']}")
         if "ar" in m and ("memory" in m or "experts_path" in m):
             lines.append(memory_line(m))
+    for m in results["models"]:
+        for mode, prof in m.get("verify_profile", {}).items():
+            top = ", ".join(f"{name[:28]} {us:.0f}us x{n:g}" for name, us, n in prof["kernels"][:10])
+            lines.append(f"{m['model']} verify ({mode}) per step: {prof['kernel_us']:.0f} us of kernels in "
+                         f"{prof['step_us']:.0f} us, {prof['launches']:g} launches: {top}")
     eq = results.get("graphs_vs_eager", {})
     flags = [f"{fam} k{k}: {'equal' if v.get(f'k{k}_equal') else 'DIFFERENT'}"
              for fam, v in eq.items() if isinstance(v, dict) and "k0_equal" in v for k in (0, 15)]

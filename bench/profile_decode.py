@@ -54,6 +54,22 @@ def kernel_table(eng: Engine, name: str) -> dict:
             "launches": round(sum(r[2] for r in rows), 1), "kernels": rows}
 
 
+def steps_table(fn, steps: int) -> dict:
+    """Per-kernel GPU time per step of whatever `fn` runs (real engine steps: their own routing, host gaps
+    and all), summed by kernel name over the run and divided by its `steps`."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    per: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA and ev.device_time_total > 0:
+            per[ev.name][0] += ev.device_time_total / steps
+            per[ev.name][1] += 1 / steps
+    rows = sorted(([k[:90], round(v[0], 2), round(v[1], 2)] for k, v in per.items()), key=lambda r: -r[1])
+    return {"steps": steps, "kernel_us": round(sum(r[1] for r in rows), 1),
+            "launches": round(sum(r[2] for r in rows), 1), "kernels": rows}
+
+
 def model_tables(model_dir: Path, draft: Path | None, dummy: bool, prompt: list[int]) -> list[dict]:
     out = []
     for k, d in ((0, None), (15, draft)):
