@@ -13,6 +13,7 @@ or a compile-time branch changes.
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import subprocess
@@ -92,15 +93,33 @@ def cases() -> list[tuple[str, tuple, dict]]:
             base, USE_DOT=dot, PAIR=False, NORM_OUT=False, PDL=True, **tile)),
             dict(div16=("X", "W", "Y", "N_OUT"), ptx_has=pdl_ptx)))
     quant = {n: "*u8" for n in ("QW", "S", "Z")}
-    quant.update(X="*bf16", GS="*fp32", B="*bf16", Y="*bf16", M="i32", N="i32")
+    quant.update(X="*bf16", GS="*fp32", B="*bf16", NW="*bf16", Y="*bf16", M="i32", N="i32", eps="fp32")
     for scheme, dot, tile in (("int4", True, dict(BLOCK_M=8, BLOCK_N=16, BLOCK_K=128, SPLIT=4)),
                               ("nvfp4", False, dict(BLOCK_M=1, BLOCK_N=8, BLOCK_K=512, SPLIT=1))):
         types = dict(quant, S="*bf16" if scheme == "int4" else "*u8", Z="*i32" if scheme == "int4" else "*u8")
         out.append((f"quant_linear PDL {scheme} dot={dot}", (ql._quant_linear_kernel, types, dict(
             SCHEME=scheme, K=4096, G=128 if scheme == "int4" else 16, NG=32 if scheme == "int4" else 256,
             SCALE_ROW_DIV=1, HAS_ZERO=scheme == "int4", PER_ROW=False, HAS_GS=scheme == "nvfp4", GS_FACTOR=1.0,
-            HAS_BIAS=False, HAS_RES=True, USE_DOT=dot, FAST=True, DOT_PRECISION="tf32", PDL=True, **tile)),
+            HAS_BIAS=False, HAS_NORM=False, GATED=False, HAS_RES=True, USE_DOT=dot, FAST=True, DOT_PRECISION="tf32",
+            PDL=True, **tile)),
             dict(div16=("X", "QW", "S", "Y"), ptx_has=pdl_ptx)))
+    # the decoder's folds on Qwen3-8B's int4 g128 / NVFP4 shapes (qkv: norm; gate_up: norm + SwiGLU), as quant_linear
+    # launches them: the dot path at 1 and 16 rows, NVFP4's one-row reduction path, 64-row tiles (SwiGLU only)
+    folds = [(m, "qkv", 6144, True, False) for m in (1, 16)] + [(m, "gate_up", 24576, True, True) for m in (1, 16)]
+    for scheme, (m, label, n, norm, gated) in itertools.product(("int4", "nvfp4"),
+                                                                folds + [(64, "gate_up", 24576, False, True)]):
+        group = 128 if scheme == "int4" else 16
+        meta = ql.QuantMeta(scheme, n, 4096, group, 4096 // group, 1, False, scheme == "int4", scheme == "nvfp4")
+        cfg = ql.launch_config(meta, m, gated)
+        types = dict(quant, S="*bf16" if scheme == "int4" else "*u8", Z="*i32" if scheme == "int4" else "*u8")
+        out.append((f"quant_linear {scheme} {label} m={m} norm={norm} gated={gated} dot={cfg.use_dot}", (
+            ql._quant_linear_kernel, types, dict(
+                SCHEME=scheme, K=4096, G=group, NG=4096 // group, SCALE_ROW_DIV=1, HAS_ZERO=meta.has_zero,
+                PER_ROW=False, HAS_GS=meta.has_gs, GS_FACTOR=1.0, HAS_BIAS=False, HAS_NORM=norm, GATED=gated,
+                HAS_RES=False, USE_DOT=cfg.use_dot, FAST=True, DOT_PRECISION="tf32", BLOCK_M=cfg.block_m,
+                BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=cfg.split, PDL=True)),
+            dict(div16=("X", "QW", "S", "Y", "NW"), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                 no_spill=True, ptx_has=pdl_ptx)))
     out.append(("rms_norm PDL", (rn._rms_norm_kernel, {"X": "*bf16", "R": "*bf16", "W": "*bf16", "Y": "*bf16",
                                                        "RO": "*bf16", "n": "i32", "eps": "fp32"},
                                  dict(HAS_RES=True, BLOCK=4096, PDL=True)), dict(ptx_has=pdl_ptx)))

@@ -28,7 +28,7 @@ tokens, medians of 3 runs after a warm-up:
     loading itself (Engine.load_peak_bytes) beside the weights it left, flagged past weights + 2 GB (issue
     14's mark for the Qwen3.5-122B-A10B NVFP4 shape, ~71 GB + a 1.5 GB drafter, on one H200).
 Checks: fla-core's delta rule vs the reference, grouped MoE vs the reference loop, and greedy output of
-the engine with CUDA graphs == with enforce_eager=True (a small hybrid and a small MoE, k = 0 and 15).
+the engine with CUDA graphs == with enforce_eager=True (a small hybrid and a small MoE, k = 0 and 15, float32).
 
 Each model runs in its own subprocess (an OOM or crash is recorded, the next model still runs); the
 KV cache is a fixed --kv-cache-memory sized from what the run needs, so the defaults fit an 80 GB H100
@@ -371,12 +371,16 @@ def task_env(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def task_equality(args: argparse.Namespace) -> dict[str, Any]:
-    """Greedy tokens with CUDA graphs == with enforce_eager=True, for a small hybrid and a small MoE."""
+    """Greedy tokens with CUDA graphs == with enforce_eager=True, for a small hybrid and a small MoE, in float32
+    (issue 13's check: the same arithmetic on both paths; in bf16 a verify block's kernels and the eager
+    path's round differently, and a near tie on random weights can flip a token: --equality-dtype bfloat16
+    shows how often)."""
     import hybrid_parts as hp
 
     dims = TINY if args.device == "cpu" else SMALL
     work = args.work
-    out: dict[str, Any] = {"tokens": 12 if args.tiny else 24, "prompt": 40, "dims": dims}
+    dtype = args.equality_dtype
+    out: dict[str, Any] = {"tokens": 12 if args.tiny else 24, "prompt": 40, "dims": dims, "dtype": dtype}
     if args.device == "cpu":
         out["note"] = "CPU: no CUDA graphs, both engines run eagerly (the flow is checked, not the graphs)"
     for key in ("27b", "35b", "coder30b"):  # dense hybrid, MoE hybrid, MoE
@@ -387,7 +391,7 @@ def task_equality(args: argparse.Namespace) -> dict[str, Any]:
         prompt = hp.random_prompts(1, out["prompt"], dims["vocab_size"], seed=3)[0]
         tokens: dict[str, list[int]] = {}
         for eager in (False, True):
-            engine = hp.build_engine(model_dir, draft_dir, 15, args.device, args.dtype, 128, 1, 64 * hp.MIB, None,
+            engine = hp.build_engine(model_dir, draft_dir, 15, args.device, dtype, 128, 1, 64 * hp.MIB, None,
                                      enforce_eager=eager)
             for k in (15, 0):
                 engine.set_num_speculative_tokens(k)
@@ -547,11 +551,12 @@ def task_model(args: argparse.Namespace, key: str, res: dict[str, Any], save: Ca
             res["routing"][mode]["verify_blocks"] = touched(mode)
         v = res["verify"][mode] = hp.median_runs(request, runs, warmup)
         if args.profile and args.device == "cuda":  # real verify steps: their own routing, host gaps included
-            from profile_decode import steps_table
+            from profile_decode import replay_sequence, steps_table
 
-            got: dict[str, Any] = {}
-            table = steps_table(lambda got=got: got.update(request()), 1)
-            res.setdefault("verify_profile", {})[mode] = steps_table_per_step(table, got["steps"], got["step_ms"])
+
+            table = hp.decode_steps_table(engine, prompt, tokens, steps_table)
+            table["sequence"] = replay_sequence(engine, "target")  # the last verify step, kernel by kernel
+            res.setdefault("verify_profile", {})[mode] = table
         distinct = res.get("routing", {}).get(mode, {}).get("verify_blocks", {}).get("per_layer")
         v["weight_bytes"] = hp.step_bytes(split, distinct or [min(16 * e["top_k"], e["num_experts"])
                                                               for e in split["experts"]])
@@ -560,15 +565,6 @@ def task_model(args: argparse.Namespace, key: str, res: dict[str, Any], save: Ca
         v["over_ar"] = v["step_ms"] / res["ar"]["step_ms"]
         save(res)
     engine.release()
-
-
-def steps_table_per_step(table: dict[str, Any], steps: int, step_ms: float) -> dict[str, Any]:
-    """A steps_table over one request rescaled to one decode step (the request's prefill is in it too:
-    its kernels are a small share of 127 steps), beside the measured step time."""
-    scale = 1 / max(steps, 1)
-    rows = [[name, round(us * scale, 2), round(n * scale, 2)] for name, us, n in table["kernels"]]
-    return {"steps": steps, "step_us": round(1000 * step_ms, 1), "kernel_us": round(table["kernel_us"] * scale, 1),
-            "launches": round(table["launches"] * scale, 1), "kernels": rows[:40]}
 
 
 def load_memory(engine) -> dict[str, Any]:
@@ -694,6 +690,13 @@ def memory_line(m: dict[str, Any]) -> str:
             + "".join(f"; {m[note]}" for note in ("experts_path", "reduced") if note in m))
 
 
+def one_layer(sequence: list[list]) -> list[list]:
+    """The kernels from the second paged-attention launch of a replay to the third: one decoder layer of a
+    dense or MoE model, one full-attention period (with its linear-attention layers) of a hybrid."""
+    at = [i for i, (name, _) in enumerate(sequence) if name.startswith("_paged_attention")]
+    return sequence[at[1]:at[2]] if len(at) >= 3 else []
+
+
 def table(results: dict[str, Any]) -> str:
     env = results.get("env", {})
     lines = [f"{env.get('device', '?')}  commit {results['commit']}  copy {fmt(env.get('copy_bandwidth_GBps'), '.0f')} "
@@ -729,10 +732,14 @@ def table(results: dict[str, Any]) -> str:
             top = ", ".join(f"{name[:28]} {us:.0f}us x{n:g}" for name, us, n in prof["kernels"][:10])
             lines.append(f"{m['model']} verify ({mode}) per step: {prof['kernel_us']:.0f} us of kernels in "
                          f"{prof['step_us']:.0f} us, {prof['launches']:g} launches: {top}")
+            layer = one_layer(prof.get("sequence", []))
+            if layer:
+                lines.append("  one layer, in order: " + ", ".join(f"{name[:24]} {us:.1f}" for name, us in layer))
     eq = results.get("graphs_vs_eager", {})
     flags = [f"{fam} k{k}: {'equal' if v.get(f'k{k}_equal') else 'DIFFERENT'}"
              for fam, v in eq.items() if isinstance(v, dict) and "k0_equal" in v for k in (0, 15)]
-    lines.append("graphs vs eager greedy: " + (", ".join(flags) or str(eq.get("error", "not run"))))
+    lines.append(f"graphs vs eager greedy ({eq.get('dtype', '?')}): "
+                 + (", ".join(flags) or str(eq.get("error", "not run"))))
     for v in results["targets"]:
         mark = {True: "ok", False: "MISS", None: "-"}[v["pass"]]
         lines.append(f"target {v['model']} {v['metric']}: {fmt(v['value'], '.3f')} vs {v['target']} {mark}")
@@ -763,6 +770,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--quant", default=None, choices=sorted(QUANT_WEIGHTS),
                     help="random weights in this compressed-tensors format (issue 14's figures)")
     ap.add_argument("--skip-equality", action="store_true")
+    ap.add_argument("--equality-dtype", default="float32", help="dtype of the graphs-vs-eager check")
     ap.add_argument("--profile", action="store_true", help="per-kernel GPU time of the batch-1 graphs")
     ap.add_argument("--task-timeout", type=float, default=420, help="seconds one model may take")
     ap.add_argument("--deadline", type=float, default=570, help="seconds for the whole run (the device allows 600)")

@@ -204,6 +204,31 @@ def one_request(engine: Engine, prompt: list[int], tokens: int) -> dict[str, Any
             "tau": st.tau}
 
 
+def decode_steps_table(engine: Engine, prompt: list[int], tokens: int, table: Callable[..., dict[str, Any]]
+                       ) -> dict[str, Any]:
+    """profile_decode.steps_table over the decode steps of one greedy request (its prefill steps run before
+    the profiler starts), per step, beside the mean wall time of those steps."""
+    engine.add_request("profiled", prompt, greedy(tokens))
+    while not any(o.token_ids for o in engine.step()):
+        pass  # prefill (chunks) until the first token
+    steps = 0
+    wall = 0.0
+
+    def decode() -> None:
+        nonlocal steps, wall
+        t0 = time.perf_counter()
+        while engine.has_unfinished_requests():
+            engine.step()
+            steps += 1
+        wall = time.perf_counter() - t0
+
+    out = table(decode, 1)
+    scale = 1 / max(steps, 1)
+    rows = [[name, round(us * scale, 2), round(n * scale, 2)] for name, us, n in out["kernels"]]
+    return {"steps": steps, "step_us": round(1e6 * wall * scale, 1), "kernel_us": round(out["kernel_us"] * scale, 1),
+            "launches": round(out["launches"] * scale, 1), "kernels": rows[:40]}
+
+
 def median_runs(fn: Callable[[], dict[str, Any]], runs: int, warmup: Callable[[], Any] | None = None
                 ) -> dict[str, Any]:
     """Medians of `runs` calls after one warm-up call (warmup, or fn itself)."""

@@ -54,6 +54,20 @@ def kernel_table(eng: Engine, name: str) -> dict:
             "launches": round(sum(r[2] for r in rows), 1), "kernels": rows}
 
 
+def replay_sequence(eng: Engine, name: str) -> list[list]:
+    """The kernels of one replay of graph `name` at batch 1 in launch order, [name, us] each: per-op times
+    (which skinny GEMM is which) that kernel_table's sums by name hide. The replay reads the graph's input
+    buffers as the last real step left them, so a MoE layer routes that step's tokens."""
+    eng.runner.decode.graphs.run(name, 1, None)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        eng.runner.decode.graphs.run(name, 1, None)
+        torch.cuda.synchronize()
+    evs = [ev for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA and ev.device_time_total > 0]
+    evs.sort(key=lambda ev: ev.time_range.start)
+    return [[ev.name[:60], round(ev.device_time_total, 2)] for ev in evs]
+
+
 def steps_table(fn, steps: int) -> dict:
     """Per-kernel GPU time per step of whatever `fn` runs (real engine steps: their own routing, host gaps
     and all), summed by kernel name over the run and divided by its `steps`."""
