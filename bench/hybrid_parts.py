@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from correlated_router import correlated_router  # noqa: E402  (bench/ is on sys.path)
 
 from blockspec.config import EngineConfig, SpeculativeConfig
 from blockspec.engine.engine import Engine, build_module
@@ -280,38 +281,6 @@ def missing_hooks(blocks: list[SparseMoeBlock]) -> list[str]:
     sentinel = object()
     return [name for name in ("route_override", "record_routing")
             if blocks and getattr(blocks[0], name, sentinel) is sentinel]
-
-
-def correlated_router(top_k: int, num_experts: int, share: float, renormalize: bool
-                      ) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
-    """A router in which each token keeps round(share * k) of the previous token's experts.
-
-    Expert e sits in lane e % k. A stream of (lane, expert) picks is laid out so that token t routes to
-    stream positions [t * f, t * f + k) with f = k - keep fresh picks per token: consecutive tokens share
-    `keep` positions, and any k consecutive positions cover k distinct lanes, hence k distinct experts.
-    Position p belongs to the token that first reads it, and holds that token's best expert of lane p % k
-    (softmax of its own logits). Only tensor ops of fixed shapes per token count: graph-safe.
-    """
-    if num_experts % top_k:
-        raise ValueError(f"correlated routing needs num_experts ({num_experts}) divisible by top_k ({top_k})")
-    keep = min(top_k, max(0, round(share * top_k)))
-    fresh = top_k - keep
-
-    def route(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        t, dev = logits.shape[0], logits.device
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-        lane = torch.arange(top_k, device=dev)
-        best = probs.view(t, num_experts // top_k, top_k).argmax(dim=1) * top_k + lane  # [T, k]: per lane
-        pos = torch.arange(t, device=dev)[:, None] * fresh + lane[None, :]
-        owner = ((pos - top_k).div(fresh, rounding_mode="floor") + 1).clamp(min=0) if fresh else pos * 0
-        ids = best[owner, pos % top_k]
-        weights = probs.gather(1, ids)
-        if renormalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        return weights.to(logits.dtype), ids
-
-    route.keep = keep
-    return route
 
 
 def set_routing(engine: Engine, share: float | None) -> None:

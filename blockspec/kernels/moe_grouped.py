@@ -187,15 +187,58 @@ if HAVE_TRITON:
                     per_program, TOP_K, SLOTS, E, NB, CHUNK, BLOCK_P, False)
 
     @triton.jit
+    def _align_registers(ids, T, SORTED, ITEM_EXPERT, ITEM_START, ITEM_COUNT, NUM_ITEMS, E: tl.constexpr,
+                         TOP_K: tl.constexpr, KP: tl.constexpr, SHARED: tl.constexpr, SLOTS: tl.constexpr,
+                         SP: tl.constexpr, NB: tl.constexpr, BLOCK_T: tl.constexpr):
+        """_align_body for a step whose tokens all fit one route block (T <= BLOCK_T <= CHUNK), from the ids
+        still in registers ([BLOCK_T, KP]): no write-read round trip through memory and no barrier, which a
+        verify block's routing waited on every layer. A pair's place is its expert's run start + the pairs
+        of earlier tokens with the same expert (a token's experts are distinct); each expert with pairs is
+        one work item (it has at most T <= CHUNK pairs), ascending by id: the layout _align_body builds."""
+        offs_t = tl.arange(0, BLOCK_T)
+        offs_s = tl.arange(0, SP)
+        offs_j = tl.arange(0, KP)
+        # the pair experts [BLOCK_T, SP]: slot s < TOP_K is ids[t, s], slot TOP_K the shared expert E
+        e2 = tl.sum(tl.where(offs_s[None, :, None] == offs_j[None, None, :], ids[:, None, :], 0), axis=2)
+        if SHARED:
+            e2 = tl.where(offs_s[None, :] == TOP_K, E, e2)
+        valid = (offs_t[:, None] < T) & (offs_s[None, :] < SLOTS)
+        e2 = tl.where(valid, e2, 0)
+        rank = tl.zeros([BLOCK_T, SP], dtype=tl.int32)
+        for u in tl.static_range(BLOCK_T):  # pairs of token u with the same expert, for every later token
+            row = tl.sum(tl.where(offs_t[:, None] == u, e2, 0), axis=0)  # [SP]
+            row_valid = (offs_s < SLOTS) & (u < T)
+            hit = (e2[:, :, None] == row[None, None, :]) & row_valid[None, None, :]
+            rank += tl.where(offs_t[:, None] > u, tl.sum(hit.to(tl.int32), axis=2), 0)
+        flat_e = tl.reshape(e2, [BLOCK_T * SP])
+        flat_valid = tl.reshape(valid, [BLOCK_T * SP])
+        flat_rank = tl.reshape(rank, [BLOCK_T * SP])
+        flat_pair = tl.reshape(offs_t[:, None] * SLOTS + offs_s[None, :], [BLOCK_T * SP])
+        counts = tl.histogram(flat_e, NB, mask=flat_valid)
+        run_start = tl.cumsum(counts, 0) - counts
+        start = tl.gather(run_start, flat_e, 0)
+        tl.store(SORTED + start + flat_rank, flat_pair, mask=flat_valid)
+        has = (counts > 0).to(tl.int32)
+        item = tl.gather(tl.cumsum(has, 0) - has, flat_e, 0)
+        first = flat_valid & (flat_rank == 0)
+        tl.store(ITEM_EXPERT + item, flat_e, mask=first)
+        tl.store(ITEM_START + item, start, mask=first)
+        tl.store(ITEM_COUNT + item, tl.gather(counts, flat_e, 0), mask=first)
+        tl.store(NUM_ITEMS, tl.sum(has, axis=0))
+
+    @triton.jit
     def _route_align_kernel(L, X, WS, W_OUT, IDS_OUT, SW_OUT, SORTED, ITEM_EXPERT, ITEM_START, ITEM_COUNT,
                             NUM_ITEMS, T, P,
                             E: tl.constexpr, EP: tl.constexpr, TOP_K: tl.constexpr, KP: tl.constexpr,
                             H: tl.constexpr, RENORM: tl.constexpr, SHARED: tl.constexpr, BLOCK_T: tl.constexpr,
                             BLOCK_H: tl.constexpr, SLOTS: tl.constexpr, NB: tl.constexpr, CHUNK: tl.constexpr,
-                            BLOCK_P: tl.constexpr, ONE_TOKEN: tl.constexpr, PDL: tl.constexpr = False):
-        # One program routes every token, then (after a barrier: it reads the ids back) groups the pairs:
-        # one launch instead of two for small steps. One token (ONE_TOKEN, a decode step) needs no sort: its
-        # slots are distinct experts, so work item j is slot j (pair j), written from the ids in registers.
+                            BLOCK_P: tl.constexpr, ONE_TOKEN: tl.constexpr, ONE_BLOCK: tl.constexpr = False,
+                            SP: tl.constexpr = 1, PDL: tl.constexpr = False):
+        # One program routes every token, then groups the pairs: one launch instead of two for small steps.
+        # One token (ONE_TOKEN, a decode step) needs no sort: its slots are distinct experts, so work item j
+        # is slot j (pair j), written from the ids in registers. Tokens that fit one route block (ONE_BLOCK,
+        # a verify block) are grouped from the ids in registers too (_align_registers); more go through
+        # memory, after a barrier (_align_body).
         wait_for_inputs(PDL)
         release_dependents(PDL)  # one program: the grouped GEMM's programs find every other SM free
         if ONE_TOKEN:
@@ -211,6 +254,11 @@ if HAVE_TRITON:
             tl.store(ITEM_START + offs_s, offs_s, mask=s_mask)
             tl.store(ITEM_COUNT + offs_s, tl.full([NB], 1, tl.int32), mask=s_mask)
             tl.store(NUM_ITEMS, SLOTS)
+        elif ONE_BLOCK:
+            ids = _route_block(L, X, WS, W_OUT, IDS_OUT, SW_OUT, 0, T, E, EP, TOP_K, KP, H, RENORM, True, SHARED,
+                               BLOCK_T, BLOCK_H)
+            _align_registers(ids, T, SORTED, ITEM_EXPERT, ITEM_START, ITEM_COUNT, NUM_ITEMS, E, TOP_K, KP, SHARED,
+                             SLOTS, SP, NB, BLOCK_T)
         else:
             t0 = 0
             while t0 < T:
@@ -659,15 +707,16 @@ def moe_route_align(logits: torch.Tensor, top_k: int, renormalize: bool, x: torc
         raise ValueError("the shared expert's gate needs x")
     weights, ids, shared_w = _route_outputs(logits, top_k, x, shared, True)
     layout, align_consts = _layout(t, top_k, e, shared, logits.device)
+    route_consts = _route_consts(logits, top_k, renormalize, x, shared)
     dummy = logits
     on = pdl(logits)
     _route_align_kernel[(1,)](
         logits, x if x is not None else dummy, shared_gate if shared else dummy, weights, ids,
         shared_w if shared else dummy, layout.sorted_pairs, layout.item_expert, layout.item_start,
-        layout.item_count, layout.num_items, t, layout.sorted_pairs.numel(),
-        **_route_consts(logits, top_k, renormalize, x, shared),
-        **{k: v for k, v in align_consts.items() if k not in ("TOP_K", "E")}, ONE_TOKEN=t == 1, PDL=on, num_warps=4,
-        launch_pdl=on)
+        layout.item_count, layout.num_items, t, layout.sorted_pairs.numel(), **route_consts,
+        **{k: v for k, v in align_consts.items() if k not in ("TOP_K", "E")}, ONE_TOKEN=t == 1,
+        ONE_BLOCK=t <= min(route_consts["BLOCK_T"], CHUNK), SP=_next_pow2(align_consts["SLOTS"]), PDL=on,
+        num_warps=4, launch_pdl=on)
     return weights, ids, shared_w, layout
 
 

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
@@ -77,22 +76,6 @@ def test_tiny_cpu_flow(tmp_path, routing_hooks, capsys):
     out = capsys.readouterr().out.rstrip().splitlines()
     table_at = next(i for i, line in enumerate(out) if line.startswith("| model |"))
     assert out[table_at - 2].startswith("wrote ") and out[-1].startswith("target ")  # the table comes last
-
-
-def test_correlated_router_shares_experts():
-    logits = torch.randn(16, 32)
-    for share, keep in ((0.5, 4), (0.0, 0), (1.0, 8), (0.3, 2)):
-        route = hybrid_parts.correlated_router(8, 32, share, renormalize=True)
-        weights, ids = route(logits)
-        assert route.keep == keep and ids.dtype == torch.int64 and ids.shape == weights.shape == (16, 8)
-        assert all(len(set(row)) == 8 for row in ids.tolist())  # k distinct experts per token
-        rows = [set(row) for row in ids.tolist()]
-        assert all(len(a & b) >= keep for a, b in zip(rows, rows[1:]))
-        assert torch.allclose(weights.sum(-1), torch.ones(16))
-        probs = F.softmax(logits, -1)
-        assert torch.allclose(weights, probs.gather(1, ids) / probs.gather(1, ids).sum(-1, keepdim=True))
-    first, _ = hybrid_parts.correlated_router(8, 32, 0.5, True)(logits[:1])
-    assert first.shape == (1, 8)
 
 
 def test_spawn_records_failures(tmp_path):

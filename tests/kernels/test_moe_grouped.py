@@ -169,12 +169,13 @@ def test_align_groups_pairs_by_expert(t, e, k, shared, monkeypatch):
 
 @kernel
 @pytest.mark.parametrize("single_program", [True, False])
-@pytest.mark.parametrize("t", [1, 16, 80])
-def test_route_align_one_launch_or_two(t, single_program, monkeypatch):
+@pytest.mark.parametrize("t,e,k", [(1, 16, 4), (3, 16, 4), (16, 16, 4), (80, 16, 4), (16, 256, 8), (7, 128, 8)])
+def test_route_align_one_launch_or_two(t, e, k, single_program, monkeypatch):
+    """The single program groups one route block's pairs from registers (t <= 16), more through memory."""
     monkeypatch.setattr(mg, "ROUTE_ALIGN_MAX_PAIRS", 10 ** 6 if single_program else 0)
     monkeypatch.setattr(mg, "BLOCK_P", 64)
     g = torch.Generator().manual_seed(t)
-    e, k, h = 16, 4, 32
+    h = 32
     logits = torch.randn(t, e, generator=g).to(DEVICE)
     x = torch.randn(t, h, generator=g).to(DEVICE)
     gate_w = torch.randn(1, h, generator=g).to(DEVICE)
