@@ -1,6 +1,9 @@
 """Weight-only quantized linear layers (W4A16 / W8A16 / FP8 / NVFP4) with the weights dequantized in registers.
 
-    y = x @ dequantize(layer).T + bias        (optionally added in place to a residual)
+    y = epilogue(prologue(x) @ dequantize(layer).T + bias)
+
+with skinny_linear's folds around the GEMM (a decoder layer's small ops, each a launch of its own otherwise): an
+RMSNorm prologue, a SwiGLU epilogue over the [gate; up] halves of the weight rows, a residual add in place.
 
 Decode is bound by streaming the weight, so a quantized weight is read packed and turned into the activation
 dtype tile by tile inside the GEMM: the bytes read are the packed weight plus its scales, 2-4x fewer than bf16.
@@ -16,17 +19,19 @@ Layouts (a weight of logical shape [N, K] = [out, in]; `QuantLinear` in models/l
            [N, K/16]; global_scale float32 scalar tensor; w = e2m1 * scale * global_scale.
 
 `dequantize` is the definition (the oracle, and what the loader uses to check a checkpoint); `quant_linear_ref`
-is dequantize + F.linear. `quant_linear` is the entry point:
-- 1-16 rows (decode, speculative verify): one Triton kernel per projection. The weight tile is dequantized to
-  bf16 in registers and multiplied on tensor cores (`tl.dot`, rows padded to 8 or 16), with the K loop split
-  across the warps of a program (a batched dot, summed once at the end) so that even a 4096-wide projection
-  has enough warps in flight. For int4 and NVFP4 on a GPU the unpacking is a few PTX instructions per pair
-  of weights (`_unpack_int4_fast` / `_unpack_e2m1_fast`): with Triton's own integer ops the dequantization
-  costs ~8 instructions per weight (NVFP4: ~24), more than an H100 can issue while streaming 4-bit weights
-  at full bandwidth (~7 per weight at 80% of it). One row of int8 / fp8 (1 byte per weight, half the
+is rms_norm_ref + dequantize + F.linear + silu_mul_ref + the add. `quant_linear` is the entry point:
+- 1-16 rows (decode, speculative verify): one Triton kernel per projection, the norm, SwiGLU and add inside. The
+  weight tile is dequantized to bf16 in registers and multiplied on tensor cores (`tl.dot`, rows padded to 8 or
+  16), with the K loop split across the warps of a program (a batched dot, summed once at the end) so that even a
+  4096-wide projection has enough warps in flight. For int4 and NVFP4 on a GPU the unpacking is a few PTX
+  instructions per pair of weights (`_unpack_int4_fast` / `_unpack_e2m1_fast`): with Triton's own integer ops the
+  dequantization costs ~8 instructions per weight (NVFP4: ~24), more than an H100 can issue while streaming 4-bit
+  weights at full bandwidth (~7 per weight at 80% of it). One row of int8 / fp8 (1 byte per weight, half the
   element rate) and of NVFP4 (measured faster) takes a reduction path like skinny_linear's (`_M1_PATH`).
-- 17 to PREFILL_DEQUANT_MIN_M - 1 rows: the same kernel with 32-64-row tiles (Hopper: wgmma).
-- more rows (prefill): the whole weight is dequantized to the activation dtype once per call, then cuBLAS.
+- 17 to PREFILL_DEQUANT_MIN_M - 1 rows: the same kernel with 32-64-row tiles (Hopper: wgmma), the norm a kernel
+  of its own before it.
+- more rows (prefill): the whole weight is dequantized to the activation dtype once per call, then cuBLAS; the
+  norm and SwiGLU are kernels of their own.
 float32 accumulation throughout. Native Blackwell FP4 / FP8 tensor-core GEMMs have one dispatch point
 (`_native_blackwell`), a stub that falls through to the W4A16 path for now. The per-scheme register tiles (and the
 PTX unpackers) live in kernels/quant_tiles.py, shared with the grouped MoE kernels (kernels/moe_grouped.py),
@@ -35,14 +40,16 @@ which also read "mxfp4" through `quant_meta`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 
 from blockspec.device import cuda_capability
 from blockspec.kernels._triton import HAVE_TRITON, INTERPRET, pdl, use_triton
+from blockspec.kernels.activation import silu_mul, silu_mul_ref
 from blockspec.kernels.quant_tiles import FP4_GLOBAL_BIAS
+from blockspec.kernels.rms_norm import rms_norm, rms_norm_ref
 from blockspec.models.layers.quant_linear import (
     FP8_BLOCK,
     LAYOUTS,
@@ -135,9 +142,16 @@ def dequantize_layer(layer, dtype: torch.dtype) -> torch.Tensor:
                       layer.out_features, layer.in_features, dtype)
 
 
-def quant_linear_ref(x: torch.Tensor, layer, residual: torch.Tensor | None = None) -> torch.Tensor:
-    """The reference: dequantize to x's dtype, F.linear; with a residual, residual += y in place (returned)."""
+def quant_linear_ref(x: torch.Tensor, layer, residual: torch.Tensor | None = None, *,
+                     norm_weight: torch.Tensor | None = None, eps: float = 0.0, gated: bool = False) -> torch.Tensor:
+    """The reference, the unfused modules' ops: rms_norm_ref (with a norm weight), dequantize to x's dtype and
+    F.linear, silu_mul_ref over the [gate; up] halves (gated); with a residual, residual += y in place
+    (returned)."""
+    if norm_weight is not None:
+        x = rms_norm_ref(x, norm_weight, eps)[0]
     y = F.linear(x, dequantize_layer(layer, x.dtype), layer.bias)
+    if gated:
+        y = silu_mul_ref(y)
     if residual is None:
         return y
     return residual.copy_(residual + y)
@@ -154,19 +168,78 @@ if HAVE_TRITON:
     from blockspec.kernels.quant_tiles import _dequant_tile  # the per-scheme tiles, shared with the MoE kernels
 
     @triton.jit
-    def _quant_linear_kernel(X, QW, S, Z, GS, B, Y, M, N, SCHEME: tl.constexpr, K: tl.constexpr, G: tl.constexpr,
-                             NG: tl.constexpr, SCALE_ROW_DIV: tl.constexpr, HAS_ZERO: tl.constexpr,
+    def _accumulate(acc, w, xv, USE_DOT: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        """acc += one K step's products of a dequantized weight tile w [SPLIT, BN, BK] and x [SPLIT, BM, BK] (dot
+        path: acc [BN, BM], or [SPLIT, BN, BM] summed after the loop) or x [SPLIT, BK] (one row: acc [SPLIT, BN,
+        BK], reduced across K after the loop)."""
+        if USE_DOT:
+            if SPLIT == 1:
+                acc = tl.dot(tl.reshape(w, [BLOCK_N, BLOCK_K]), tl.trans(tl.reshape(xv, [BLOCK_M, BLOCK_K])), acc,
+                             input_precision=DOT_PRECISION)
+            else:
+                acc = tl.dot(w, tl.permute(xv, [0, 2, 1]), acc, input_precision=DOT_PRECISION)
+        else:
+            acc += w.to(tl.float32) * xv.to(tl.float32)[:, None, :]
+        return acc
+
+    @triton.jit
+    def _x_tile(x_rows, m_mask, ks, K: tl.constexpr, EVEN_K: tl.constexpr):
+        """The dot path's x tile [SPLIT, BM, BK] at columns ks [SPLIT, BK] of rows x_rows [1, BM, 1] (0 outside)."""
+        mask = m_mask[None, :, None]
+        if not EVEN_K:
+            mask = mask & (ks < K)[:, None, :]
+        return tl.load(x_rows + ks[:, None, :], mask=mask, other=0.0)
+
+    @triton.jit
+    def _linear_out(acc, S, GS, B, rows, n_mask, rstd, USE_DOT: tl.constexpr, SPLIT: tl.constexpr,
+                    PER_ROW: tl.constexpr, HAS_GS: tl.constexpr, GS_FACTOR: tl.constexpr, HAS_RSTD: tl.constexpr,
+                    HAS_BIAS: tl.constexpr):
+        """The accumulator of weight rows `rows` -> their F.linear output [BM, BN] in float32: the sum over the
+        slices (or across K), the per-row scale, the global scale (and the fast NVFP4 tiles' 2^26), the one-row
+        norm's rstd, the bias."""
+        if USE_DOT:
+            if SPLIT == 1:
+                y = tl.trans(acc)
+            else:
+                y = tl.trans(tl.sum(acc, axis=0))
+        else:
+            y = tl.sum(tl.sum(acc, axis=2), axis=0)[None, :]  # [1, BN]
+        if PER_ROW:
+            y = y * tl.load(S + rows, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        if HAS_GS:
+            y = y * tl.load(GS).to(tl.float32)
+        if GS_FACTOR != 1.0:
+            y = y * GS_FACTOR
+        if HAS_RSTD:
+            y = y * rstd
+        if HAS_BIAS:
+            y += tl.load(B + rows, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        return y
+
+    @triton.jit
+    def _quant_linear_kernel(X, QW, S, Z, GS, B, NW, Y, M, N, eps, SCHEME: tl.constexpr, K: tl.constexpr,
+                             G: tl.constexpr, NG: tl.constexpr, SCALE_ROW_DIV: tl.constexpr, HAS_ZERO: tl.constexpr,
                              PER_ROW: tl.constexpr, HAS_GS: tl.constexpr, GS_FACTOR: tl.constexpr,
-                             HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, USE_DOT: tl.constexpr,
-                             FAST: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-                             PDL: tl.constexpr = False):
+                             HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr, GATED: tl.constexpr,
+                             HAS_RES: tl.constexpr, USE_DOT: tl.constexpr, FAST: tl.constexpr,
+                             DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                             BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr = False):
         # Program (pid_n, pid_m) owns BLOCK_N output columns of BLOCK_M rows. Each step of the K loop covers
         # SPLIT * BLOCK_K columns of the weight: slice s = [k0 + s * BLOCK_K, + BLOCK_K). The dot path computes
         # the weight-as-A product acc[s] += W_s @ x_s^T as one batched dot (the warps split over the slices)
         # and sums the slices after the loop; the one-row reduction path (USE_DOT = False, SPLIT = 1)
         # accumulates products elementwise and reduces across K once at the end (skinny_linear's lesson).
         # K is constexpr: a handful per model, compile-time trip counts and masks.
+        # The folds around the GEMM, as skinny_linear's (the unfused ops' rounding, see quant_linear_ref):
+        # - HAS_NORM: RMSNorm of x (weight NW) as the prologue. The dot path first sums each row's squares over
+        #   K in float32 (an unrolled pass: x is small and L2-resident), then feeds the GEMM x * rstd * NW rounded
+        #   as rms_norm_ref rounds it. One row (the reduction path) folds the norm into the main loop as
+        #   skinny_linear's does, norm(x) @ W.T == rstd * ((x * NW) @ W.T), the squares gathered on the way
+        #   (a first pass there stalled every program ~13 us): x * NW rounds once, equal to bf16 precision.
+        # - GATED: output column n is silu(gate) * up of weight rows n (gate) and N + n (up): two dequantized
+        #   tiles and two accumulators a step; N is the output width, the weight has 2N rows.
+        # - HAS_RES: Y is the residual, read, added to and written back.
         dtype = Y.dtype.element_ty
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)
@@ -175,57 +248,77 @@ if HAVE_TRITON:
         n_mask = offs_n < N
         m_mask = offs_m < M
         rows = offs_n.to(tl.int64)
+        rows_u = rows + N  # GATED: the up rows
         wait_for_inputs(PDL)
         EVEN_K: tl.constexpr = K % (BLOCK_K * SPLIT) == 0
         TILE: tl.constexpr = X.dtype.element_ty if USE_DOT or FAST else tl.float32
         z_row = tl.zeros([BLOCK_N], dtype=tl.int32)
+        z_row_u = tl.zeros([BLOCK_N], dtype=tl.int32)
         if PER_ROW and HAS_ZERO and SCHEME == "int8":
             z_row = tl.load(Z + rows, mask=n_mask, other=0).to(tl.int32)
+            if GATED:
+                z_row_u = tl.load(Z + rows_u, mask=n_mask, other=0).to(tl.int32)
+        x_rows = X + offs_m[None, :, None].to(tl.int64) * K  # [1, BM, 1]: the dot path's rows of x
         if USE_DOT:
             if SPLIT == 1:
                 acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
             else:
-                acc3 = tl.zeros([SPLIT, BLOCK_N, BLOCK_M], dtype=tl.float32)
+                acc = tl.zeros([SPLIT, BLOCK_N, BLOCK_M], dtype=tl.float32)
         else:
-            acc3 = tl.zeros([SPLIT, BLOCK_N, BLOCK_K], dtype=tl.float32)
+            acc = tl.zeros([SPLIT, BLOCK_N, BLOCK_K], dtype=tl.float32)
+        acc_u = tl.zeros_like(acc)
+        ss = tl.zeros([SPLIT, BLOCK_K], dtype=tl.float32)  # one-row norm: x^2, summed across K after the loop
+        rstd_m = tl.zeros([BLOCK_M], dtype=tl.float32)
+        if HAS_NORM and USE_DOT:  # first pass over x (unrolled: its loads issue back to back, one round trip)
+            ss_m = tl.zeros([BLOCK_M], dtype=tl.float32)
+            for k0 in tl.static_range(0, K, BLOCK_K * SPLIT):
+                ks = (k0 + tl.arange(0, SPLIT) * BLOCK_K)[:, None] + tl.arange(0, BLOCK_K)[None, :]
+                xf = _x_tile(x_rows, m_mask, ks, K, EVEN_K).to(tl.float32)
+                ss_m += tl.sum(tl.sum(xf * xf, axis=2), axis=0)
+            rstd_m = tl.where(m_mask, tl.rsqrt(ss_m / K + eps), 0.0)  # padded rows: 0, not rsqrt(0) = inf
         for k0 in range(0, K, BLOCK_K * SPLIT):
             kk = k0 + tl.arange(0, SPLIT) * BLOCK_K
             w = _dequant_tile(QW, S, Z, rows, n_mask, k0, z_row, SPLIT, SCHEME, K, G, NG, SCALE_ROW_DIV, HAS_ZERO,
                               PER_ROW, BLOCK_K, EVEN_K, FAST, TILE)
             ks = kk[:, None] + tl.arange(0, BLOCK_K)[None, :]  # [S, BK]
             if USE_DOT:
-                x_mask = m_mask[None, :, None]
-                if not EVEN_K:
-                    x_mask = x_mask & (ks < K)[:, None, :]
-                xv = tl.load(X + offs_m[None, :, None].to(tl.int64) * K + ks[:, None, :], mask=x_mask, other=0.0)
-                if SPLIT == 1:
-                    acc = tl.dot(tl.reshape(w, [BLOCK_N, BLOCK_K]), tl.trans(tl.reshape(xv, [BLOCK_M, BLOCK_K])), acc,
-                                 input_precision=DOT_PRECISION)
-                else:
-                    acc3 = tl.dot(w, tl.permute(xv, [0, 2, 1]), acc3, input_precision=DOT_PRECISION)
-            else:  # one row
-                if EVEN_K:
-                    xv = tl.load(X + ks)
-                else:
-                    xv = tl.load(X + ks, mask=ks < K, other=0.0)
-                acc3 += w.to(tl.float32) * xv.to(tl.float32)[:, None, :]
-
-        if USE_DOT:
-            if SPLIT == 1:
-                y = tl.trans(acc)  # [BM, BN]
+                xv = _x_tile(x_rows, m_mask, ks, K, EVEN_K)
+            elif EVEN_K:  # one row
+                xv = tl.load(X + ks)
             else:
-                y = tl.trans(tl.sum(acc3, axis=0))
-        else:
-            y = tl.sum(tl.sum(acc3, axis=2), axis=0)[None, :]  # [1, BN]
-        if PER_ROW:
-            y = y * tl.load(S + rows, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        if HAS_GS:
-            y = y * tl.load(GS).to(tl.float32)
-        if GS_FACTOR != 1.0:
-            y = y * GS_FACTOR
-        if HAS_BIAS:
-            y += tl.load(B + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+                xv = tl.load(X + ks, mask=ks < K, other=0.0)
+            if HAS_NORM:
+                if EVEN_K:
+                    nw = tl.load(NW + ks).to(tl.float32)
+                else:
+                    nw = tl.load(NW + ks, mask=ks < K, other=0.0).to(tl.float32)
+                xf = xv.to(tl.float32)
+                if USE_DOT:  # rms_norm_ref's rounding: x * rstd, then * w_norm
+                    h = (xf * rstd_m[None, :, None]).to(dtype)
+                    xv = (h.to(tl.float32) * nw[:, None, :]).to(dtype)
+                else:
+                    ss += xf * xf
+                    xv = (xf * nw).to(dtype)
+            acc = _accumulate(acc, w, xv, USE_DOT, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
+            if GATED:
+                wu = _dequant_tile(QW, S, Z, rows_u, n_mask, k0, z_row_u, SPLIT, SCHEME, K, G, NG, SCALE_ROW_DIV,
+                                   HAS_ZERO, PER_ROW, BLOCK_K, EVEN_K, FAST, TILE)
+                acc_u = _accumulate(acc_u, wu, xv, USE_DOT, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
+
+        ONE_ROW_NORM: tl.constexpr = HAS_NORM and not USE_DOT
+        rstd = 1.0
+        if ONE_ROW_NORM:
+            rstd = tl.rsqrt(tl.sum(tl.sum(ss, axis=1), axis=0) / K + eps)
+        y = _linear_out(acc, S, GS, B, rows, n_mask, rstd, USE_DOT, SPLIT, PER_ROW, HAS_GS, GS_FACTOR, ONE_ROW_NORM,
+                        HAS_BIAS)
+        if GATED:
+            yu = _linear_out(acc_u, S, GS, B, rows_u, n_mask, rstd, USE_DOT, SPLIT, PER_ROW, HAS_GS, GS_FACTOR,
+                             ONE_ROW_NORM, HAS_BIAS)
         y = y.to(dtype)  # the F.linear output
+        if GATED:  # silu_mul_ref: F.silu rounds, then the multiply by the rounded up projection rounds again
+            g = y.to(tl.float32)
+            s = (g / (1.0 + tl.exp(-g))).to(dtype)
+            y = (s.to(tl.float32) * yu.to(dtype).to(tl.float32)).to(dtype)
         release_dependents(PDL)
         out_mask = m_mask[:, None] & n_mask[None, :]
         y_ptrs = Y + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
@@ -365,7 +458,20 @@ def _balance(programs: int) -> float:
     return programs / (_cdiv(programs, _NUM_SMS) * _NUM_SMS)
 
 
-def launch_config(meta: QuantMeta, m: int) -> LaunchConfig:
+def launch_config(meta: QuantMeta, m: int, gated: bool = False) -> LaunchConfig:
+    """The launch for m rows of the layer: `_launch_config`'s. With `gated` (the SwiGLU folded in: each program
+    dequantizes a gate tile and the matching up tile) the config of the unfused [gate; up] GEMM over the same
+    meta.n = 2I weight rows, with half its BLOCK_N where that leaves a valid tile (>= 16 rows for the mma; the
+    32-64-row tiles keep their 64: narrower ones dequantize each weight once per warp): as many programs over
+    the I output columns, each streaming the weight bytes (and holding the tile registers) of one unfused
+    program."""
+    cfg = _launch_config(meta, m)
+    if not gated or m > 16:
+        return cfg
+    return replace(cfg, block_n=max(16 if cfg.use_dot else 4, cfg.block_n // 2))
+
+
+def _launch_config(meta: QuantMeta, m: int) -> LaunchConfig:
     """A hand heuristic (CUDA graphs are captured after warm-up, so no autotuning), first reasoned from sm_90
     SASS instruction counts per weight, then corrected where `bench/quant_gemm.py --sweep` on an H100 (Qwen3-8B
     qkv / o / down, weights rotated past the L2) measured better: NVFP4 one row on the reduction path (BLOCK_N
@@ -423,12 +529,18 @@ def _native_blackwell(x: torch.Tensor, layer, residual: torch.Tensor | None) -> 
     return None
 
 
+def _kernels_take(x: torch.Tensor, layer) -> bool:
+    """The support check bar x's width: activations the kernels run on, the layer on their device, a bias they
+    index."""
+    if not (use_triton(x) and x.dtype in (torch.bfloat16, torch.float16, torch.float32) and x.dim() >= 1
+            and layer.qweight.device == x.device):
+        return False
+    return layer.bias is None or (tuple(layer.bias.shape) == (layer.out_features,) and layer.bias.is_contiguous())
+
+
 def _supported_meta(x: torch.Tensor, layer) -> QuantMeta | None:
     """The layer's QuantMeta where the Triton kernels apply to this activation / layer pair, else None."""
-    if not (use_triton(x) and x.dtype in (torch.bfloat16, torch.float16, torch.float32) and x.dim() >= 1
-            and x.shape[-1] == layer.in_features and layer.qweight.device == x.device):
-        return None
-    if layer.bias is not None and (tuple(layer.bias.shape) != (layer.out_features,) or not layer.bias.is_contiguous()):
+    if not _kernels_take(x, layer) or x.shape[-1] != layer.in_features:
         return None
     return quant_meta(layer)
 
@@ -436,6 +548,14 @@ def _supported_meta(x: torch.Tensor, layer) -> QuantMeta | None:
 def quant_supported(x: torch.Tensor, layer) -> bool:
     """Whether the Triton kernels apply to this activation / layer pair."""
     return _supported_meta(x, layer) is not None
+
+
+def quant_gemm_supported(x: torch.Tensor, layer) -> bool:
+    """Whether quant_linear runs the layer as one GEMM launch, the folds inside, for rows like x's: the kernels
+    take x's dtype and device and the layer's format, and x has 1 to PREFILL_DEQUANT_MIN_M - 1 rows. x's width
+    is not checked: a decoder layer asks with its residual stream for projections of other input widths too."""
+    rows = x.numel() // x.shape[-1] if x.dim() >= 1 and x.shape[-1] else 0
+    return 0 < rows < PREFILL_DEQUANT_MIN_M and _kernels_take(x, layer) and quant_meta(layer) is not None
 
 
 def packed_scale_zero(scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
@@ -482,26 +602,30 @@ def bytes_read(layer, meta: QuantMeta | None = None) -> int:
 
 
 def _gemm_triton(x: torch.Tensor, layer, meta: QuantMeta, residual: torch.Tensor | None,
-                 cfg: LaunchConfig | None = None, fast: bool | None = None) -> torch.Tensor:
+                 cfg: LaunchConfig | None = None, fast: bool | None = None, *, norm_weight: torch.Tensor | None = None,
+                 eps: float = 0.0, gated: bool = False) -> torch.Tensor:
     """Launch the GEMM on a contiguous 2-D x without the support checks (tests call it on CPU tensors under
-    TRITON_INTERPRET=1; bench/quant_gemm.py passes its own cfg)."""
+    TRITON_INTERPRET=1; bench/quant_gemm.py passes its own cfg). norm_weight: RMSNorm folded in as the
+    prologue; gated: SwiGLU over the [gate; up] halves of the layer's rows as the epilogue (meta.n / 2 outputs)."""
     m = x.shape[0]
-    cfg = cfg or launch_config(meta, m)
+    n_out = meta.n // 2 if gated else meta.n
+    cfg = cfg or launch_config(meta, m, gated)
     fast = fast_unpack(meta, x.dtype) if fast is None else fast
-    out = residual if residual is not None else torch.empty(m, meta.n, dtype=x.dtype, device=x.device)
+    out = residual if residual is not None else torch.empty(m, n_out, dtype=x.dtype, device=x.device)
     gs_factor = FP4_GLOBAL_BIAS if (meta.scheme == "nvfp4" and fast) else 1.0
     gs = layer.global_scale if meta.has_gs else x
     dot_precision = "ieee" if x.dtype == torch.float32 else "tf32"
-    grid = (triton.cdiv(meta.n, cfg.block_n), triton.cdiv(m, cfg.block_m) if cfg.use_dot else 1)
+    grid = (triton.cdiv(n_out, cfg.block_n), triton.cdiv(m, cfg.block_m) if cfg.use_dot else 1)
     on = pdl(x)
     _quant_linear_kernel[grid](
-        x, *kernel_operands(layer, meta), gs,
-        layer.bias if layer.bias is not None else x, out, m, meta.n,
+        x, *kernel_operands(layer, meta), gs, layer.bias if layer.bias is not None else x,
+        norm_weight if norm_weight is not None else x, out, m, n_out, eps,
         SCHEME=meta.scheme, K=meta.k, G=meta.group, NG=meta.n_groups, SCALE_ROW_DIV=meta.scale_row_div,
         HAS_ZERO=meta.has_zero, PER_ROW=meta.per_row, HAS_GS=meta.has_gs, GS_FACTOR=gs_factor,
-        HAS_BIAS=layer.bias is not None, HAS_RES=residual is not None, USE_DOT=cfg.use_dot, FAST=fast,
-        DOT_PRECISION=dot_precision, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        SPLIT=cfg.split, PDL=on, num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=on)
+        HAS_BIAS=layer.bias is not None, HAS_NORM=norm_weight is not None, GATED=gated,
+        HAS_RES=residual is not None, USE_DOT=cfg.use_dot, FAST=fast, DOT_PRECISION=dot_precision,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=cfg.split, PDL=on,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=on)
     return out
 
 
@@ -528,33 +652,47 @@ def _prefill(x: torch.Tensor, layer, meta: QuantMeta, residual: torch.Tensor | N
     return y if residual is None else residual.add_(y)
 
 
-def quant_linear(x: torch.Tensor, layer, *, residual: torch.Tensor | None = None) -> torch.Tensor:
+def _fits(t: torch.Tensor | None, shape: tuple[int, ...], x: torch.Tensor) -> bool:
+    """An operand the kernels index as given: that shape, x's dtype and device, contiguous."""
+    return t is None or (tuple(t.shape) == shape and t.dtype == x.dtype and t.is_contiguous() and t.device == x.device)
+
+
+def quant_linear(x: torch.Tensor, layer, *, residual: torch.Tensor | None = None,
+                 norm_weight: torch.Tensor | None = None, eps: float = 0.0, gated: bool = False) -> torch.Tensor:
     """y = x @ W.T + bias for a quantized layer (module attributes: scheme, qweight, scales, zeros,
-    global_scale, group_size, out_features, in_features, bias); with `residual` ([rows, out_features], x's
-    dtype) the result is added to it in place and the residual returned. Triton on a GPU (or under
-    TRITON_INTERPRET=1), the reference elsewhere (CPU, grad, formats the kernels do not cover)."""
+    global_scale, group_size, out_features, in_features, bias), with the ops around a decoder's projections
+    folded in as skinny_linear folds them: `norm_weight` (x's width and dtype) applies RMSNorm (eps) to x first,
+    `gated` returns silu(gate) * up of the output's [gate; up] halves, `residual` ([rows, outputs], x's dtype)
+    gets the result added in place and is returned. Triton on a GPU (or under TRITON_INTERPRET=1), the reference
+    (quant_linear_ref) elsewhere (CPU, grad, formats or operands the kernels do not cover). Up to 16 rows (decode,
+    verify) are one launch with all three folded; 17 to PREFILL_DEQUANT_MIN_M - 1 rows take the norm as its own
+    kernel first (a 32-64-row tile would recompute it for every program); prefill rows run the norm, the
+    dequantize + cuBLAS GEMM and SwiGLU as separate kernels."""
     meta = _supported_meta(x, layer)
-    if meta is None:
-        return quant_linear_ref(x, layer, residual)
-    native = _native_blackwell(x, layer, residual)
-    if native is not None:
-        return native
+    n_out = meta.n // 2 if meta is not None and gated else layer.out_features
+    if (meta is None or (gated and meta.n % 2) or not _fits(norm_weight, (meta.k,), x)
+            or not _fits(residual, (*x.shape[:-1], n_out), x)):
+        return quant_linear_ref(x, layer, residual, norm_weight=norm_weight, eps=eps, gated=gated)
+    if norm_weight is None and not gated:
+        native = _native_blackwell(x, layer, residual)
+        if native is not None:
+            return native
     lead = x.shape[:-1]
     x2 = x.reshape(-1, meta.k)
     if not x2.is_contiguous():
         x2 = x2.contiguous()
     m = x2.shape[0]
-    if residual is not None:
-        if (tuple(residual.shape) != (*lead, meta.n) or residual.dtype != x.dtype or not residual.is_contiguous()
-                or residual.device != x.device):
-            return quant_linear_ref(x, layer, residual)
-        res2 = residual.view(m, meta.n)
-    else:
-        res2 = None
+    res2 = residual.view(m, n_out) if residual is not None else None
     if m == 0:
-        return residual if residual is not None else x.new_empty(*lead, meta.n)
-    if m >= PREFILL_DEQUANT_MIN_M:
-        y = _prefill(x2, layer, meta, res2)
+        return residual if residual is not None else x.new_empty(*lead, n_out)
+    if norm_weight is not None and m > 16:
+        x2, norm_weight = rms_norm(x2, norm_weight, eps)[0], None
+    if m < PREFILL_DEQUANT_MIN_M:
+        y = _gemm_triton(x2, layer, meta, res2, norm_weight=norm_weight, eps=eps, gated=gated)
+    elif gated:
+        y = silu_mul(_prefill(x2, layer, meta, None))
+        if res2 is not None:
+            y = res2.add_(y)
     else:
-        y = _gemm_triton(x2, layer, meta, res2)
-    return residual if residual is not None else y.view(*lead, meta.n)
+        y = _prefill(x2, layer, meta, res2)
+    return residual if residual is not None else y.view(*lead, n_out)

@@ -5,6 +5,7 @@ against the definition through a small model of the PTX instructions they use (a
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 
@@ -15,6 +16,7 @@ import torch.nn.functional as F
 from blockspec.kernels import quant_linear as ql
 from blockspec.kernels import quant_tiles as qt
 from blockspec.kernels._triton import HAVE_TRITON, INTERPRET, kernel_device
+from blockspec.kernels.rms_norm import rms_norm_ref
 from blockspec.models.layers.quant_linear import pack_nibbles
 
 KERNEL_DEVICE = kernel_device()
@@ -213,6 +215,11 @@ def test_launch_config(scheme, m, n, k):
     if m <= 16 and n >= 4096:  # a decode projection keeps >= 4 warps per SM busy (NVFP4's best 2-warp tiles)
         progs = -(-n // cfg.block_n)
         assert progs * cfg.num_warps >= 512 or not cfg.use_dot
+    # SwiGLU folded: the n weight rows give n / 2 outputs, a program reads gate and up tiles of BLOCK_N rows each:
+    # the unfused launch's weight bytes a program (half its BLOCK_N) where the tile allows it
+    gated = ql.launch_config(meta, m, gated=True)
+    assert dataclasses.replace(gated, block_n=cfg.block_n) == cfg
+    assert gated.block_n == (cfg.block_n if m > 16 else max(16 if cfg.use_dot else 4, cfg.block_n // 2))
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -231,9 +238,9 @@ def launch(monkeypatch):
 
         _interpreter_like_gpu(monkeypatch)
 
-    def run(x, layer, residual=None, cfg=None, fast=None):
+    def run(x, layer, residual=None, cfg=None, fast=None, **folds):
         with torch.no_grad():
-            return ql._gemm_triton(x, layer, ql.quant_meta(layer), residual, cfg, fast)
+            return ql._gemm_triton(x, layer, ql.quant_meta(layer), residual, cfg, fast, **folds)
     return run
 
 
@@ -348,6 +355,126 @@ def test_entry_point(launch, monkeypatch, m):
         assert out is r and rel_err(out, expected) < 1e-2
 
 
+# ------------------------------------------------------------------------------------------------------------
+# The folds: RMSNorm prologue, SwiGLU epilogue, residual add (a decoder layer's small ops, in the GEMM)
+
+FOLD_CASES = {**KERNEL_CASES, "int4_g32_sym": ("int4", 40, 160, dict(group=32, zeros=False)),
+              "int4_g128": ("int4", 24, 256, dict(group=128))}  # N: output columns (a gated weight has 2N rows)
+FOLDS = {  # name: (norm, gated, residual)
+    "norm": (True, False, False), "gated": (False, True, False), "residual": (False, False, True),
+    "norm+gated": (True, True, False), "all": (True, True, True),
+}
+EPS = 1e-6
+
+
+def fold_inputs(case: str, m: int, dtype: torch.dtype, norm: bool, gated: bool, residual: bool, seed: int = 0,
+                lead: tuple[int, ...] = ()) -> tuple[Layer, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(layer, x, norm weight, residual). x's rows have an rms of ~3 (x * 3 + 1), far from the 1 that a norm
+    makes of them: a kernel skipping rstd or the norm weight is off by a factor, not by rounding."""
+    scheme, n, k, opts = FOLD_CASES[case]
+    layer = make_layer(scheme, 2 * n if gated else n, k, dtype, bias=m % 2 == 1, seed=seed, **opts).to(KERNEL_DEVICE)
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(*lead, m, k, generator=g) * 3 + 1).to(dtype).to(KERNEL_DEVICE)
+    nw = (torch.rand(k, generator=g) + 0.5).to(dtype).to(KERNEL_DEVICE) if norm else None
+    r = torch.randn(*lead, m, n, generator=g).to(dtype).to(KERNEL_DEVICE) if residual else None
+    return layer, x, nw, r
+
+
+def check_fold(out: torch.Tensor, x: torch.Tensor, layer: Layer, nw: torch.Tensor | None, gated: bool,
+               r: torch.Tensor | None, r0: torch.Tensor | None) -> None:
+    """out (the kernel's, r updated in place where given) against quant_linear_ref on the same inputs."""
+    expected = ql.quant_linear_ref(x, layer, None if r0 is None else r0.clone(), norm_weight=nw, eps=EPS, gated=gated)
+    assert out.shape == expected.shape and out.dtype == x.dtype
+    assert rel_err(out, expected) < TOL[x.dtype]
+    if r is not None:  # in place, and the projection itself right, not just the residual it was added to
+        assert out.data_ptr() == r.data_ptr() and not torch.equal(r, r0)
+        tol = 3e-2 if x.dtype == torch.bfloat16 else 1e-4
+        assert rel_err(out.float() - r0.float(), expected.float() - r0.float()) < tol
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("folds", list(FOLDS))
+def test_reference_folds_are_the_unfused_ops(folds, dtype):
+    """quant_linear_ref with folds = rms_norm_ref, then dequantize + F.linear, silu_mul_ref, the add."""
+    norm, gated, residual = FOLDS[folds]
+    layer, x, nw, r = fold_inputs("int4_g32", 3, dtype, norm, gated, residual)
+    layer, x, nw, r = layer.to("cpu"), x.cpu(), None if nw is None else nw.cpu(), None if r is None else r.cpu()
+    xn = rms_norm_ref(x, nw, EPS)[0] if norm else x
+    y = F.linear(xn, ql.dequantize_layer(layer, dtype), layer.bias)
+    y = F.silu(y[:, :40]) * y[:, 40:] if gated else y
+    want = y if r is None else r + y
+    got = ql.quant_linear_ref(x, layer, None if r is None else r.clone(), norm_weight=nw, eps=EPS, gated=gated)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("folds", list(FOLDS))
+@pytest.mark.parametrize("case", list(FOLD_CASES))
+@pytest.mark.parametrize("m", [1, 3, 16])
+def test_kernel_folds_match_reference(launch, m, case, folds, dtype):
+    """Each scheme with the norm, SwiGLU and residual folded in, alone and together, on the default launch: the
+    dot path (the one-row one for int8 / fp8 / long NVFP4 rows) at 1, 3 and 16 rows."""
+    norm, gated, residual = FOLDS[folds]
+    layer, x, nw, r = fold_inputs(case, m, dtype, norm, gated, residual, seed=m)
+    x0, r0 = x.clone(), None if r is None else r.clone()
+    out = launch(x, layer, residual=r, norm_weight=nw, eps=EPS, gated=gated)
+    check_fold(out, x, layer, nw, gated, r, r0)
+    assert torch.equal(x, x0)
+
+
+@kernel
+@pytest.mark.parametrize("cfg", list(CONFIGS))
+@pytest.mark.parametrize("case", ["int4_g32", "int8_g32_nozero", "fp8_block", "nvfp4"])
+def test_kernel_folds_launch_configs(launch, case, cfg):
+    """All three folds on both one-row paths, split K, 8- and 16-row tiles and 32-row blocks."""
+    config = CONFIGS[cfg]
+    m = 1 if not config.use_dot else min(config.block_m, 11)
+    layer, x, nw, r = fold_inputs(case, m, torch.bfloat16, True, True, True, seed=11)
+    r0 = r.clone()
+    check_fold(launch(x, layer, residual=r, cfg=config, norm_weight=nw, eps=EPS, gated=True), x, layer, nw, True, r, r0)
+
+
+@kernel
+@pytest.mark.parametrize("folds", ["norm+gated", "all"])
+@pytest.mark.parametrize("case", ["int4_g32", "nvfp4"])
+@pytest.mark.parametrize("m", [1, 5, 40, 80])
+def test_entry_point_folds(launch, monkeypatch, m, case, folds):
+    """quant_linear with folds on 3-D input: one launch up to 16 rows, the norm a kernel of its own before the
+    32-64-row tiles (40), the separate ops of the prefill path (80, from a lowered threshold)."""
+    monkeypatch.setattr(ql, "PREFILL_DEQUANT_MIN_M", 64)
+    norm, gated, residual = FOLDS[folds]
+    layer, x, nw, r = fold_inputs(case, m, torch.bfloat16, norm, gated, residual, seed=m, lead=(1,))
+    r0 = None if r is None else r.clone()
+    with torch.no_grad():
+        assert ql.quant_gemm_supported(x, layer) == (m < 64)
+        out = ql.quant_linear(x, layer, residual=r, norm_weight=nw, eps=EPS, gated=gated)
+    assert r is None or out is r
+    check_fold(out, x, layer, nw, gated, r, r0)
+
+
+@kernel
+def test_entry_point_folds_fall_back_to_the_reference(launch):
+    """Operands the kernel does not index as given (a strided norm weight or residual) take the reference, folds
+    and all."""
+    layer, x, nw, r = fold_inputs("int4_g32", 3, torch.bfloat16, True, True, True)
+    with torch.no_grad():
+        for w, res in ((torch.stack([nw, nw], dim=1)[:, 0], r.clone()), (nw, torch.cat([r, r], dim=1)[:, :40])):
+            want = ql.quant_linear_ref(x, layer, res.clone(), norm_weight=w, eps=EPS, gated=True)
+            got = ql.quant_linear(x, layer, residual=res, norm_weight=w, eps=EPS, gated=True)
+            assert got is res
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_gemm_support_ignores_the_width_and_stops_at_prefill():
+    layer = make_layer("int4", 40, 160, torch.float32, group=32)
+    assert not ql.quant_gemm_supported(torch.randn(3, 160), layer)  # grad mode / no kernels: never
+    with torch.no_grad():
+        assert ql.quant_gemm_supported(torch.randn(3, 64), layer) == (KERNEL_DEVICE == "cpu")
+        assert not ql.quant_gemm_supported(torch.randn(ql.PREFILL_DEQUANT_MIN_M, 64), layer)
+        assert not ql.quant_gemm_supported(torch.randn(0, 64), layer)
+
+
 @gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("case", ["int4_g32", "int4_g128_sym", "nvfp4"])
@@ -363,6 +490,18 @@ def test_fast_unpack_matches_plain_on_gpu(launch, m, case, dtype):
     fast, plain = launch(x, layer, fast=True), launch(x, layer, fast=False)
     assert rel_err(fast, plain) < 2e-3
     assert rel_err(fast, ql.quant_linear_ref(x, layer)) < 1e-2
+
+
+@gpu
+@pytest.mark.parametrize("case", ["int4_g32", "int4_g128_sym", "nvfp4"])
+@pytest.mark.parametrize("m", [1, 5, 16])
+def test_fast_unpack_folds_on_gpu(launch, m, case):
+    """The folds on the PTX-unpacked tiles (two of them a step with SwiGLU): against the reference."""
+    layer, x, nw, r = fold_inputs(case, m, torch.bfloat16, True, True, True, seed=m)
+    if not ql.fast_unpack(ql.quant_meta(layer), x.dtype):
+        pytest.skip("no fast unpacker for this scheme")
+    r0 = r.clone()
+    check_fold(launch(x, layer, residual=r, fast=True, norm_weight=nw, eps=EPS, gated=True), x, layer, nw, True, r, r0)
 
 
 @gpu
