@@ -31,7 +31,8 @@ def keep_of(top_k: int, share: float) -> int:
 
 def correlated_router_ref(logits: torch.Tensor, top_k: int, keep: int, renormalize: bool
                           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights [T, k] in the logits' dtype, ids [T, k] int32), in tensor ops."""
+    """(weights [T, k] in the logits' dtype, ids [T, k] int64 as torch.topk gives them: the eager experts
+    path indexes with them), in tensor ops."""
     t, e = logits.shape
     dev = logits.device
     fresh = top_k - keep
@@ -44,7 +45,7 @@ def correlated_router_ref(logits: torch.Tensor, top_k: int, keep: int, renormali
     weights = probs.gather(1, ids)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights.to(logits.dtype), ids.to(torch.int32)
+    return weights.to(logits.dtype), ids
 
 
 if HAVE_TRITON:
@@ -65,7 +66,7 @@ if HAVE_TRITON:
         p = tl.exp(row - mx)
         probs = p / tl.sum(p, axis=0)
         offs_k = tl.arange(0, KP)
-        ids = tl.zeros([KP], dtype=tl.int32)
+        ids = tl.zeros([KP], dtype=tl.int64)
         w = tl.zeros([KP], dtype=tl.float32)
         for j in tl.static_range(TOP_K):
             pos = t * FRESH + j
@@ -77,7 +78,7 @@ if HAVE_TRITON:
             other = tl.load(L + owner.to(tl.int64) * E + offs_e, mask=e_mask, other=float("-inf")).to(tl.float32)
             in_lane = e_mask & (offs_e % TOP_K == lane)
             best = tl.argmax(tl.where(in_lane, other, float("-inf")), axis=0, tie_break_left=True)
-            ids = tl.where(offs_k == j, best.to(tl.int32), ids)
+            ids = tl.where(offs_k == j, best.to(tl.int64), ids)
             w = tl.where(offs_k == j, tl.sum(tl.where(offs_e == best, probs, 0.0), axis=0), w)
         if RENORM:
             w = w / tl.sum(w, axis=0)
@@ -92,7 +93,7 @@ def correlated_router_triton(logits: torch.Tensor, top_k: int, keep: int, renorm
     t, e = logits.shape
     logits = logits if logits.is_contiguous() else logits.contiguous()
     weights = torch.empty(t, top_k, dtype=logits.dtype, device=logits.device)
-    ids = torch.empty(t, top_k, dtype=torch.int32, device=logits.device)
+    ids = torch.empty(t, top_k, dtype=torch.int64, device=logits.device)
     if t:
         _correlated_kernel[(t,)](logits, weights, ids, E=e, EP=triton.next_power_of_2(e), TOP_K=top_k,
                                  KP=triton.next_power_of_2(top_k), FRESH=top_k - keep, RENORM=renormalize,

@@ -23,13 +23,13 @@ def test_correlated_router_shares_experts():
     for share, keep in ((0.5, 4), (0.0, 0), (1.0, 8), (0.3, 2)):
         route = correlated_router(8, 32, share, renormalize=True)
         weights, ids = route(logits)
-        assert route.keep == keep and ids.dtype == torch.int32 and ids.shape == weights.shape == (16, 8)
+        assert route.keep == keep and ids.dtype == torch.int64 and ids.shape == weights.shape == (16, 8)
         assert all(len(set(row)) == 8 for row in ids.tolist())  # k distinct experts per token
         rows = [set(row) for row in ids.tolist()]
         assert all(len(a & b) >= keep for a, b in zip(rows, rows[1:]))
         assert torch.allclose(weights.sum(-1), torch.ones(16))
         probs = F.softmax(logits, -1)
-        got = probs.gather(1, ids.long())
+        got = probs.gather(1, ids)
         assert torch.allclose(weights, got / got.sum(-1, keepdim=True))
     first, _ = correlated_router(8, 32, 0.5, True)(logits[:1])
     assert first.shape == (1, 8)
