@@ -455,6 +455,7 @@ FIXED_ROUTE_TOKENS = 16  # moe_route's tile under --deterministic
 CHUNK = 64  # pairs per work item: 4 tiles of 16 rows; only the shared expert reaches it below T = 64
 BLOCK_P = 128  # pairs per align program
 ROUTE_ALIGN_MAX_PAIRS = 512  # up to here one program routes and groups a whole step (one launch, not two)
+ROUTE_ALIGN_WARPS = 4  # warps of that program for more than one token (bench/moe_route_time.py)
 _NUM_SMS = 132  # H100 / H200
 _MIN_PROGRAMS = 2 * _NUM_SMS
 
@@ -716,7 +717,7 @@ def moe_route_align(logits: torch.Tensor, top_k: int, renormalize: bool, x: torc
         layout.item_count, layout.num_items, t, layout.sorted_pairs.numel(), **route_consts,
         **{k: v for k, v in align_consts.items() if k not in ("TOP_K", "E")}, ONE_TOKEN=t == 1,
         ONE_BLOCK=t <= min(route_consts["BLOCK_T"], CHUNK), SP=_next_pow2(align_consts["SLOTS"]), PDL=on,
-        num_warps=4, launch_pdl=on)
+        num_warps=4 if t == 1 else ROUTE_ALIGN_WARPS, launch_pdl=on)
     return weights, ids, shared_w, layout
 
 
