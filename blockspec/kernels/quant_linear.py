@@ -231,12 +231,16 @@ if HAVE_TRITON:
         # and sums the slices after the loop; the one-row reduction path (USE_DOT = False, SPLIT = 1)
         # accumulates products elementwise and reduces across K once at the end (skinny_linear's lesson).
         # K is constexpr: a handful per model, compile-time trip counts and masks.
-        # The folds around the GEMM, as skinny_linear's (the unfused ops' rounding, see quant_linear_ref):
-        # - HAS_NORM: RMSNorm of x (weight NW) as the prologue. The dot path first sums each row's squares over
-        #   K in float32 (an unrolled pass: x is small and L2-resident), then feeds the GEMM x * rstd * NW rounded
-        #   as rms_norm_ref rounds it. One row (the reduction path) folds the norm into the main loop as
-        #   skinny_linear's does, norm(x) @ W.T == rstd * ((x * NW) @ W.T), the squares gathered on the way
-        #   (a first pass there stalled every program ~13 us): x * NW rounds once, equal to bf16 precision.
+        # The folds around the GEMM, as skinny_linear's (rounded as the unfused ops, quant_linear_ref, bar the norm):
+        # - HAS_NORM: RMSNorm of x (weight NW) as the prologue, as norm(x) @ W.T == rstd * ((x * NW) @ W.T): the
+        #   loop feeds x * NW (one multiply in x's dtype, rounded once where rms_norm_ref rounds x * rstd and then
+        #   * NW: equal to bf16 precision) and rstd scales the accumulator. The dot path sums each row's squares
+        #   in float32 in an unrolled pass over x after the loop (x is L2-resident; the weights stream from the
+        #   start). x * NW adds ~12% to a step's instructions at 1 row, 16% at 16 (sm_90 PTX: paired multiplies
+        #   on the mma operand's registers); the first version (x * rstd * NW in float32, rounded as the
+        #   reference) added 52% and 90% on this path near the issue limit, and measured slower than the
+        #   launches it saved (H200, bench/NOTES.md session 11). The one-row reduction path gathers the squares
+        #   on the way as skinny_linear's does (a separate pass there stalled every program).
         # - GATED: output column n is silu(gate) * up of weight rows n (gate) and N + n (up): two dequantized
         #   tiles and two accumulators a step; N is the output width, the weight has 2N rows.
         # - HAS_RES: Y is the residual, read, added to and written back.
@@ -268,14 +272,6 @@ if HAVE_TRITON:
             acc = tl.zeros([SPLIT, BLOCK_N, BLOCK_K], dtype=tl.float32)
         acc_u = tl.zeros_like(acc)
         ss = tl.zeros([SPLIT, BLOCK_K], dtype=tl.float32)  # one-row norm: x^2, summed across K after the loop
-        rstd_m = tl.zeros([BLOCK_M], dtype=tl.float32)
-        if HAS_NORM and USE_DOT:  # first pass over x (unrolled: its loads issue back to back, one round trip)
-            ss_m = tl.zeros([BLOCK_M], dtype=tl.float32)
-            for k0 in tl.static_range(0, K, BLOCK_K * SPLIT):
-                ks = (k0 + tl.arange(0, SPLIT) * BLOCK_K)[:, None] + tl.arange(0, BLOCK_K)[None, :]
-                xf = _x_tile(x_rows, m_mask, ks, K, EVEN_K).to(tl.float32)
-                ss_m += tl.sum(tl.sum(xf * xf, axis=2), axis=0)
-            rstd_m = tl.where(m_mask, tl.rsqrt(ss_m / K + eps), 0.0)  # padded rows: 0, not rsqrt(0) = inf
         for k0 in range(0, K, BLOCK_K * SPLIT):
             kk = k0 + tl.arange(0, SPLIT) * BLOCK_K
             w = _dequant_tile(QW, S, Z, rows, n_mask, k0, z_row, SPLIT, SCHEME, K, G, NG, SCALE_ROW_DIV, HAS_ZERO,
@@ -287,15 +283,14 @@ if HAVE_TRITON:
                 xv = tl.load(X + ks)
             else:
                 xv = tl.load(X + ks, mask=ks < K, other=0.0)
-            if HAS_NORM:
+            if HAS_NORM:  # x * NW in float32, rounded once (on the dot path LLVM makes it a paired bf16 multiply)
                 if EVEN_K:
                     nw = tl.load(NW + ks).to(tl.float32)
                 else:
                     nw = tl.load(NW + ks, mask=ks < K, other=0.0).to(tl.float32)
                 xf = xv.to(tl.float32)
-                if USE_DOT:  # rms_norm_ref's rounding: x * rstd, then * w_norm
-                    h = (xf * rstd_m[None, :, None]).to(dtype)
-                    xv = (h.to(tl.float32) * nw[:, None, :]).to(dtype)
+                if USE_DOT:
+                    xv = (xf * nw[:, None, :]).to(dtype)
                 else:
                     ss += xf * xf
                     xv = (xf * nw).to(dtype)
@@ -305,15 +300,21 @@ if HAVE_TRITON:
                                    HAS_ZERO, PER_ROW, BLOCK_K, EVEN_K, FAST, TILE)
                 acc_u = _accumulate(acc_u, wu, xv, USE_DOT, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
 
-        ONE_ROW_NORM: tl.constexpr = HAS_NORM and not USE_DOT
         rstd = 1.0
-        if ONE_ROW_NORM:
+        if HAS_NORM and USE_DOT:
+            ss_m = tl.zeros([BLOCK_M], dtype=tl.float32)
+            for k0 in tl.static_range(0, K, BLOCK_K * SPLIT):
+                ks = (k0 + tl.arange(0, SPLIT) * BLOCK_K)[:, None] + tl.arange(0, BLOCK_K)[None, :]
+                xf = _x_tile(x_rows, m_mask, ks, K, EVEN_K).to(tl.float32)
+                ss_m += tl.sum(tl.sum(xf * xf, axis=2), axis=0)
+            rstd = tl.rsqrt(ss_m / K + eps)[:, None]
+        elif HAS_NORM:
             rstd = tl.rsqrt(tl.sum(tl.sum(ss, axis=1), axis=0) / K + eps)
-        y = _linear_out(acc, S, GS, B, rows, n_mask, rstd, USE_DOT, SPLIT, PER_ROW, HAS_GS, GS_FACTOR, ONE_ROW_NORM,
+        y = _linear_out(acc, S, GS, B, rows, n_mask, rstd, USE_DOT, SPLIT, PER_ROW, HAS_GS, GS_FACTOR, HAS_NORM,
                         HAS_BIAS)
         if GATED:
             yu = _linear_out(acc_u, S, GS, B, rows_u, n_mask, rstd, USE_DOT, SPLIT, PER_ROW, HAS_GS, GS_FACTOR,
-                             ONE_ROW_NORM, HAS_BIAS)
+                             HAS_NORM, HAS_BIAS)
         y = y.to(dtype)  # the F.linear output
         if GATED:  # silu_mul_ref: F.silu rounds, then the multiply by the rounded up projection rounds again
             g = y.to(tl.float32)

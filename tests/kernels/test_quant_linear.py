@@ -382,10 +382,12 @@ def fold_inputs(case: str, m: int, dtype: torch.dtype, norm: bool, gated: bool, 
 
 def check_fold(out: torch.Tensor, x: torch.Tensor, layer: Layer, nw: torch.Tensor | None, gated: bool,
                r: torch.Tensor | None, r0: torch.Tensor | None) -> None:
-    """out (the kernel's, r updated in place where given) against quant_linear_ref on the same inputs."""
+    """out (the kernel's, r updated in place where given) against quant_linear_ref on the same inputs. SwiGLU's
+    output is the product of two projections, each off by the kernel's rounding: twice the tolerance of one (the
+    folded norm rounds x * w_norm once where the reference rounds twice, ~0.3% in bf16 on its own)."""
     expected = ql.quant_linear_ref(x, layer, None if r0 is None else r0.clone(), norm_weight=nw, eps=EPS, gated=gated)
     assert out.shape == expected.shape and out.dtype == x.dtype
-    assert rel_err(out, expected) < TOL[x.dtype]
+    assert rel_err(out, expected) < TOL[x.dtype] * (2 if gated else 1)
     if r is not None:  # in place, and the projection itself right, not just the residual it was added to
         assert out.data_ptr() == r.data_ptr() and not torch.equal(r, r0)
         tol = 3e-2 if x.dtype == torch.bfloat16 else 1e-4
