@@ -14,6 +14,7 @@ decode target is >= 80% for int4 g128 and NVFP4 at 1 row, and 16 rows not much s
   python bench/quant_gemm.py --sweep                # + launch-config sweep (int4, nvfp4 by default)
   python bench/quant_gemm.py --sweep --schemes int4 --shapes o,down --rows 1
   python bench/quant_gemm.py --prefill 64,256,1024,4096   # tl.dot GEMM vs dequantize + cuBLAS (PREFILL_DEQUANT_MIN_M)
+  python bench/quant_gemm.py --folds --schemes int4,nvfp4 --rows 1,4,16   # folded norm / SwiGLU / add vs launches
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ import triton
 import triton.testing
 
 from blockspec.kernels import quant_linear as ql
+from blockspec.kernels.activation import silu_mul
+from blockspec.kernels.rms_norm import rms_norm
 from blockspec.kernels.skinny_linear import skinny_linear
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # first_gpu.py sits beside this script
@@ -215,6 +218,42 @@ def prefill_row(name: str, n: int, k: int, m: int, scheme: str) -> dict:
             "dequant_cublas_us": round(deq_us, 1), "config": asdict(cfg)}
 
 
+# the decoder's projections with the small ops quant_linear folds into them (issue 14): qkv takes the input norm,
+# gate_up the post-attention norm and SwiGLU, o_proj / down the residual add
+FOLD_SHAPES = [("qkv", 6144, 4096, "norm"), ("gate_up", 24576, 4096, "norm+swiglu"), ("o", 4096, 4096, "residual"),
+               ("down", 4096, 12288, "residual")]
+
+
+def folds_row(name: str, n: int, k: int, fold: str, m: int, scheme: str) -> dict:
+    """One projection with its ops folded into the GEMM against the same ops as launches of their own (one graph
+    each: the gaps between the launches count, as in a decode step); gate_up also with SwiGLU folded and the norm
+    its own launch, to tell the two folds' costs apart."""
+    layers = rotation(random_layer(scheme, n, k))
+    meta, eps = ql.quant_meta(layers[0]), 1e-6
+    x = torch.randn(m, k, dtype=torch.bfloat16, device=DEVICE) * 3 + 1
+    nw = torch.rand(k, dtype=torch.bfloat16, device=DEVICE) + 0.5
+    res = torch.zeros(m, n, dtype=torch.bfloat16, device=DEVICE)
+    nxt = itertools.cycle(layers).__next__
+    norm = fold != "residual"
+    gated = fold == "norm+swiglu"
+    fns = {"folded": lambda: ql._gemm_triton(x, nxt(), meta, res if not norm else None,
+                                             norm_weight=nw if norm else None, eps=eps, gated=gated)}
+    if fold == "residual":
+        fns["unfused"] = lambda: res.add_(ql._gemm_triton(x, nxt(), meta, None))
+    elif fold == "norm":
+        fns["unfused"] = lambda: ql._gemm_triton(rms_norm(x, nw, eps)[0], nxt(), meta, None)
+    else:
+        fns["unfused"] = lambda: silu_mul(ql._gemm_triton(rms_norm(x, nw, eps)[0], nxt(), meta, None))
+        fns["swiglu_only"] = lambda: ql._gemm_triton(rms_norm(x, nw, eps)[0], nxt(), meta, None, gated=True)
+    got = ql._gemm_triton(x, layers[0], meta, None, norm_weight=nw if norm else None, eps=eps, gated=gated)
+    err = rel_err(got, ql.quant_linear_ref(x, layers[0], norm_weight=nw if norm else None, eps=eps, gated=gated))
+    row = {"shape": name, "rows": m, "scheme": scheme, "fold": fold, "rel_err": round(err, 5),
+           **{f"{key}_us": round(bench(fn), 2) for key, fn in fns.items()}}
+    print(f"folds {name:8s} m={m:<3d} {scheme:6s} {fold:12s} " + " ".join(
+        f"{key} {row[f'{key}_us']:7.1f} us" for key in fns) + f" err {err:.1e}", flush=True)
+    return row
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="1,16", help="comma-separated row counts")
@@ -223,6 +262,8 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="also sweep launch configs (int4 / nvfp4 unless --schemes)")
     ap.add_argument("--sweep-budget", type=float, default=420.0, help="seconds after which sweeping stops")
     ap.add_argument("--prefill", default="", help="row counts for the tl.dot vs dequantize + cuBLAS comparison")
+    ap.add_argument("--folds", action="store_true", help="only the folded decoder ops vs their own launches, per "
+                    "shape (--rows, --schemes)")
     args = ap.parse_args()
     rows = [int(r) for r in args.rows.split(",") if r]
     schemes = [s for s in args.schemes.split(",") if s]
@@ -231,9 +272,12 @@ def main() -> None:
     torch.manual_seed(0)
     bw = copy_bandwidth()
     deadline = time.time() + args.sweep_budget
-    table, sweeps, prefill = [], [], []
+    table, sweeps, prefill, folds = [], [], [], []
     with torch.inference_mode():
-        for name, n, k, epilogue in shapes:
+        for name, n, k, fold in FOLD_SHAPES if args.folds else []:
+            for m, scheme in itertools.product(rows, schemes):
+                folds.append(folds_row(name, n, k, fold, m, scheme))
+        for name, n, k, epilogue in [] if args.folds else shapes:
             w = torch.randn(n, k, dtype=torch.bfloat16, device=DEVICE) * 0.02
             for m in rows:
                 x = torch.randn(m, k, dtype=torch.bfloat16, device=DEVICE)
@@ -254,7 +298,7 @@ def main() -> None:
                     prefill.append(prefill_row(name, n, k, m, scheme))
     out = {"device": torch.cuda.get_device_name(), "commit": os.environ.get("COMMIT", "?"),
            "copy_bandwidth_GBs": round(bw / 1e9, 1), "prefill_dequant_min_m": ql.PREFILL_DEQUANT_MIN_M,
-           "table": table, "sweeps": sweeps, "prefill": prefill}
+           "table": table, "sweeps": sweeps, "prefill": prefill, "folds": folds}
     out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else Path(__file__).resolve().parent / "results"
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "quant_gemm.json").write_text(json.dumps(out, indent=1))
