@@ -56,17 +56,28 @@ def problem(model_cls: type[nn.Module], architecture: str, quantization: str | N
     return None
 
 
-def attention_residual(h: torch.Tensor, norm: nn.Module, qkv_proj: nn.Linear, o_proj: nn.Linear,
+def linear(x: torch.Tensor, proj: nn.Module, *, gated: bool = False,
+           residual: torch.Tensor | None = None) -> torch.Tensor:
+    """proj(x) (SwiGLU over [gate; up] with `gated`, added into `residual` in place with it) through the
+    batch-invariant kernel for the projection's weight format: every projection of a deterministic model goes
+    through here."""
+    weight = getattr(proj, "weight", None)
+    if not isinstance(weight, torch.Tensor):
+        raise RuntimeError(f"deterministic projection: {type(proj).__name__} weights are not covered yet")
+    return deterministic_linear(x, weight, proj.bias, gated=gated, residual=residual)
+
+
+def attention_residual(h: torch.Tensor, norm: nn.Module, qkv_proj: nn.Module, o_proj: nn.Module,
                        attend: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """h += o_proj(attend(qkv_proj(norm(h)))), in place, the same arithmetic for any number of rows."""
-    qkv = deterministic_linear(norm(h), qkv_proj.weight, qkv_proj.bias)
-    return deterministic_linear(attend(qkv).contiguous(), o_proj.weight, o_proj.bias, residual=h)
+    qkv = linear(norm(h), qkv_proj)
+    return linear(attend(qkv).contiguous(), o_proj, residual=h)
 
 
-def swiglu_residual(h: torch.Tensor, norm: nn.Module, gate_up_proj: nn.Linear, down_proj: nn.Linear) -> torch.Tensor:
+def swiglu_residual(h: torch.Tensor, norm: nn.Module, gate_up_proj: nn.Module, down_proj: nn.Module) -> torch.Tensor:
     """h += down_proj(silu(gate) * up) with [gate; up] = gate_up_proj(norm(h)), in place."""
-    act = deterministic_linear(norm(h), gate_up_proj.weight, gate_up_proj.bias, gated=True)
-    return deterministic_linear(act, down_proj.weight, down_proj.bias, residual=h)
+    act = linear(norm(h), gate_up_proj, gated=True)
+    return linear(act, down_proj, residual=h)
 
 
 def moe_residual(h: torch.Tensor, norm: nn.Module, block: SparseMoeBlock) -> torch.Tensor:
@@ -75,7 +86,7 @@ def moe_residual(h: torch.Tensor, norm: nn.Module, block: SparseMoeBlock) -> tor
     if block.shared_expert is not None:  # Qwen3-MoE has none; the hybrids that do are refused before loading
         raise RuntimeError("deterministic MoE covers routed experts only (no shared expert)")
     x = norm(h)
-    logits = deterministic_linear(x, block.gate.weight, block.gate.bias)
+    logits = linear(x, block.gate)
     ex = block.experts
     if fused_supported(x, ex.gate_up_proj, ex.down_proj):
         weights, ids, _ = moe_route(logits, block.top_k, block.renormalize, block_t=FIXED_ROUTE_TOKENS)
