@@ -456,6 +456,11 @@ CHUNK = 64  # pairs per work item: 4 tiles of 16 rows; only the shared expert re
 BLOCK_P = 128  # pairs per align program
 ROUTE_ALIGN_MAX_PAIRS = 512  # up to here one program routes and groups a whole step (one launch, not two)
 ROUTE_ALIGN_WARPS = 4  # warps of that program for more than one token (bench/moe_route_time.py)
+# Past this many experts a block of several tokens routes one token a program, then groups: one program's top-k
+# over 256 experts (+ the shared gate) for 16 tokens took 38 us a layer in the 35B-A3B verify graph on an H200,
+# the two launches 16 (bench/results/hybrid_gpu_moe_profile_h200_5a32f84.json; moe_route_time: 13.9 vs 9.9);
+# at 128 experts the single program still wins (6.5 vs 7.5 us)
+ROUTE_ALIGN_MAX_EXPERTS = 128
 _NUM_SMS = 132  # H100 / H200
 _MIN_PROGRAMS = 2 * _NUM_SMS
 
@@ -697,12 +702,13 @@ def moe_align(ids: torch.Tensor, num_experts: int, shared: bool) -> Layout:
 def moe_route_align(logits: torch.Tensor, top_k: int, renormalize: bool, x: torch.Tensor | None = None,
                     shared_gate: torch.Tensor | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, Layout]:
-    """`moe_route` then `moe_align`, as one single-program launch when the step is small (at most
-    ROUTE_ALIGN_MAX_PAIRS pairs), else as the two launches."""
+    """`moe_route` then `moe_align`, as one single-program launch when the step is small (one token, or at most
+    ROUTE_ALIGN_MAX_PAIRS pairs over at most ROUTE_ALIGN_MAX_EXPERTS experts), else as the two launches."""
     t, e = logits.shape
     shared = shared_gate is not None
-    if t * (top_k + int(shared)) > ROUTE_ALIGN_MAX_PAIRS:
-        weights, ids, shared_w = moe_route(logits, top_k, renormalize, x, shared_gate)
+    if t * (top_k + int(shared)) > ROUTE_ALIGN_MAX_PAIRS or (t > 1 and e > ROUTE_ALIGN_MAX_EXPERTS):
+        weights, ids, shared_w = moe_route(logits, top_k, renormalize, x, shared_gate,
+                                           block_t=1 if t * (top_k + int(shared)) <= ROUTE_ALIGN_MAX_PAIRS else None)
         return weights, ids, shared_w, moe_align(ids, e, shared)
     if shared and x is None:
         raise ValueError("the shared expert's gate needs x")

@@ -173,6 +173,7 @@ def test_align_groups_pairs_by_expert(t, e, k, shared, monkeypatch):
 def test_route_align_one_launch_or_two(t, e, k, single_program, monkeypatch):
     """The single program groups one route block's pairs from registers (t <= 16), more through memory."""
     monkeypatch.setattr(mg, "ROUTE_ALIGN_MAX_PAIRS", 10 ** 6 if single_program else 0)
+    monkeypatch.setattr(mg, "ROUTE_ALIGN_MAX_EXPERTS", 10 ** 6 if single_program else 0)
     monkeypatch.setattr(mg, "BLOCK_P", 64)
     g = torch.Generator().manual_seed(t)
     h = 32
