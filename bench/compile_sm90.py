@@ -166,7 +166,7 @@ def cases() -> list[tuple[str, tuple, dict]]:
         out.append((f"grouped_gemm mxfp4 bias T={t}", (mg._grouped_gemm_kernel, grouped, dict(
             N_OUT=2880, K=2880, SLOTS=4, E=128, GATED=True, SHARED=False, USE_DOT=cfg.use_dot, DOT_PRECISION="tf32",
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SCHEME="mxfp4", G=32, NG=90,
-            SCALE_ROW_DIV=1, HAS_ZERO=False, PER_ROW=False, HAS_GS=False, GS_FACTOR=1.0, FAST=False,
+            SCALE_ROW_DIV=1, HAS_ZERO=False, PER_ROW=False, HAS_GS=False, GS_FACTOR=2.0 ** 26, FAST=True,
             W_STRIDE=5760 * 1440, S_STRIDE=5760 * 90, Z_STRIDE=5760 * 90, HAS_BIAS=True, CLAMPED=True, LIMIT=7.0,
             ALPHA=1.702, PDL=t == 1)), dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                                              ptx_has=pdl_ptx if t == 1 else ())))

@@ -739,7 +739,7 @@ def _grouped_gemm(a: torch.Tensor, w: Weights, wu: torch.Tensor | None, sw: torc
             raise ValueError("quantized experts take the shared expert on its own path, not folded in")
         fmt = dict(SCHEME=m.scheme, G=m.group, NG=m.n_groups, SCALE_ROW_DIV=m.scale_row_div, HAS_ZERO=m.has_zero,
                    PER_ROW=m.per_row, HAS_GS=m.has_gs, FAST=w.fast,
-                   GS_FACTOR=FP4_GLOBAL_BIAS if (m.scheme == "nvfp4" and w.fast) else 1.0)
+                   GS_FACTOR=FP4_GLOBAL_BIAS if (m.scheme in ("nvfp4", "mxfp4") and w.fast) else 1.0)
         strides = w.strides
         weight, scales, zeros, gs = w.qweight, w.scales, w.zeros, w.global_scale
     else:

@@ -438,12 +438,12 @@ def quant_meta(layer) -> QuantMeta | None:
 
 
 def fast_unpack(meta: QuantMeta, dtype: torch.dtype) -> bool:
-    """Whether the PTX unpackers apply: int4 with bf16 / fp16 activations, NVFP4 with bf16 (its trick needs
-    bf16's exponent range), on a GPU (the interpreter cannot run inline assembly)."""
+    """Whether the PTX unpackers apply: int4 with bf16 / fp16 activations, NVFP4 and MXFP4 with bf16 (the E2M1
+    trick needs bf16's exponent range), on a GPU (the interpreter cannot run inline assembly)."""
     if INTERPRET:
         return False
     return (meta.scheme == "int4" and dtype in (torch.bfloat16, torch.float16)) or (
-        meta.scheme == "nvfp4" and dtype == torch.bfloat16)
+        meta.scheme in ("nvfp4", "mxfp4") and dtype == torch.bfloat16)
 
 
 def _max_split(k: int, block_k: int, cap: int) -> int:
@@ -613,7 +613,7 @@ def _gemm_triton(x: torch.Tensor, layer, meta: QuantMeta, residual: torch.Tensor
     cfg = cfg or launch_config(meta, m, gated)
     fast = fast_unpack(meta, x.dtype) if fast is None else fast
     out = residual if residual is not None else torch.empty(m, n_out, dtype=x.dtype, device=x.device)
-    gs_factor = FP4_GLOBAL_BIAS if (meta.scheme == "nvfp4" and fast) else 1.0
+    gs_factor = FP4_GLOBAL_BIAS if (meta.scheme in ("nvfp4", "mxfp4") and fast) else 1.0
     gs = layer.global_scale if meta.has_gs else x
     dot_precision = "ieee" if x.dtype == torch.float32 else "tf32"
     grid = (triton.cdiv(n_out, cfg.block_n), triton.cdiv(m, cfg.block_m) if cfg.use_dot else 1)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from blockspec.kernels._triton import HAVE_TRITON
 
-FP4_GLOBAL_BIAS = 2.0 ** 26  # fast NVFP4 tiles hold w * 2^-26 (see _unpack_e2m1_fast); the epilogue restores it
+FP4_GLOBAL_BIAS = 2.0 ** 26  # fast NVFP4 / MXFP4 tiles hold w * 2^-26 (see _unpack_e2m1_fast); the epilogue restores it
 
 # PTX for the fast unpackers, elementwise over bytes (Triton packs any 4 of a thread's bytes into $4; output
 # i depends on byte i only): output i is the int32 holding the 16-bit pair (low nibble, high nibble) of byte
@@ -223,18 +223,26 @@ if HAVE_TRITON:
 
     @triton.jit
     def _mxfp4_tile(QW, s, rows, n_mask, kk, K: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                    OUT: tl.constexpr):
+                    FAST: tl.constexpr, OUT: tl.constexpr):
         """MXFP4 weights [SPLIT, BLOCK_N, BLOCK_K]: E2M1 codes as NVFP4's, times 2^(s - 127) per 32 (E8M0 s,
-        uint8). The power of two is built from its exponent bits (s = 0: the subnormal 2^-127), so it is
-        exact. No PTX path: an E8M0 scale can exceed the bf16 range the fast E2M1 trick relies on."""
+        uint8). Plain: the power of two built from its exponent bits (s = 0: the subnormal 2^-127), exact.
+        FAST (bf16): NVFP4's PTX with the scale operand 2^(s - 27) (bf16 exponent field s + 100), so the tile
+        holds w * 2^-26 as NVFP4's fast tiles do (the epilogue's FP4_GLOBAL_BIAS restores it); exact for
+        21 <= s <= 154 (scales 2^-106 .. 2^27), beyond which real weights do not go: smaller ones flush to
+        zero, larger ones clamp."""
         GT: tl.constexpr = 32
         NGT: tl.constexpr = BLOCK_K // GT
         b = _packed_bytes(QW, rows, n_mask, kk, K, NGT, GT, EVEN_K)
-        si = s.to(tl.int32)
-        sf = tl.where(si == 0, 0x00400000, si << 23).to(tl.float32, bitcast=True)[:, :, :, None]
-        bi = b.to(tl.int32)
-        lo = (_e2m1_plain(bi & 0xF) * sf).to(OUT)
-        hi = (_e2m1_plain(bi >> 4) * sf).to(OUT)
+        if FAST:
+            top = tl.minimum(s.to(tl.int32) + 100, 254) << 7
+            pair = _unpack_e2m1_fast(b, tl.broadcast_to((top | (top << 16))[:, :, :, None], b.shape))
+            lo, hi = _split_pairs(pair, tl.bfloat16)
+        else:
+            si = s.to(tl.int32)
+            sf = tl.where(si == 0, 0x00400000, si << 23).to(tl.float32, bitcast=True)[:, :, :, None]
+            bi = b.to(tl.int32)
+            lo = (_e2m1_plain(bi & 0xF) * sf).to(OUT)
+            hi = (_e2m1_plain(bi >> 4) * sf).to(OUT)
         w = tl.interleave(lo, hi)
         return tl.reshape(w, [w.shape[0], w.shape[1], BLOCK_K])
 
@@ -292,7 +300,7 @@ if HAVE_TRITON:
         elif SCHEME == "nvfp4":
             return _nvfp4_tile(QW, s, rows, n_mask, kk, K, BLOCK_K, EVEN_K, FAST, OUT)
         elif SCHEME == "mxfp4":
-            return _mxfp4_tile(QW, s, rows, n_mask, kk, K, BLOCK_K, EVEN_K, OUT)
+            return _mxfp4_tile(QW, s, rows, n_mask, kk, K, BLOCK_K, EVEN_K, FAST, OUT)
         else:
             return _byte_tile(QW, s, z, rows, n_mask, kk, z_row, K, G, SCHEME == "fp8", PER_ROW, BLOCK_K, EVEN_K,
                               OUT)
