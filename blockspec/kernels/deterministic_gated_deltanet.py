@@ -78,11 +78,11 @@ if HAVE_TRITON:
                 qn = qf * tl.rsqrt(tl.sum(qf * qf, axis=0) + 1e-6) * scale
                 o = tl.sum(s * qn[:, None], axis=0)
                 tl.store(OUT + (t * H + h) * DV + offs_v, o, mask=mask_v)
-            if HAS_CKPT:  # the state after each token of a span that does not write its slot (a verify block)
-                tl.store(CKPT + n * sc_n + i * (H * DK * DV) + tile, s.to(CKPT.dtype.element_ty),
-                         mask=s_mask & (write < 0))
-        tl.store(SSM + tl.maximum(write, 0) * (H * DK * DV) + tile, s.to(SSM.dtype.element_ty),
-                 mask=s_mask & (write >= 0))
+            if HAS_CKPT:  # noqa: SIM102 - the state after each token of a span writing no slot (a verify block)
+                if write < 0:
+                    tl.store(CKPT + n * sc_n + i * (H * DK * DV) + tile, s.to(CKPT.dtype.element_ty), mask=s_mask)
+        if write >= 0:  # the same program read this tile: read == write slot needs no barrier
+            tl.store(SSM + write * (H * DK * DV) + tile, s.to(SSM.dtype.element_ty), mask=s_mask)
 
     @triton.jit
     def _conv_windows_kernel(BUF, WIN, W, Y, C, sb, sw_c, TAPS: tl.constexpr, BC: tl.constexpr):
