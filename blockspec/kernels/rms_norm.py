@@ -1,7 +1,8 @@
 """RMSNorm, optionally fused with the residual add before it: one pass instead of about eight kernels.
 
 Rounding follows the reference exactly: the residual sum is rounded to the activation dtype, the
-normalisation runs in float32, the result is rounded before the weight multiply.
+normalisation runs in float32, the result is rounded before the weight multiply. The zero-centred form
+(Qwen3-Next, Qwen3.5: scale 1 + weight) scales in float32 and rounds once, as its module does.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ if HAVE_TRITON:
     from blockspec.kernels._triton import release_dependents, wait_for_inputs
 
     @triton.jit
-    def _rms_norm_kernel(X, R, W, Y, RO, n, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    def _rms_norm_kernel(X, R, W, Y, RO, n, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+                         ZERO_CENTERED: tl.constexpr = False):
         wait_for_inputs(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
@@ -30,26 +32,33 @@ if HAVE_TRITON:
         release_dependents(PDL)
         xf = x.to(tl.float32)
         var = tl.sum(xf * xf, 0) / n
-        y = (xf * tl.rsqrt(var + eps)).to(Y.dtype.element_ty)
         w = tl.load(W + cols, mask=mask, other=0.0)
-        tl.store(Y + row * n + cols, (y.to(tl.float32) * w.to(tl.float32)).to(Y.dtype.element_ty), mask=mask)
+        if ZERO_CENTERED:
+            y = xf * tl.rsqrt(var + eps) * (1.0 + w.to(tl.float32))
+        else:
+            y = (xf * tl.rsqrt(var + eps)).to(Y.dtype.element_ty).to(tl.float32) * w.to(tl.float32)
+        tl.store(Y + row * n + cols, y.to(Y.dtype.element_ty), mask=mask)
 
 
-def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
-                 residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+                 zero_centered: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Returns (normed, new residual); new residual = x + residual when a residual is given."""
     if residual is not None:
         x = x + residual
         residual = x
     xf = x.float()
+    if zero_centered:
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        return (y * (1.0 + weight.float())).to(x.dtype), residual
     y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
     return weight * y, residual
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+             zero_centered: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`zero_centered`: scale by 1 + weight (ZeroCenteredRMSNorm's arithmetic), one program a row."""
     if not use_triton(x) or x.dtype != weight.dtype:
-        return rms_norm_ref(x, weight, eps, residual)
+        return rms_norm_ref(x, weight, eps, residual, zero_centered)
     n = x.shape[-1]
     x2 = x.contiguous().view(-1, n)
     y = torch.empty_like(x2)
@@ -58,5 +67,5 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     on = pdl(x)
     _rms_norm_kernel[(x2.shape[0],)](x2, r2, weight, y, res_out if res_out is not None else y, n, eps,
                                      HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(n), PDL=on,
-                                     num_warps=4, launch_pdl=on)
+                                     ZERO_CENTERED=zero_centered, num_warps=4, launch_pdl=on)
     return y.view_as(x), (res_out.view_as(x) if res_out is not None else None)

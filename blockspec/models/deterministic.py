@@ -8,19 +8,26 @@ the same request alone. In this mode every row of the target goes through the sa
 step holds (decode row, k+1 verify block, prefill chunk, any batch):
 
 - norms: the standalone per-row RMSNorm (kernels/rms_norm.py: one program a row, the same reduction for
-  every row), never folded into a GEMM;
+  every row; the hybrids' zero-centred form too), never folded into a GEMM;
 - every projection and the LM head: kernels/deterministic_linear.py (tiles from the weight's shape only, K
   reduced in order, the bias, SwiGLU and residual add in the epilogue the same for every row count);
 - attention, decode and verify and prefill alike: kernels/paged_attention.fixed_split_attention (keys cut
   at fixed absolute positions, merged in order), prefill over the paged cache after its K/V are written;
 - rotary and q/k norm: one program per (token, head) already (kernels/rotary.py);
-- MoE blocks (Qwen3-MoE): the router GEMM as any projection, routing in fixed 16-token tiles (a row's softmax
-  sums reduced the same way for any T), every expert GEMM on 16-row tensor-core tiles with one config from the
-  weight's shape (a single token too, not the one-row path), the combine per token in slot order
-  (kernels/moe_grouped.py).
+- MoE blocks (Qwen3-MoE, and the hybrids' with a shared expert): the router GEMM as any projection, routing in
+  fixed 16-token tiles (a row's softmax sums reduced the same way for any T), every expert GEMM on 16-row
+  tensor-core tiles with one config from the weight's shape (a single token too, not the one-row path), the
+  combine per token in slot order (kernels/moe_grouped.py); a shared expert's projections and its sigmoid gate
+  as any projection, added per element;
+- Gated DeltaNet hybrids (Qwen3-Next, Qwen3.5/3.6 dense and MoE): the short convolution and the delta rule
+  through one per-token kernel each for decode rows, verify blocks, their commits and prefill chunks, the state
+  rounded to its pool's dtype after every token so chunk boundaries change nothing
+  (layers/deterministic_deltanet.py, kernels/deterministic_gated_deltanet.py), the gated RMSNorm per token;
+  gated attention's zero-centred q/k norms and partial rotary per (token, head), its sigmoid gate per element.
 
 The switch is one flag on the model (`set_deterministic`), read where each layer dispatches. Covered: the
-Llama-family dense targets and Qwen3-MoE with unquantized weights; `problem` says what is refused and why.
+Llama-family dense targets, Qwen3-MoE and the Gated DeltaNet hybrids with unquantized weights; `problem` says
+what is refused and why.
 """
 
 from __future__ import annotations
@@ -40,16 +47,19 @@ from blockspec.kernels.moe_grouped import (
     moe_experts,
     moe_route,
 )
+from blockspec.kernels.rms_norm import rms_norm
+from blockspec.kernels.rotary import NORM_ZERO_CENTERED, rope_heads
 from blockspec.models.layers.moe import SparseMoeBlock, route
 
-COVERED = "dense Llama-family targets (Llama, SmolLM, Qwen2, Qwen3) and Qwen3-MoE with unquantized weights"
+COVERED = ("dense Llama-family targets (Llama, SmolLM, Qwen2, Qwen3), Qwen3-MoE and the Gated DeltaNet hybrids "
+           "(Qwen3-Next, Qwen3.5/3.6 dense and MoE) with unquantized weights")
 
 
 def problem(model_cls: type[nn.Module], architecture: str, quantization: str | None) -> str | None:
     """Why --deterministic cannot be honoured for this target, or None."""
     if not getattr(model_cls, "supports_deterministic", False):
-        return f"--deterministic covers {COVERED} so far; {architecture} (Gated DeltaNet hybrid or sink " \
-               "attention) is not covered yet: drop --deterministic"
+        return f"--deterministic covers {COVERED} so far; {architecture} (sink or sliding-window attention) " \
+               "is not covered yet: drop --deterministic"
     if quantization is not None:
         return f"--deterministic covers {COVERED} so far; this checkpoint's {quantization} weights are not " \
                "covered yet: drop --deterministic or serve unquantized weights"
@@ -67,36 +77,92 @@ def linear(x: torch.Tensor, proj: nn.Module, *, gated: bool = False,
     return deterministic_linear(x, weight, proj.bias, gated=gated, residual=residual)
 
 
-def attention_residual(h: torch.Tensor, norm: nn.Module, qkv_proj: nn.Module, o_proj: nn.Module,
+def norm(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
+    """module(x) through the per-row kernel: an RMSNorm, or the hybrids' zero-centred form (scale 1 + weight,
+    whose module computes in PyTorch ops: reductions whose strategy follows the shape on the GPU)."""
+    if getattr(module, "zero_centered", False):
+        return rms_norm(x, module.weight, module.eps, zero_centered=True)[0]
+    return module(x)
+
+
+def rowwise(fn: Callable[..., torch.Tensor], *xs: torch.Tensor) -> torch.Tensor:
+    """fn(*xs) for element-wise work on the GPU; one row at a time elsewhere: PyTorch's CPU kernels round a
+    vectorised body and a scalar tail differently (SiLU, sigmoid), so a row's bits would follow its position."""
+    if xs[0].is_cuda:
+        return fn(*xs)
+    return torch.cat([fn(*(x[i:i + 1] for x in xs)) for i in range(xs[0].shape[0])])
+
+
+def attention_residual(h: torch.Tensor, norm_module: nn.Module, qkv_proj: nn.Module, o_proj: nn.Module,
                        attend: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """h += o_proj(attend(qkv_proj(norm(h)))), in place, the same arithmetic for any number of rows."""
-    qkv = linear(norm(h), qkv_proj)
+    qkv = linear(norm(h, norm_module), qkv_proj)
     return linear(attend(qkv).contiguous(), o_proj, residual=h)
 
 
-def swiglu_residual(h: torch.Tensor, norm: nn.Module, gate_up_proj: nn.Module, down_proj: nn.Module) -> torch.Tensor:
+def gated_attention_residual(h: torch.Tensor, positions: torch.Tensor, norm_module: nn.Module,
+                             attn: nn.Module) -> torch.Tensor:
+    """h += o_proj(attention(q, k, v) * sigmoid(gate)), [q, gate] | k | v = qkv_proj(norm(h)), in place
+    (Qwen3-Next / Qwen3.5's GatedAttention): zero-centred q/k norms, partial rotary and the cache write in the
+    per-(token, head) kernel, attention through fixed_split_attention, the gate per element."""
+    nq, nk, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
+    qkv = linear(norm(h, norm_module), attn.qkv_proj)
+    cos, sin = attn.rotary.cos, attn.rotary.sin
+    if qkv.is_cuda and (d & (d - 1) or cos.shape[1] % 2):  # rope_heads' PyTorch path reduces by shape
+        raise RuntimeError(f"deterministic gated attention needs a power-of-two head_dim and an even rotary "
+                           f"dimension, got {d} and {cos.shape[1]}")
+    cache = attn.attn.cache_for_store()
+    rope_heads(qkv, positions, cos, sin, nq, nk, d, 2 * d, 2 * nq * d, (2 * nq + nk) * d, NORM_ZERO_CENTERED,
+               attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps, *(cache if cache is not None else ()))
+    q, gate, k, v = attn._split(qkv)
+    out = attn.attn(q.contiguous(), k, v, stored=cache is not None)
+    out = rowwise(lambda o, g: o * torch.sigmoid(g), out, gate.reshape(out.shape))
+    return linear(out.contiguous(), attn.o_proj, residual=h)
+
+
+def deltanet_residual(h: torch.Tensor, norm_module: nn.Module, mixer: nn.Module) -> torch.Tensor:
+    """h += out_proj(GatedDeltaNet(norm(h))), in place: the input projections and out_proj as any projection,
+    the conv, delta rule and gated norm per token (GatedDeltaNet.forward_deterministic)."""
+    x = norm(h, norm_module)
+    core = mixer.forward_deterministic(linear(x, mixer.in_proj_qkvz), linear(x, mixer.in_proj_ba))
+    return linear(core, mixer.out_proj, residual=h)
+
+
+def swiglu_residual(h: torch.Tensor, norm_module: nn.Module, gate_up_proj: nn.Module,
+                    down_proj: nn.Module) -> torch.Tensor:
     """h += down_proj(silu(gate) * up) with [gate; up] = gate_up_proj(norm(h)), in place."""
-    act = linear(norm(h), gate_up_proj, gated=True)
+    act = linear(norm(h, norm_module), gate_up_proj, gated=True)
     return linear(act, down_proj, residual=h)
 
 
-def moe_residual(h: torch.Tensor, norm: nn.Module, block: SparseMoeBlock) -> torch.Tensor:
-    """h + block(norm(h)) (routed experts, no shared expert), the same arithmetic for any number of rows: the
-    fixed-tile kernels where Triton runs, else the block's reference one row at a time (h updated in place)."""
-    if block.shared_expert is not None:  # Qwen3-MoE has none; the hybrids that do are refused before loading
-        raise RuntimeError("deterministic MoE covers routed experts only (no shared expert)")
-    x = norm(h)
+def shared_expert(x: torch.Tensor, block: SparseMoeBlock) -> torch.Tensor:
+    """sigmoid(shared_expert_gate(x)) * shared_expert(x), rounded as the block's PyTorch ops round it: the four
+    projections as any projection, SwiGLU and the gate per element."""
+    se = block.shared_expert
+    act = rowwise(lambda g, u: torch.nn.functional.silu(g) * u, linear(x, se.gate_proj), linear(x, se.up_proj))
+    return rowwise(lambda g, y: torch.sigmoid(g) * y, linear(x, block.shared_expert_gate), linear(act, se.down_proj))
+
+
+def moe_residual(h: torch.Tensor, norm_module: nn.Module, block: SparseMoeBlock) -> torch.Tensor:
+    """h + block(norm(h)), the same arithmetic for any number of rows: the fixed-tile kernels where Triton runs,
+    else the block's reference one row at a time (h updated in place); a shared expert (Qwen3-Next, Qwen3.5-MoE)
+    is added to the routed output per element, as the block adds it."""
+    x = norm(h, norm_module)
     logits = linear(x, block.gate)
     ex = block.experts
+    shared = shared_expert(x, block) if block.shared_expert is not None else None
     if fused_supported(x, ex.gate_up_proj, ex.down_proj):
         weights, ids, _ = moe_route(logits, block.top_k, block.renormalize, block_t=FIXED_ROUTE_TOKENS)
         configs = (fixed_gemm_config(x.shape[1]), fixed_gemm_config(ex.intermediate_size))
-        return moe_experts(x, ex.gate_up_proj, ex.down_proj, weights, ids, configs=configs,
-                           layout=moe_align(ids, ex.num_experts, False), residual=h, gate_up_bias=ex.gate_up_proj_bias,
-                           down_bias=ex.down_proj_bias, limit=ex.activation.limit, alpha=ex.activation.alpha)
+        out = moe_experts(x, ex.gate_up_proj, ex.down_proj, weights, ids, configs=configs,
+                          layout=moe_align(ids, ex.num_experts, False), residual=h if shared is None else None,
+                          gate_up_bias=ex.gate_up_proj_bias, down_bias=ex.down_proj_bias, limit=ex.activation.limit,
+                          alpha=ex.activation.alpha)
+        return out if shared is None else h + (out + shared)
     for i in range(h.shape[0]):  # one fixed-shape pass per row: no row count enters its arithmetic
         weights, ids = route(logits[i:i + 1], block.top_k, block.renormalize)
-        h[i:i + 1] = h[i:i + 1] + ex(x[i:i + 1], weights, ids)
+        out = ex(x[i:i + 1], weights, ids)
+        h[i:i + 1] = h[i:i + 1] + (out if shared is None else out + shared[i:i + 1])
     return h
 
 

@@ -181,6 +181,8 @@ class LlamaForCausalLM(nn.Module):
             for j, layer_id in enumerate(capture_layer_ids):
                 if layer_id == i:
                     features[:, j * hs:(j + 1) * hs] = h
+        if self.deterministic:  # the per-row kernel whatever the norm's module (the hybrids' zero-centred one)
+            return deterministic.norm(h, self.model.norm), features
         return self.model.norm(h), features
 
     def set_deterministic(self, on: bool) -> None:

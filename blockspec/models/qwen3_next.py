@@ -21,6 +21,7 @@ from torch import nn
 
 from blockspec.kernels.rotary import NORM_ZERO_CENTERED, rope_heads
 from blockspec.kernels.skinny_linear import skinny_linear, skinny_supported
+from blockspec.models import deterministic
 from blockspec.models.layers.attention import PagedAttention, current_metadata
 from blockspec.models.layers.gated_deltanet import GatedDeltaNet
 from blockspec.models.layers.linear import FusedLinear, Linear, fused_swiglu_residual
@@ -43,6 +44,8 @@ from blockspec.models.weight_utils import copy_named
 
 class ZeroCenteredRMSNorm(nn.Module):
     """RMSNorm with scale (1 + weight), computed in float32 and cast back (Qwen3-Next, Qwen3.5)."""
+
+    zero_centered = True  # --deterministic runs it through kernels/rms_norm.py's zero-centred form
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
@@ -111,6 +114,8 @@ class GatedAttention(nn.Module):
 
 
 class HybridDecoderLayer(nn.Module):
+    deterministic = False  # batch-invariant kernels (models/deterministic.py): set by the model's set_deterministic
+
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, layer: int, packed_projections: bool) -> None:
         super().__init__()
         linear = cfg.layer_types[layer] == "linear_attention"
@@ -122,7 +127,10 @@ class HybridDecoderLayer(nn.Module):
 
     def forward(self, positions: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         """The residual stream in, the layer's output out. Uniform decode/verify rows on the GPU take the
-        fused path (norms folded into GEMMs, residual adds in place); everything else the plain ops."""
+        fused path (norms folded into GEMMs, residual adds in place); everything else the plain ops. Under
+        --deterministic every row takes the batch-invariant kernels (models/deterministic.py), never the fused path."""
+        if self.deterministic:
+            return self._forward_deterministic(positions, h)
         mixer = self.linear_attn if self.linear_attn is not None else self.self_attn
         if self._fused(h, mixer):
             if self.linear_attn is not None:
@@ -137,6 +145,17 @@ class HybridDecoderLayer(nn.Module):
         x = self.linear_attn(x) if self.linear_attn is not None else self.self_attn(positions, x)
         h = h + x
         return h + self.mlp(self.post_attention_layernorm(h))
+
+    def _forward_deterministic(self, positions: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """Both halves with h updated in place, the same arithmetic for every row of any step."""
+        if self.linear_attn is not None:
+            h = deterministic.deltanet_residual(h, self.input_layernorm, self.linear_attn)
+        else:
+            h = deterministic.gated_attention_residual(h, positions, self.input_layernorm, self.self_attn)
+        if isinstance(self.mlp, LlamaMLP):
+            return deterministic.swiglu_residual(h, self.post_attention_layernorm, self.mlp.gate_up_proj,
+                                                 self.mlp.down_proj)
+        return deterministic.moe_residual(h, self.post_attention_layernorm, self.mlp)
 
     def _fused(self, h: torch.Tensor, mixer: nn.Module) -> bool:
         meta = current_metadata()
@@ -174,7 +193,7 @@ class Qwen3NextForCausalLM(LlamaForCausalLM):
 
     packed_projections = True  # Qwen3-Next packs q/k/v/z and b/a per key-head group
     has_recurrent_state = True  # the runner attaches a StateMetadata to every step
-    supports_deterministic = False  # the Gated DeltaNet kernels are not batch-invariant yet
+    supports_deterministic = True  # models/deterministic.py: per-token conv and recurrence, gated attention, MoE
 
     def __init__(self, cfg: ModelConfig, max_positions: int | None = None) -> None:
         nn.Module.__init__(self)  # LlamaForCausalLM's interface, our own layers
@@ -185,6 +204,17 @@ class Qwen3NextForCausalLM(LlamaForCausalLM):
     @property
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.model.layers if layer.self_attn is not None]
+
+    def set_deterministic(self, on: bool) -> None:
+        """--deterministic: every decoder layer, its attention or DeltaNet mixer and the LM head take the
+        batch-invariant kernels (models/deterministic.py)."""
+        if on and not self.supports_deterministic:
+            raise ValueError(f"{type(self).__name__} has no deterministic path")
+        self.deterministic = on
+        for layer in self.model.layers:
+            layer.deterministic = on
+        for module in (*self.attention_layers, *self.state_layers):
+            module.deterministic = on
 
     @property
     def state_layers(self) -> list[GatedDeltaNet]:

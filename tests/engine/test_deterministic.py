@@ -16,7 +16,9 @@ from blockspec.errors import ConfigError
 from blockspec.models import deterministic
 from blockspec.models.gpt_oss import GptOssForCausalLM
 from blockspec.models.llama import LlamaForCausalLM
+from blockspec.models.qwen3_5 import Qwen3_5ForConditionalGeneration, Qwen3_5MoeForConditionalGeneration
 from blockspec.models.qwen3_moe import Qwen3MoeForCausalLM
+from blockspec.models.qwen3_next import Qwen3NextForCausalLM
 from tests.tiny_hybrid import save_tiny_hybrid
 
 PROMPTS = ["hello world", "a" * 37, "The quick brown fox jumps over", "x", "def f(n):\n    return", "zz top",
@@ -52,13 +54,18 @@ def test_start_up_report_says_deterministic(tiny_models, caplog):
 
 
 def test_targets_not_covered_are_refused(tmp_path):
-    hybrid = save_tiny_hybrid(tmp_path / "hybrid", "qwen3_5", num_layers=2)
+    from tests.tiny_gpt_oss import save_tiny_gpt_oss
+
+    sinks = save_tiny_gpt_oss(tmp_path / "gpt_oss")
     with pytest.raises(ConfigError, match="--deterministic covers dense Llama-family targets .* not covered yet"):
-        Engine(EngineConfig(model=str(hybrid), device="cpu", deterministic=True))
+        Engine(EngineConfig(model=str(sinks), device="cpu", deterministic=True))
     assert "int4" in deterministic.problem(LlamaForCausalLM, "LlamaForCausalLM", "compressed-tensors int4")
     assert "int4" in deterministic.problem(Qwen3MoeForCausalLM, "Qwen3MoeForCausalLM", "compressed-tensors int4")
     assert deterministic.problem(GptOssForCausalLM, "GptOssForCausalLM", None) is not None
     assert deterministic.problem(Qwen3MoeForCausalLM, "Qwen3MoeForCausalLM", None) is None
+    for hybrid in (Qwen3NextForCausalLM, Qwen3_5ForConditionalGeneration, Qwen3_5MoeForConditionalGeneration):
+        assert deterministic.problem(hybrid, hybrid.__name__, None) is None
+        assert "int4" in deterministic.problem(hybrid, hybrid.__name__, "compressed-tensors int4")
     assert deterministic.problem(LlamaForCausalLM, "LlamaForCausalLM", None) is None
 
 

@@ -16,6 +16,10 @@ Uniform decode/verify batches (the runner's CUDA-graph path, `DecodeStateMetadat
 kernels instead (kernels/gated_deltanet.py): each row reads its state from one slot and the committed
 state lands in its pair partner, during the pass for single tokens, at `commit_decode` for verify
 blocks (whose inputs the pass keeps on the device, so the commit runs without the host).
+
+Under --deterministic the decoder layer projects and calls `forward_deterministic` instead, on either step
+description: every token through the same convolution and sequential recurrence
+(layers/deterministic_deltanet.py).
 """
 
 from __future__ import annotations
@@ -29,9 +33,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from blockspec.errors import ConfigError
+from blockspec.kernels.deterministic_gated_deltanet import conv_windows
 from blockspec.kernels.gated_deltanet import causal_conv_update, gated_rms_norm, gdn_recurrent
 from blockspec.kernels.skinny_linear import skinny_linear, skinny_linear_pair
-from blockspec.models.layers import delta_rule, delta_rule_fla
+from blockspec.models.layers import delta_rule, delta_rule_fla, deterministic_deltanet
 from blockspec.models.layers.attention import current_metadata
 from blockspec.models.layers.linear import FusedLinear, Linear
 from blockspec.models.layers.recurrent_state import DecodeStateMetadata, LayerState, StateMetadata
@@ -77,10 +82,13 @@ class _Pending:
     conv_buffer: torch.Tensor  # the extended conv inputs of the whole step
     spec: list[int]  # batch indices of the speculative spans
     backend: str  # who produced `inputs`, and so who replays them
-    inputs: tuple[torch.Tensor, ...] | None  # replay: (k, v, g, beta); reference: whole batch, fla: spec tokens
+    # replay: (k, v, g, beta); reference: whole batch, fla: spec tokens; deterministic: (k, v, a, b), whole batch
+    inputs: tuple[torch.Tensor, ...] | None
 
 
 class GatedDeltaNet(nn.Module):
+    deterministic = False  # --deterministic (models/deterministic.py): set by the model's set_deterministic
+
     def __init__(self, cfg: ModelConfig, packed_projections: bool) -> None:
         super().__init__()
         lin = cfg.linear
@@ -158,6 +166,28 @@ class GatedDeltaNet(nn.Module):
         out = self.norm(core.to(x.dtype), z)
         return self.out_proj(out.reshape(t, -1))
 
+    # ---- --deterministic ----------------------------------------------------------------------
+
+    def forward_deterministic(self, qkvz: torch.Tensor, ba: torch.Tensor) -> torch.Tensor:
+        """The two input projections' rows -> the gated, normed mixer output [T, value_dim] (before out_proj),
+        through the batch-invariant kernels on the CUDA-graph decode path and the general path alike."""
+        ctx = current_metadata()
+        t = qkvz.shape[0]
+        mixed, z, b, a = self._split(qkvz, ba)
+        sd = getattr(ctx, "state_decode", None)
+        if sd is not None and self.state is not None:
+            core = deterministic_deltanet.decode(self, mixed, a, b, sd)
+        else:
+            meta, st = getattr(ctx, "state", None), self.state
+            if meta is None or st is None:
+                raise RuntimeError("deterministic Gated DeltaNet needs state slots (allocate_state) and the runner's "
+                                   "StateMetadata")
+            y, conv_buffer = self._conv(mixed, meta, st)
+            core, inputs = deterministic_deltanet.spans(self, y, a, b, meta, st)
+            spec = meta.spans(speculative=True)
+            st.pending = _Pending(meta, conv_buffer, spec, "deterministic", inputs) if spec else None
+        return deterministic_deltanet.gated_norm(core, z, self.norm).reshape(t, -1)
+
     # ---- uniform decode / verify rows (CUDA graphs) ---------------------------------------------
 
     def _forward_decode(self, x: torch.Tensor, sd: DecodeStateMetadata) -> torch.Tensor:
@@ -201,6 +231,9 @@ class GatedDeltaNet(nn.Module):
             rows = torch.arange(sd.num_rows, device=counts.device)
             st.ssm[sd.write_slots] = st.checkpoints[rows, counts - 1]
             return
+        if self.deterministic:
+            deterministic_deltanet.replay_decode(self, sd, saved, counts)
+            return
         gdn_recurrent(None, k, v, a, b, self.A_log, self.dt_bias, st.ssm, sd.read_slots, counts=counts,
                       write_slots=sd.write_slots, compute_output=False)
 
@@ -228,9 +261,13 @@ class GatedDeltaNet(nn.Module):
         buffer = torch.cat([prev.reshape(-1, x.shape[1]), x])[src]
         windows = meta.tensor(("conv_windows", width), lambda: (_windows(meta, bases, width), torch.int64))
         weight = self.conv1d.weight[:, 0, :]  # [C, kernel]
-        y = buffer[windows[:, 0]] * weight[:, 0]
-        for j in range(1, self.conv_kernel):
-            y = y + buffer[windows[:, j]] * weight[:, j]
+        if self.deterministic:  # float32, one token at a time: the decode path's arithmetic
+            y = conv_windows(buffer, windows, weight)
+        else:
+            y = buffer[windows[:, 0]] * weight[:, 0]
+            for j in range(1, self.conv_kernel):
+                y = y + buffer[windows[:, j]] * weight[:, j]
+            y = F.silu(y)
         done = meta.spans(speculative=False)
         if done:
             ends = meta.tensor(("conv_ends", width),
@@ -243,7 +280,7 @@ class GatedDeltaNet(nn.Module):
                 [bases[b] + off + j for b, off, _ in saves for j in range(width)], torch.int64))
             entries = meta.tensor("snap_entries", lambda: ([e for _, _, e in saves], torch.int64))
             st.snap_conv[entries] = buffer[rows].view(len(saves), width, -1).to(st.snap_conv.dtype)
-        return F.silu(y), buffer
+        return y, buffer
 
     # ---- delta rule --------------------------------------------------------------------------
 
@@ -337,6 +374,9 @@ class GatedDeltaNet(nn.Module):
             return
         if pending.backend == "reference":
             self._replay_reference(meta, spec, counts, pending.inputs)
+            return
+        if pending.backend == "deterministic":
+            deterministic_deltanet.replay(self, meta, spec, counts, pending.inputs)
             return
         k, v, g, beta = pending.inputs
         tokens, start = [], 0
