@@ -40,6 +40,7 @@ from blockspec.kernels.moe_grouped import (
     moe_experts,
     moe_route,
 )
+from blockspec.kernels.quant_linear import deterministic_quant_linear
 from blockspec.models.layers.moe import SparseMoeBlock, route
 
 COVERED = "dense Llama-family targets (Llama, SmolLM, Qwen2, Qwen3) and Qwen3-MoE with unquantized weights"
@@ -60,7 +61,10 @@ def linear(x: torch.Tensor, proj: nn.Module, *, gated: bool = False,
            residual: torch.Tensor | None = None) -> torch.Tensor:
     """proj(x) (SwiGLU over [gate; up] with `gated`, added into `residual` in place with it) through the
     batch-invariant kernel for the projection's weight format: every projection of a deterministic model goes
-    through here."""
+    through here. Quantized layers (QuantLinear: packed `qweight`, no `weight`) take the quant kernel's dot path
+    with one launch config per layer (kernels/quant_linear.deterministic_quant_linear)."""
+    if isinstance(getattr(proj, "qweight", None), torch.Tensor):
+        return deterministic_quant_linear(x, proj, gated=gated, residual=residual)
     weight = getattr(proj, "weight", None)
     if not isinstance(weight, torch.Tensor):
         raise RuntimeError(f"deterministic projection: {type(proj).__name__} weights are not covered yet")
@@ -90,7 +94,8 @@ def moe_residual(h: torch.Tensor, norm: nn.Module, block: SparseMoeBlock) -> tor
     ex = block.experts
     if fused_supported(x, ex.gate_up_proj, ex.down_proj):
         weights, ids, _ = moe_route(logits, block.top_k, block.renormalize, block_t=FIXED_ROUTE_TOKENS)
-        configs = (fixed_gemm_config(x.shape[1]), fixed_gemm_config(ex.intermediate_size))
+        quantized = not isinstance(ex.gate_up_proj, torch.Tensor)  # QuantExperts: the stacks dequantized in tiles
+        configs = (fixed_gemm_config(x.shape[1], quantized), fixed_gemm_config(ex.intermediate_size, quantized))
         return moe_experts(x, ex.gate_up_proj, ex.down_proj, weights, ids, configs=configs,
                            layout=moe_align(ids, ex.num_experts, False), residual=h, gate_up_bias=ex.gate_up_proj_bias,
                            down_bias=ex.down_proj_bias, limit=ex.activation.limit, alpha=ex.activation.alpha)
@@ -101,6 +106,8 @@ def moe_residual(h: torch.Tensor, norm: nn.Module, block: SparseMoeBlock) -> tor
 
 
 def logits(hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
+    """The LM head's GEMM. A checkpoint's quantized head is held dequantized (loader/quant/apply.finalize_quantized:
+    the logits and the drafter read its weight), so it is a plain weight here too."""
     return deterministic_linear(hidden.contiguous(), lm_head_weight)
 
 
