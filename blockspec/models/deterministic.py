@@ -11,21 +11,29 @@ step holds (decode row, k+1 verify block, prefill chunk, any batch):
   every row), never folded into a GEMM;
 - every projection and the LM head: kernels/deterministic_linear.py (tiles from the weight's shape only, K
   reduced in order, the bias, SwiGLU and residual add in the epilogue the same for every row count);
+- quantized projections (QuantLinear: int4 / int8 with groups, symmetric or asymmetric, FP8 per channel or
+  in blocks, NVFP4): the quant kernel's dot path (kernels/quant_linear.deterministic_quant_linear) with one
+  launch config from the layer's format and shape (a 16-row tile, K in SPLIT slices summed in a fixed order
+  inside the program), the weight dequantized in registers for every row count, long prefills too (never the
+  dequantize-then-cuBLAS path); a checkpoint's quantized LM head is held dequantized, a plain weight;
 - attention, decode and verify and prefill alike: kernels/paged_attention.fixed_split_attention (keys cut
   at fixed absolute positions, merged in order), prefill over the paged cache after its K/V are written;
+  GPT-OSS's sliding window masks inside the same splits and its sinks join each row's normaliser once, last;
 - rotary and q/k norm: one program per (token, head) already (kernels/rotary.py);
-- MoE blocks (Qwen3-MoE): the router GEMM as any projection, routing in fixed 16-token tiles (a row's softmax
-  sums reduced the same way for any T), every expert GEMM on 16-row tensor-core tiles with one config from the
-  weight's shape (a single token too, not the one-row path), the combine per token in slot order
-  (kernels/moe_grouped.py).
+- MoE blocks (Qwen3-MoE, GPT-OSS): the router GEMM as any projection, routing in fixed 16-token tiles (a row's
+  softmax sums reduced the same way for any T), every expert GEMM on 16-row tensor-core tiles with one config
+  from the weight's shape (a single token too, not the one-row path), bf16 or quantized stacks (MXFP4 and the
+  dense layouts, dequantized in the tiles), expert biases and GPT-OSS's clamped SwiGLU in the epilogue, the
+  combine per token in slot order (kernels/moe_grouped.py).
 
-The switch is one flag on the model (`set_deterministic`), read where each layer dispatches. Covered: the
-Llama-family dense targets and Qwen3-MoE with unquantized weights; `problem` says what is refused and why.
+The switch is one flag on the model (`set_deterministic`), read where each layer dispatches. Covered (COVERED):
+the Llama-family dense targets, Qwen3-MoE and GPT-OSS, unquantized or in COVERED_SCHEMES' layouts; `problem`
+says what is refused and why. On CPU without Triton every piece runs its row-by-row reference.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -43,18 +51,30 @@ from blockspec.kernels.moe_grouped import (
 from blockspec.kernels.quant_linear import deterministic_quant_linear
 from blockspec.models.layers.moe import SparseMoeBlock, route
 
-COVERED = "dense Llama-family targets (Llama, SmolLM, Qwen2, Qwen3) and Qwen3-MoE with unquantized weights"
+COVERED_SCHEMES = ("int4", "int8", "fp8", "nvfp4", "mxfp4")  # the quantized layouts whose GEMMs are batch-invariant
+COVERED = ("dense Llama-family targets (Llama, SmolLM, Qwen2, Qwen3), Qwen3-MoE and GPT-OSS, with unquantized weights "
+           "or quantized ones in the int4 / int8 (any group size, symmetric or asymmetric), FP8 (per tensor, per "
+           "channel, 128x128 blocks), NVFP4 and MXFP4 layouts")
 
 
-def problem(model_cls: type[nn.Module], architecture: str, quantization: str | None) -> str | None:
-    """Why --deterministic cannot be honoured for this target, or None."""
+def problem(model_cls: type[nn.Module], architecture: str, quantization: str | None,
+            schemes: Iterable[str] = ()) -> str | None:
+    """Why --deterministic cannot be honoured for this target, or None. `quantization`: the checkpoint's
+    description; `schemes`: the layouts its layers were built in (`quantized_schemes`, once the quantized
+    modules are swapped in: before that only the model class is checked)."""
     if not getattr(model_cls, "supports_deterministic", False):
-        return f"--deterministic covers {COVERED} so far; {architecture} (Gated DeltaNet hybrid or sink " \
-               "attention) is not covered yet: drop --deterministic"
-    if quantization is not None:
-        return f"--deterministic covers {COVERED} so far; this checkpoint's {quantization} weights are not " \
-               "covered yet: drop --deterministic or serve unquantized weights"
+        return f"--deterministic covers {COVERED} so far; {architecture} (a Gated DeltaNet hybrid) is not covered " \
+               "yet: drop --deterministic"
+    uncovered = sorted(set(schemes) - set(COVERED_SCHEMES))
+    if quantization is not None and uncovered:
+        return f"--deterministic covers {COVERED} so far; this checkpoint's {quantization} ({', '.join(uncovered)} " \
+               "layers) is not covered yet: drop --deterministic or serve unquantized weights"
     return None
+
+
+def quantized_schemes(model: nn.Module) -> set[str]:
+    """The layouts of the model's quantized layers (QuantLinear, and the expert stacks of QuantExperts)."""
+    return {m.scheme for m in model.modules() if isinstance(getattr(m, "qweight", None), torch.Tensor)}
 
 
 def linear(x: torch.Tensor, proj: nn.Module, *, gated: bool = False,

@@ -55,11 +55,103 @@ def test_targets_not_covered_are_refused(tmp_path):
     hybrid = save_tiny_hybrid(tmp_path / "hybrid", "qwen3_5", num_layers=2)
     with pytest.raises(ConfigError, match="--deterministic covers dense Llama-family targets .* not covered yet"):
         Engine(EngineConfig(model=str(hybrid), device="cpu", deterministic=True))
-    assert "int4" in deterministic.problem(LlamaForCausalLM, "LlamaForCausalLM", "compressed-tensors int4")
-    assert "int4" in deterministic.problem(Qwen3MoeForCausalLM, "Qwen3MoeForCausalLM", "compressed-tensors int4")
-    assert deterministic.problem(GptOssForCausalLM, "GptOssForCausalLM", None) is not None
+    for cls, desc, schemes in ((LlamaForCausalLM, "compressed-tensors pack-quantized", {"int4"}),
+                               (LlamaForCausalLM, "ModelOpt NVFP4", {"nvfp4"}),
+                               (Qwen3MoeForCausalLM, "compressed-tensors float-quantized", {"fp8"}),
+                               (GptOssForCausalLM, "MXFP4 experts", {"mxfp4"}),
+                               (LlamaForCausalLM, "GPTQ 8-bit (gptq)", {"int8"})):
+        assert deterministic.problem(cls, cls.__name__, desc, schemes) is None
+    assert deterministic.problem(GptOssForCausalLM, "GptOssForCausalLM", None) is None
     assert deterministic.problem(Qwen3MoeForCausalLM, "Qwen3MoeForCausalLM", None) is None
     assert deterministic.problem(LlamaForCausalLM, "LlamaForCausalLM", None) is None
+    refusal = deterministic.problem(LlamaForCausalLM, "LlamaForCausalLM", "some 2-bit format", {"int2", "int4"})
+    assert "int2 layers" in refusal and "int4" not in refusal.split("so far")[1] and "NVFP4" in refusal
+    assert "\n" not in refusal
+
+
+def test_a_layout_not_covered_is_refused_before_the_weights_load(tiny_models, monkeypatch):
+    """The engine asks with the layouts the layers were built in (here one relabelled as a future layout)."""
+    pytest.importorskip("compressed_tensors")
+    monkeypatch.setattr(deterministic, "quantized_schemes", lambda model: {"int2"})
+    with pytest.raises(ConfigError, match="int2 layers\\) is not covered yet"):
+        engine(quantized_target(tiny_models, "int4_asym_g32"), None, 0)
+
+
+# ---- quantized targets: every QuantLinear through the quantized kernel's fixed config (CPU: its row-by-row
+# reference), a checkpoint written by compressed-tensors itself ----------------------------------------------------
+
+_QUANTIZED: dict[str, Path] = {}
+
+
+def quantized_target(tiny_models, fmt: str) -> Path:
+    """The tiny Qwen3 as a compressed-tensors checkpoint (tests/loader/quant_helpers.py), made once a session."""
+    import tempfile
+
+    from tests.loader.quant_helpers import write_ct_checkpoint
+
+    if fmt not in _QUANTIZED:
+        root = Path(tempfile.mkdtemp(prefix=f"det_{fmt}_"))
+        _QUANTIZED[fmt] = write_ct_checkpoint(tiny_models["qwen3"], root / "q", fmt)[0]
+    return _QUANTIZED[fmt]
+
+
+_ALONE: dict[str, list[list[int]]] = {}
+
+
+def greedy_alone(target: Path) -> list[list[int]]:
+    """Greedy decoding of every prompt, one request at a time (once a target)."""
+    if str(target) not in _ALONE:
+        eng = engine(target, None, 0)
+        _ALONE[str(target)] = [eng.generate([p], GREEDY)[0].token_ids for p in PROMPTS]
+    return _ALONE[str(target)]
+
+
+@pytest.mark.parametrize("k", [0, 7, 15])
+@pytest.mark.parametrize("fmt", ["int4_asym_g32", "nvfp4"])
+def test_quantized_batch_of_8_with_drafts_equals_greedy_alone(tiny_models, tiny_drafter, fmt, k):
+    pytest.importorskip("compressed_tensors")
+    target = quantized_target(tiny_models, fmt)
+    alone = greedy_alone(target)
+    eng = engine(target, tiny_drafter, k)
+    assert any(type(m).__name__ == "QuantLinear" for m in eng.runner.target.modules())
+    assert [o.token_ids for o in eng.generate(PROMPTS, GREEDY)] == alone
+    if k:
+        assert [eng.generate([p], GREEDY)[0].token_ids for p in PROMPTS[:3]] == alone[:3]
+
+
+# ---- GPT-OSS: sinks, sliding-window layers, biased projections and experts, clamped SwiGLU; bf16 or MXFP4 experts
+
+@pytest.fixture(scope="module")
+def tiny_gpt_oss(tmp_path_factory) -> dict[str, Path]:
+    from tests.tiny_gpt_oss import save_tiny_gpt_oss, save_tiny_gpt_oss_drafter, save_tiny_gpt_oss_mxfp4
+
+    root = tmp_path_factory.mktemp("det_gpt_oss")
+    bf16 = save_tiny_gpt_oss(root / "bf16")
+    return {"bf16": bf16, "mxfp4": save_tiny_gpt_oss_mxfp4(root / "mxfp4"),
+            "drafter": save_tiny_gpt_oss_drafter(root / "drafter", bf16)}
+
+
+@pytest.mark.parametrize("k", [0, 7, 15])
+@pytest.mark.parametrize("layout", ["bf16", "mxfp4"])
+def test_gpt_oss_batch_of_8_with_drafts_equals_greedy_alone(tiny_gpt_oss, layout, k):
+    """The window (8 keys) is far shorter than the prompts and outputs, so the sliding layers mask inside every
+    step; the sinks join every row's softmax."""
+    target = tiny_gpt_oss[layout]
+    alone = greedy_alone(target)
+    eng = engine(target, tiny_gpt_oss["drafter"], k)
+    assert [o.token_ids for o in eng.generate(PROMPTS, GREEDY)] == alone
+    if k:
+        assert [eng.generate([p], GREEDY)[0].token_ids for p in PROMPTS[:3]] == alone[:3]
+
+
+def test_gpt_oss_fp32_output_is_the_models(tiny_gpt_oss):
+    """In fp32 the deterministic path (fixed-split attention with sinks and window, the MoE's fixed tiles)
+    computes the same model as the regular CPU path."""
+    def greedy(det: bool) -> list[list[int]]:
+        eng = Engine(EngineConfig(model=str(tiny_gpt_oss["bf16"]), device="cpu", deterministic=det,
+                                  max_num_batched_tokens=24))
+        return [o.token_ids for o in eng.generate(PROMPTS[:4], GREEDY)]
+    assert greedy(True) == greedy(False)
 
 
 @pytest.fixture(scope="module")
