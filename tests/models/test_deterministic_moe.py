@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from blockspec.kernels._triton import kernel_device
+from blockspec.kernels.moe_grouped import fused_supported
 from blockspec.models import deterministic
 from blockspec.models.layers.moe import SparseMoeBlock
 from blockspec.models.layers.norm import RMSNorm
@@ -76,9 +77,11 @@ def quant_block(name: str, dtype: torch.dtype, device: str, hidden: int = 64, ex
     for p in (*moe.parameters(), *norm.parameters()):
         p.data.normal_(0, 0.05)
     norm.weight.data += 1
+    moe, norm = moe.to(device, dtype), norm.to(device, dtype)
+    # built in the model dtype and moved by device only: a dtype cast would turn the float8 tensors into bf16
     moe.experts = fill_random(QuantExperts(scheme, experts, hidden, inter, g_gu, g_dn, symmetric=sym, bias=gpt_oss,
-                                           activation=act, dtype=dtype))
-    return moe.to(device, dtype), norm.to(device, dtype)
+                                           activation=act, dtype=dtype)).to(device)
+    return moe, norm
 
 
 @pytest.mark.parametrize("name", list(QUANT))
@@ -106,6 +109,8 @@ def test_quantized_experts_a_token_has_the_same_bits_alone_and_among_others(name
     moe, norm = quant_block(name, torch.bfloat16, DEVICE)
     h = torch.randn(40, 64, device=DEVICE, dtype=torch.bfloat16)
     with torch.inference_mode():
+        if kernel_device() is not None:  # the grouped kernels read every layout here (not the row-by-row fallback)
+            assert fused_supported(h, moe.experts.gate_up_proj, moe.experts.down_proj)
         alone = torch.cat([deterministic.moe_residual(h[i:i + 1].clone(), norm, moe) for i in (0, 7, 15, 20, 39)])
         full = deterministic.moe_residual(h.clone(), norm, moe)
         assert torch.equal(full[[0, 7, 15, 20, 39]], alone)
