@@ -195,3 +195,29 @@ def test_fp32_output_is_the_models(tiny_models, family):
                                   max_num_batched_tokens=24))
         return [o.token_ids for o in eng.generate(PROMPTS[:4], GREEDY)]
     assert greedy(True) == greedy(False)
+
+
+def test_quantized_fp32_output_is_the_models(tiny_models):
+    """In fp32 the deterministic path through the quantized layers computes the regular path's model."""
+    pytest.importorskip("compressed_tensors")
+    target = quantized_target(tiny_models, "int4_asym_g32")
+
+    def greedy(det: bool) -> list[list[int]]:
+        eng = Engine(EngineConfig(model=str(target), device="cpu", deterministic=det, max_num_batched_tokens=24))
+        return [o.token_ids for o in eng.generate(PROMPTS[:4], GREEDY)]
+    assert greedy(True) == greedy(False)
+
+
+def test_a_quantized_lm_head_is_a_plain_weight(tiny_models, tiny_drafter, tmp_path):
+    """A checkpoint that quantizes the LM head too: it is held dequantized (the logits and the drafter read its
+    weight), so the deterministic logits GEMM takes it as any bf16 head; DFlash in a batch equals greedy alone."""
+    pytest.importorskip("compressed_tensors")
+    from torch import nn
+
+    from tests.loader.quant_helpers import write_ct_checkpoint
+
+    target = write_ct_checkpoint(tiny_models["qwen3"], tmp_path / "q", "int4_g32", ignore=["re:.*mlp.gate$"])[0]
+    alone = [engine(target, None, 0).generate([p], GREEDY)[0].token_ids for p in PROMPTS[:4]]
+    eng = engine(target, tiny_drafter, 7)
+    assert type(eng.runner.target.lm_head) is nn.Linear
+    assert [o.token_ids for o in eng.generate(PROMPTS[:4], GREEDY)] == alone
