@@ -32,6 +32,9 @@ is rms_norm_ref + dequantize + F.linear + silu_mul_ref + the add. `quant_linear`
   of its own before it.
 - more rows (prefill): the whole weight is dequantized to the activation dtype once per call, then cuBLAS; the
   norm and SwiGLU are kernels of their own.
+- --deterministic (models/deterministic.py): `deterministic_quant_linear`, the dot path with one config a layer
+  (`deterministic_config`: the 16-row tile, from the format, shape and SwiGLU fold only) for every row count,
+  prefill included, compiled once for all M; `deterministic_quant_linear_ref` (row by row) is its definition.
 float32 accumulation throughout. Native Blackwell FP4 / FP8 tensor-core GEMMs have one dispatch point
 (`_native_blackwell`), a stub that falls through to the W4A16 path for now. The per-scheme register tiles (and the
 PTX unpackers) live in kernels/quant_tiles.py, shared with the grouped MoE kernels (kernels/moe_grouped.py),
