@@ -95,7 +95,7 @@ class EngineConfig:
     # --reasoning-parser: a constrained request's grammar starts after the reasoning-end token (as vLLM)
     reasoning_parser: str | None = None
     # --deterministic: batch-invariant kernels in the target (models/deterministic.py), so greedy output is the
-    # same bits for any k and batch; dense targets only (others are refused)
+    # same bits for any k and batch; dense, MoE and GPT-OSS targets, unquantized or quantized (hybrids are refused)
     deterministic: bool = False
     # --prefill-cuda-graphs: one sequence's prefill of up to 512 new tokens (a prefix-cache hit's turn, a short
     # prompt) replays a CUDA graph (runner/prefill_graphs.py; dense and MoE targets); None: on unless

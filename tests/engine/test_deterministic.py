@@ -119,6 +119,23 @@ def test_quantized_batch_of_8_with_drafts_equals_greedy_alone(tiny_models, tiny_
         assert [eng.generate([p], GREEDY)[0].token_ids for p in PROMPTS[:3]] == alone[:3]
 
 
+@pytest.mark.parametrize("k", [0, 15])
+def test_quantized_moe_batch_of_8_with_drafts_equals_greedy_alone(tiny_moe, tmp_path_factory, k):
+    """Qwen3-MoE quantized by compressed-tensors (NVFP4 experts, router left in bf16): the experts' stacks in the
+    fixed expert tiles (CPU: row by row through their reference), the dense projections as any QuantLinear."""
+    pytest.importorskip("compressed_tensors")
+    from tests.loader.quant_helpers import write_ct_checkpoint
+
+    if "moe_nvfp4" not in _QUANTIZED:
+        _QUANTIZED["moe_nvfp4"] = write_ct_checkpoint(tiny_moe[0], tmp_path_factory.mktemp("det_moe_q") / "q",
+                                                      "nvfp4")[0]
+    target = _QUANTIZED["moe_nvfp4"]
+    alone = greedy_alone(target)
+    eng = engine(target, tiny_moe[1], k)
+    assert any(type(m).__name__ == "QuantExperts" for m in eng.runner.target.modules())
+    assert [o.token_ids for o in eng.generate(PROMPTS, GREEDY)] == alone
+
+
 # ---- GPT-OSS: sinks, sliding-window layers, biased projections and experts, clamped SwiGLU; bf16 or MXFP4 experts
 
 @pytest.fixture(scope="module")

@@ -1,9 +1,9 @@
 """--deterministic on the GPU for quantized targets and GPT-OSS (issue 17), through the Engine as serve builds it
 (bf16, CUDA graphs): greedy DFlash at k = 0, 7, 15 equals greedy decoding, at batch 1 and in batches of 8, bit for
 bit. A tiny random Qwen3 quantized by compressed-tensors itself (int4 with asymmetric groups, NVFP4: every
-projection through the quantized kernel's fixed 16-row config) and a tiny random GPT-OSS (sinks, sliding-window
-layers, biased projections and experts, clamped SwiGLU) with bf16 and with MXFP4 experts, each with a random
-drafter. GPU only."""
+projection through the quantized kernel's fixed 16-row config), a tiny NVFP4 Qwen3-MoE, and a tiny random GPT-OSS
+(sinks, sliding-window layers, biased projections and experts, clamped SwiGLU) with bf16 and with MXFP4 experts,
+each with a random drafter. GPU only."""
 
 from __future__ import annotations
 
@@ -41,6 +41,22 @@ def quantized_qwen3(tiny_models, tmp_path_factory) -> dict[str, Path]:
 @pytest.mark.parametrize("fmt", ["int4_asym_g32", "nvfp4"])
 def test_tiny_quantized_qwen3_dflash_equals_greedy_at_batch_1_and_8(quantized_qwen3, tiny_drafter, fmt, k):
     dflash_equals_greedy(quantized_qwen3[fmt], tiny_drafter, k)
+
+
+@pytest.mark.parametrize("k", [0, 7, 15])
+def test_tiny_quantized_qwen3_moe_dflash_equals_greedy_at_batch_1_and_8(tmp_path_factory, k):
+    """NVFP4 experts (and projections) in the fixed expert tiles: one token on 16-row tiles too."""
+    pytest.importorskip("compressed_tensors")
+    from transformers import AutoConfig
+
+    from tests.conftest import save_tiny_drafter
+    from tests.loader.quant_helpers import write_ct_checkpoint
+    from tests.tiny_hybrid import save_tiny_hybrid
+
+    root = tmp_path_factory.mktemp("det_quant_moe_gpu")
+    src = save_tiny_hybrid(root / "src", "qwen3_moe", num_layers=4)
+    drafter = save_tiny_drafter(root / "drafter", AutoConfig.from_pretrained(src), target_layer_ids=[0, 2])
+    dflash_equals_greedy(write_ct_checkpoint(src, root / "nvfp4", "nvfp4")[0], drafter, k)
 
 
 @pytest.fixture(scope="module")
