@@ -120,6 +120,26 @@ def cases() -> list[tuple[str, tuple, dict]]:
                 BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=cfg.split, PDL=True)),
             dict(div16=("X", "QW", "S", "Y", "NW"), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                  no_spill=True, ptx_has=pdl_ptx)))
+    # --deterministic: the quantized GEMM's one config a layer (the 16-row dot tile), compiled unspecialised on M
+    det_quant = (("int4", 128, dict(S="*bf16", Z="*i32"), False), ("nvfp4", 16, dict(S="*u8", Z="*u8"), False),
+                 ("int8", 4096, dict(QW="*i8", S="*bf16", Z="*bf16"), True), ("fp8", 128, dict(S="*fp32", Z="*fp32"),
+                                                                              False))
+    for (scheme, group, tensors, per_row), (gated, res) in itertools.product(
+            det_quant, ((False, False), (True, False), (False, True))):
+        if scheme in ("int8", "fp8") and gated:
+            continue
+        n = 24576 if gated else 4096
+        meta = ql.QuantMeta(scheme, n, 4096, group, -(-4096 // group), 128 if scheme == "fp8" else 1, per_row,
+                            scheme == "int4", scheme == "nvfp4")
+        cfg = ql.deterministic_config(meta, gated)
+        out.append((f"deterministic quant_linear {scheme} gated={gated} residual={res}", (
+            ql._deterministic_quant_kernel, dict(quant, **tensors), dict(
+                SCHEME=scheme, K=4096, G=group, NG=meta.n_groups, SCALE_ROW_DIV=meta.scale_row_div,
+                HAS_ZERO=meta.has_zero, PER_ROW=per_row, HAS_GS=meta.has_gs, GS_FACTOR=1.0, HAS_BIAS=False,
+                HAS_NORM=False, GATED=gated, HAS_RES=res, USE_DOT=True, FAST=scheme in ("int4", "nvfp4"),
+                DOT_PRECISION="tf32", BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                SPLIT=cfg.split)),
+            dict(div16=("X", "QW", "S", "Y"), num_warps=cfg.num_warps, num_stages=cfg.num_stages)))
     out.append(("rms_norm PDL", (rn._rms_norm_kernel, {"X": "*bf16", "R": "*bf16", "W": "*bf16", "Y": "*bf16",
                                                        "RO": "*bf16", "n": "i32", "eps": "fp32"},
                                  dict(HAS_RES=True, BLOCK=4096, PDL=True)), dict(ptx_has=pdl_ptx)))
@@ -140,6 +160,9 @@ def cases() -> list[tuple[str, tuple, dict]]:
         out.append((f"paged_attention SPLIT_TILES={split_tiles}", (pa._paged_attention_kernel, paged, dict(
             GROUP=8, HEAD_DIM=256, PAGE=16, BLOCK_M=16, BLOCK_N=64, CAUSAL=True, WINDOWED=False, HAS_Q_START=False,
             ROW_TILES=1, SPLIT_TILES=split_tiles)), dict(num_stages=2)))
+    out.append(("paged_attention SPLIT_TILES=8 windowed (GPT-OSS --deterministic)", (pa._paged_attention_kernel, paged,
+                dict(GROUP=8, HEAD_DIM=64, PAGE=16, BLOCK_M=pa._det_block_m(64), BLOCK_N=64, CAUSAL=True,
+                     WINDOWED=True, HAS_Q_START=False, ROW_TILES=1, SPLIT_TILES=8)), dict(num_stages=2)))
     for head_dim, block_m, rows in ((64, 128, 48), (128, 16, 8), (128, 64, 128), (256, 16, 6), (256, 32, 96)):
         block_n, warps = pa._decode_tile(rows)  # the default path's tiles; verify blocks (4 warps) spill by choice
         out.append((f"paged_attention head_dim={head_dim} BLOCK_M={block_m}", (pa._paged_attention_kernel, paged, dict(
@@ -155,9 +178,10 @@ def cases() -> list[tuple[str, tuple, dict]]:
             GROUP=group, HEAD_DIM=head_dim, BLOCK_Q=64 // group, BLOCK_M=64, BLOCK_N=block_n, WINDOWED=False,
             HAS_SINKS=False)), dict(num_stages=2, num_warps=warps, no_spill=True)))
     fixed = {n: "i32" for n in pa._merge_fixed_splits_kernel.arg_names}
-    fixed.update(Part="*fp32", M="*fp32", L="*fp32", Out="*bf16", SEQ_LENS="*i32")
-    out.append(("merge_fixed_splits", (pa._merge_fixed_splits_kernel, fixed, dict(SPLIT=512, GROUP=4, HEAD_DIM=128,
-                                                                                   BLOCK_M=64)), dict(num_warps=1)))
+    fixed.update(Part="*fp32", M="*fp32", L="*fp32", Out="*bf16", SEQ_LENS="*i32", SINKS="*bf16")
+    for sinks in (False, True):  # GPT-OSS's sinks join the merge
+        out.append((f"merge_fixed_splits sinks={sinks}", (pa._merge_fixed_splits_kernel, fixed, dict(
+            SPLIT=512, GROUP=4, HEAD_DIM=128, BLOCK_M=64, HAS_SINKS=sinks)), dict(num_warps=1)))
     grouped = {n: "*bf16" for n in ("A", "W", "WU", "SW", "SWU", "OUT", "QS", "QZ", "QGS", "BIAS")}
     grouped.update({n: "*i32" for n in ("SORTED", "ITEM_EXPERT", "ITEM_START", "ITEM_COUNT", "NUM_ITEMS")})
     grouped.update(W="*u8", QS="*u8", QZ="*u8")

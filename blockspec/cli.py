@@ -63,8 +63,8 @@ def add_deterministic_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=False,
                    help="batch-invariant kernels: every token's arithmetic is the same whatever shares its step "
                         "(k, batch, other sequences), so greedy output with speculation is bit for bit the output "
-                        "without it, at any batch size; dense Llama-family targets (Llama, SmolLM, Qwen2, Qwen3) "
-                        "and Qwen3-MoE with unquantized weights (default: off)")
+                        "without it, at any batch size; dense Llama-family targets (Llama, SmolLM, Qwen2, Qwen3), "
+                        "Qwen3-MoE and GPT-OSS, unquantized or int4 / int8 / FP8 / NVFP4 / MXFP4 (default: off)")
 
 
 def add_prefix_caching_args(p: argparse.ArgumentParser) -> None:

@@ -95,7 +95,8 @@ class EngineConfig:
     # --reasoning-parser: a constrained request's grammar starts after the reasoning-end token (as vLLM)
     reasoning_parser: str | None = None
     # --deterministic: batch-invariant kernels in the target (models/deterministic.py), so greedy output is the
-    # same bits for any k and batch; dense, Qwen3-MoE and Gated DeltaNet hybrid targets (others are refused)
+    # same bits for any k and batch; dense, MoE, GPT-OSS and Gated DeltaNet hybrid targets, unquantized or
+    # quantized (others are refused)
     deterministic: bool = False
     # --prefill-cuda-graphs: one sequence's prefill of up to 512 new tokens (a prefix-cache hit's turn, a short
     # prompt) replays a CUDA graph (runner/prefill_graphs.py; dense and MoE targets); None: on unless

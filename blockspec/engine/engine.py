@@ -132,6 +132,11 @@ class Engine:
             model = build_module(lambda: cls(self.model_config, max_positions=rope_len), self.device, self.dtype)
         if quant is not None:
             quantize_model(model, quant, self.device, self.dtype)
+            if self.config.deterministic:  # the layouts the layers were built in, before any weight is read
+                refusal = deterministic.problem(cls, self.model_config.architecture, quant.description,
+                                                deterministic.quantized_schemes(model))
+                if refusal is not None:
+                    raise ConfigError(refusal)
         if self.config.load_format != "dummy":
             load_weights(model, self.model_dir, self.device, self.dtype)
         elif quant is not None:

@@ -480,10 +480,12 @@ class GemmConfig:
         return self.block_m > 1
 
 
-def fixed_gemm_config(k: int) -> GemmConfig:
+def fixed_gemm_config(k: int, quantized: bool = False) -> GemmConfig:
     """--deterministic's expert GEMM over reduction length k: 16-row tensor-core tiles, one K order and one tile
-    from the weight's shape alone, whatever the step's token count (one token too: not the one-row path)."""
-    return GemmConfig(16, 32, min(128, max(16, _next_pow2(k))), 4, 3)
+    from the weight's shape (and format) alone, whatever the step's token count (one token too: not the one-row
+    path). Quantized stacks dequantize each tile in registers, at least 32 columns wide (an MXFP4 scale group),
+    as gemm_config's quantized tiles."""
+    return GemmConfig(16, 32, min(128, max(32 if quantized else 16, _next_pow2(k))), 4, 3)
 
 
 def _next_pow2(v: int) -> int:

@@ -266,13 +266,15 @@ if HAVE_TRITON:
 if HAVE_TRITON:
 
     @triton.jit
-    def _merge_fixed_splits_kernel(Part, M, L, Out, SEQ_LENS, stride_ob, stride_oh, stride_os, stride_om, stride_t,
-                                   stride_h, q_len, num_splits, SPLIT: tl.constexpr, GROUP: tl.constexpr,
-                                   HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
+    def _merge_fixed_splits_kernel(Part, M, L, Out, SEQ_LENS, SINKS, stride_ob, stride_oh, stride_os, stride_om,
+                                   stride_t, stride_h, q_len, num_splits, SPLIT: tl.constexpr, GROUP: tl.constexpr,
+                                   HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, HAS_SINKS: tl.constexpr):
         """Deterministic mode: one query row's splits folded one after another in split order, up to the
-        sequence's last split. A split the row sees nothing of (m = -inf, l = 0, acc = 0) leaves the running
-        values exactly as they were (its weight is exp(-inf) = 0, theirs exp(0) = 1), so a row merges the
-        same numbers in the same order whatever the sequence's length past its position."""
+        sequence's last split. A split the row sees nothing of (m = -inf, l = 0, acc = 0: past its position, or
+        before its sliding window) leaves the running values exactly as they were (its weight is exp(-inf) = 0,
+        theirs exp(0) = 1), so a row merges the same numbers in the same order whatever the sequence's length
+        past its position. HAS_SINKS: the head's sink logit joins the normaliser last, once, as one more key
+        with a zero value."""
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         row = tl.program_id(2)
@@ -295,6 +297,12 @@ if HAVE_TRITON:
             den = den * alpha + tl.load(L + ml_base + s * BLOCK_M) * beta
             acc = acc * alpha + tl.load(part + s * stride_os) * beta
             m = m_new
+        if HAS_SINKS:
+            sink = tl.load(SINKS + head).to(tl.float32)
+            m_new = tl.maximum(m, sink)
+            alpha = tl.exp(m - m_new)
+            den = den * alpha + tl.exp(sink - m_new)
+            acc = acc * alpha
         den = tl.maximum(den, 1e-30)
         tl.store(Out + (b * q_len + qi) * stride_t + head * stride_h + d, (acc / den).to(Out.dtype.element_ty))
 
@@ -516,53 +524,62 @@ def _det_block_m(head_dim: int) -> int:
 
 def fixed_split_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                               block_tables: torch.Tensor, seq_lens: torch.Tensor, q_len: int,
-                              scale: float) -> torch.Tensor:
+                              scale: float, sinks: torch.Tensor | None = None,
+                              window: int | None = None) -> torch.Tensor:
     """The deterministic-mode definition (and CPU path): causal attention of every sequence's last q_len
-    queries over its paged keys, one query at a time over exactly the keys its position sees, in float32, so
-    a query's arithmetic does not depend on the others in the call. q [B * q_len, H, D] -> [B * q_len, H, D]."""
+    queries over its paged keys, one query at a time over exactly the keys its position sees (those less than
+    `window` positions back on sliding-window layers), the head's sink logit in its softmax, in float32, so a
+    query's arithmetic does not depend on the others in the call. q [B * q_len, H, D] -> [B * q_len, H, D]."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv, page = k_cache.shape[2], k_cache.shape[1]
     group = num_heads // num_kv
+    head_sinks = None if sinks is None else sinks.float().view(num_kv, group, 1)
     out = torch.empty_like(q)
     for b in range(seq_lens.shape[0]):
         n = int(seq_lens[b])
         for i in range(q_len):
             pos = n - q_len + i
-            keys = torch.arange(pos + 1, device=q.device)
+            keys = torch.arange(0 if window is None else max(0, pos + 1 - window), pos + 1, device=q.device)
             slots = block_tables[b, keys // page].long() * page + keys % page
-            k = k_cache.view(-1, num_kv, head_dim)[slots].float().permute(1, 2, 0)  # [Hkv, D, pos + 1]
-            v = v_cache.view(-1, num_kv, head_dim)[slots].float().transpose(0, 1)  # [Hkv, pos + 1, D]
+            k = k_cache.view(-1, num_kv, head_dim)[slots].float().permute(1, 2, 0)  # [Hkv, D, keys]
+            v = v_cache.view(-1, num_kv, head_dim)[slots].float().transpose(0, 1)  # [Hkv, keys, D]
             qr = q[b * q_len + i].float().view(num_kv, group, head_dim)
-            weights = (torch.matmul(qr, k) * scale).softmax(-1)
+            weights = softmax_with_sinks(torch.matmul(qr, k) * scale, head_sinks)
             out[b * q_len + i] = torch.matmul(weights, v).view(num_heads, head_dim).to(q.dtype)
     return out
 
 
 def fixed_split_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                           seq_lens: torch.Tensor, q_len: int, scale: float,
-                          split_tokens: int = DETERMINISTIC_SPLIT) -> torch.Tensor:
+                          split_tokens: int = DETERMINISTIC_SPLIT, sinks: torch.Tensor | None = None,
+                          window: int | None = None) -> torch.Tensor:
     """Causal paged attention whose rows are batch-invariant (--deterministic), for decode, verify and prefill.
 
     Same layout as paged_attention (every sequence's q_len queries at the end of its context, positions from
-    0), the target's case only: no kv_start, window or sinks. The keys are cut at fixed absolute positions
+    0), the target's case only: no kv_start. The keys are cut at fixed absolute positions
     (DETERMINISTIC_SPLIT) whatever the context length, each split walks its 64-key tiles in order, a fixed
     row tile (from head_dim alone), and the splits merge one after another in order: a query's result is
     the same alone, in a k+1 verify block, beside other sequences, or inside a prefill chunk. The split count
     covers every position the block table can address (fixed per CUDA graph); the programs and the merge stop
     at the sequence's own length. `split_tokens` (a multiple of 64) is fixed for a model's whole run: the tests
-    shrink it to cross several splits with short contexts."""
+    shrink it to cross several splits with short contexts.
+    GPT-OSS: `window` (sliding-window layers) masks keys `window` or more positions back; tiles wholly before
+    every row's window are skipped, which leaves a row's running softmax exactly as it was, and splits before
+    its window merge as no-ops, so the cut points and the order stay the absolute ones. `sinks` [H]: each
+    head's sink logit joins the normaliser after the ordered merge, once per row."""
     if not use_triton(q):
-        return fixed_split_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, q_len, scale)
+        return fixed_split_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, q_len, scale, sinks, window)
     b_count = seq_lens.shape[0]
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv, page = k_cache.shape[2], k_cache.shape[1]
     group = num_heads // num_kv
     num_splits = -(-(block_tables.shape[1] * page) // split_tokens)
     o, m, ll, total_m = _split_partials(q, k_cache, v_cache, block_tables, seq_lens, torch.zeros_like(seq_lens), None,
-                                        q_len, scale, True, None, num_splits, _det_block_m(head_dim),
+                                        q_len, scale, True, window, num_splits, _det_block_m(head_dim),
                                         split_tokens // _KEY_TILE)
     out = torch.empty_like(q)
     _merge_fixed_splits_kernel[(b_count, num_kv, q_len * group)](
-        o, m, ll, out, seq_lens, o.stride(0), o.stride(1), o.stride(2), o.stride(3), out.stride(0), out.stride(1),
-        q_len, num_splits, SPLIT=split_tokens, GROUP=group, HEAD_DIM=head_dim, BLOCK_M=total_m, num_warps=1)
+        o, m, ll, out, seq_lens, q if sinks is None else sinks, o.stride(0), o.stride(1), o.stride(2), o.stride(3),
+        out.stride(0), out.stride(1), q_len, num_splits, SPLIT=split_tokens, GROUP=group, HEAD_DIM=head_dim,
+        BLOCK_M=total_m, HAS_SINKS=sinks is not None, num_warps=1)
     return out

@@ -32,6 +32,9 @@ is rms_norm_ref + dequantize + F.linear + silu_mul_ref + the add. `quant_linear`
   of its own before it.
 - more rows (prefill): the whole weight is dequantized to the activation dtype once per call, then cuBLAS; the
   norm and SwiGLU are kernels of their own.
+- --deterministic (models/deterministic.py): `deterministic_quant_linear`, the dot path with one config a layer
+  (`deterministic_config`: the 16-row tile, from the format, shape and SwiGLU fold only) for every row count,
+  prefill included, compiled once for all M; `deterministic_quant_linear_ref` (row by row) is its definition.
 float32 accumulation throughout. Native Blackwell FP4 / FP8 tensor-core GEMMs have one dispatch point
 (`_native_blackwell`), a stub that falls through to the W4A16 path for now. The per-scheme register tiles (and the
 PTX unpackers) live in kernels/quant_tiles.py, shared with the grouped MoE kernels (kernels/moe_grouped.py),
@@ -48,6 +51,7 @@ import torch.nn.functional as F
 from blockspec.device import cuda_capability
 from blockspec.kernels._triton import HAVE_TRITON, INTERPRET, pdl, use_triton
 from blockspec.kernels.activation import silu_mul, silu_mul_ref
+from blockspec.kernels.deterministic_linear import deterministic_linear, deterministic_linear_ref
 from blockspec.kernels.quant_tiles import FP4_GLOBAL_BIAS
 from blockspec.kernels.rms_norm import rms_norm, rms_norm_ref
 from blockspec.models.layers.quant_linear import (
@@ -352,6 +356,11 @@ if HAVE_TRITON:
                  mask=n_mask[:, None] & (ks < K)[None, :])
 
 
+    # --deterministic: the same kernel compiled once for every row count (Triton would otherwise compile variants
+    # for M equal to 1 or divisible by 16), as kernels/deterministic_linear.py's
+    _deterministic_quant_kernel = triton.jit(do_not_specialize=["M"])(_quant_linear_kernel.fn)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Host side
 
@@ -604,10 +613,11 @@ def bytes_read(layer, meta: QuantMeta | None = None) -> int:
 
 def _gemm_triton(x: torch.Tensor, layer, meta: QuantMeta, residual: torch.Tensor | None,
                  cfg: LaunchConfig | None = None, fast: bool | None = None, *, norm_weight: torch.Tensor | None = None,
-                 eps: float = 0.0, gated: bool = False) -> torch.Tensor:
+                 eps: float = 0.0, gated: bool = False, kernel=None) -> torch.Tensor:
     """Launch the GEMM on a contiguous 2-D x without the support checks (tests call it on CPU tensors under
     TRITON_INTERPRET=1; bench/quant_gemm.py passes its own cfg). norm_weight: RMSNorm folded in as the
-    prologue; gated: SwiGLU over the [gate; up] halves of the layer's rows as the epilogue (meta.n / 2 outputs)."""
+    prologue; gated: SwiGLU over the [gate; up] halves of the layer's rows as the epilogue (meta.n / 2 outputs).
+    kernel: the compiled variant (--deterministic passes its copy unspecialised on M)."""
     m = x.shape[0]
     n_out = meta.n // 2 if gated else meta.n
     cfg = cfg or launch_config(meta, m, gated)
@@ -618,7 +628,7 @@ def _gemm_triton(x: torch.Tensor, layer, meta: QuantMeta, residual: torch.Tensor
     dot_precision = "ieee" if x.dtype == torch.float32 else "tf32"
     grid = (triton.cdiv(n_out, cfg.block_n), triton.cdiv(m, cfg.block_m) if cfg.use_dot else 1)
     on = pdl(x)
-    _quant_linear_kernel[grid](
+    (kernel or _quant_linear_kernel)[grid](
         x, *kernel_operands(layer, meta), gs, layer.bias if layer.bias is not None else x,
         norm_weight if norm_weight is not None else x, out, m, n_out, eps,
         SCHEME=meta.scheme, K=meta.k, G=meta.group, NG=meta.n_groups, SCALE_ROW_DIV=meta.scale_row_div,
@@ -697,3 +707,61 @@ def quant_linear(x: torch.Tensor, layer, *, residual: torch.Tensor | None = None
     else:
         y = _prefill(x2, layer, meta, res2)
     return residual if residual is not None else y.view(*lead, n_out)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# --deterministic (models/deterministic.py): each row's arithmetic the same whatever shares its call
+
+DETERMINISTIC_BLOCK_M = 16  # rows of x a program: the smallest tensor-core tile, for every row count
+
+
+def deterministic_config(meta: QuantMeta, gated: bool = False) -> LaunchConfig:
+    """A layer's one launch in --deterministic mode, from its format and shape (and the SwiGLU fold) alone, never
+    from the row count: the dot path's config for a 16-row tile, taken for one decode row, a verify block and
+    a long prefill alike. A row's K is then always reduced in the same order: SPLIT slices of BLOCK_K inside
+    the program, summed in one fixed order after the loop, nothing split across programs."""
+    cfg = launch_config(meta, DETERMINISTIC_BLOCK_M, gated)
+    if not (cfg.use_dot and cfg.block_m == DETERMINISTIC_BLOCK_M):
+        raise AssertionError(f"the 16-row config of {meta.scheme} is not a 16-row dot tile: {cfg}")
+    return cfg
+
+
+def deterministic_quant_linear_ref(x: torch.Tensor, layer, *, gated: bool = False,
+                                   residual: torch.Tensor | None = None) -> torch.Tensor:
+    """The definition (and CPU path): the weight dequantized to x's dtype, as quant_linear_ref does, then every
+    row its own float32 matrix-vector product and the kernel's epilogue (deterministic_linear_ref): no row
+    count enters a row's arithmetic. x already permuted for act-order layers."""
+    return deterministic_linear_ref(x, dequantize_layer(layer, x.dtype), layer.bias, gated=gated, residual=residual)
+
+
+def deterministic_quant_linear_triton(x: torch.Tensor, layer, *, gated: bool = False,
+                                      residual: torch.Tensor | None = None,
+                                      meta: QuantMeta | None = None) -> torch.Tensor:
+    """Launch without the dispatch's checks (contiguous 2-D x; tests call it on CPU under TRITON_INTERPRET=1): the
+    quant kernel's dot path with `deterministic_config`, one compiled variant for every M, no norm fold."""
+    meta = meta or quant_meta(layer)
+    if x.shape[0] == 0:
+        return residual if residual is not None else x.new_empty(0, meta.n // 2 if gated else meta.n)
+    return _gemm_triton(x, layer, meta, residual, deterministic_config(meta, gated), gated=gated,
+                        kernel=_deterministic_quant_kernel)
+
+
+def deterministic_quant_linear(x: torch.Tensor, layer, *, gated: bool = False,
+                               residual: torch.Tensor | None = None) -> torch.Tensor:
+    """layer(x) for a 2-D x (SwiGLU over [gate; up] with `gated`; added into `residual` in place with it), a row's
+    bits independent of the other rows: the kernel where Triton runs and reads the layout; a layout it does not
+    read dequantized to x's dtype for the bf16 batch-invariant GEMM (slower, still row-invariant); on CPU the
+    row-by-row reference. Never the dequantize-then-cuBLAS prefill path, whose kernel follows the row count."""
+    perm = getattr(layer, "perm", None)
+    if perm is not None:  # act-order: the columns gathered, each row on its own
+        x = x.index_select(-1, perm)
+    if not x.is_contiguous():
+        x = x.contiguous()
+    meta = _supported_meta(x, layer) if x.dim() == 2 else None
+    if meta is not None and not (gated and meta.n % 2) and \
+            _fits(residual, (x.shape[0], meta.n // 2 if gated else meta.n), x):
+        return deterministic_quant_linear_triton(x, layer, gated=gated, residual=residual, meta=meta)
+    if use_triton(x):
+        return deterministic_linear(x, dequantize_layer(layer, x.dtype).contiguous(), layer.bias, gated=gated,
+                                    residual=residual)
+    return deterministic_quant_linear_ref(x, layer, gated=gated, residual=residual)

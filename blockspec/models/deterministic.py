@@ -11,28 +11,36 @@ step holds (decode row, k+1 verify block, prefill chunk, any batch):
   every row; the hybrids' zero-centred form too), never folded into a GEMM;
 - every projection and the LM head: kernels/deterministic_linear.py (tiles from the weight's shape only, K
   reduced in order, the bias, SwiGLU and residual add in the epilogue the same for every row count);
+- quantized projections (QuantLinear: int4 / int8 with groups, symmetric or asymmetric, FP8 per channel or
+  in blocks, NVFP4): the quant kernel's dot path (kernels/quant_linear.deterministic_quant_linear) with one
+  launch config from the layer's format and shape (a 16-row tile, K in SPLIT slices summed in a fixed order
+  inside the program), the weight dequantized in registers for every row count, long prefills too (never the
+  dequantize-then-cuBLAS path); a checkpoint's quantized LM head is held dequantized, a plain weight;
 - attention, decode and verify and prefill alike: kernels/paged_attention.fixed_split_attention (keys cut
   at fixed absolute positions, merged in order), prefill over the paged cache after its K/V are written;
+  GPT-OSS's sliding window masks inside the same splits and its sinks join each row's normaliser once, last;
 - rotary and q/k norm: one program per (token, head) already (kernels/rotary.py);
-- MoE blocks (Qwen3-MoE, and the hybrids' with a shared expert): the router GEMM as any projection, routing in
-  fixed 16-token tiles (a row's softmax sums reduced the same way for any T), every expert GEMM on 16-row
-  tensor-core tiles with one config from the weight's shape (a single token too, not the one-row path), the
-  combine per token in slot order (kernels/moe_grouped.py); a shared expert's projections and its sigmoid gate
-  as any projection, added per element;
+- MoE blocks (Qwen3-MoE, GPT-OSS, the hybrids' with a shared expert): the router GEMM as any projection, routing
+  in fixed 16-token tiles (a row's softmax sums reduced the same way for any T), every expert GEMM on 16-row
+  tensor-core tiles with one config from the weight's shape (a single token too, not the one-row path), bf16 or
+  quantized stacks (MXFP4 and the dense layouts, dequantized in the tiles), expert biases and GPT-OSS's clamped
+  SwiGLU in the epilogue, the combine per token in slot order (kernels/moe_grouped.py); a shared expert's
+  projections and its sigmoid gate as any projection, added per element;
 - Gated DeltaNet hybrids (Qwen3-Next, Qwen3.5/3.6 dense and MoE): the short convolution and the delta rule
   through one per-token kernel each for decode rows, verify blocks, their commits and prefill chunks, the state
   rounded to its pool's dtype after every token so chunk boundaries change nothing
   (layers/deterministic_deltanet.py, kernels/deterministic_gated_deltanet.py), the gated RMSNorm per token;
   gated attention's zero-centred q/k norms and partial rotary per (token, head), its sigmoid gate per element.
 
-The switch is one flag on the model (`set_deterministic`), read where each layer dispatches. Covered: the
-Llama-family dense targets, Qwen3-MoE and the Gated DeltaNet hybrids with unquantized weights; `problem` says
-what is refused and why.
+The switch is one flag on the model (`set_deterministic`), read where each layer dispatches. Covered (COVERED):
+the Llama-family dense targets, Qwen3-MoE, GPT-OSS and the Gated DeltaNet hybrids, unquantized or in
+COVERED_SCHEMES' layouts; `problem` says what is refused and why. On CPU without Triton every piece runs its
+row-by-row reference.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -47,30 +55,46 @@ from blockspec.kernels.moe_grouped import (
     moe_experts,
     moe_route,
 )
+from blockspec.kernels.quant_linear import deterministic_quant_linear
 from blockspec.kernels.rms_norm import rms_norm
 from blockspec.kernels.rotary import NORM_ZERO_CENTERED, rope_heads
 from blockspec.models.layers.moe import SparseMoeBlock, route
 
-COVERED = ("dense Llama-family targets (Llama, SmolLM, Qwen2, Qwen3), Qwen3-MoE and the Gated DeltaNet hybrids "
-           "(Qwen3-Next, Qwen3.5/3.6 dense and MoE) with unquantized weights")
+COVERED_SCHEMES = ("int4", "int8", "fp8", "nvfp4", "mxfp4")  # the quantized layouts whose GEMMs are batch-invariant
+COVERED = ("dense Llama-family targets (Llama, SmolLM, Qwen2, Qwen3), Qwen3-MoE, GPT-OSS and the Gated DeltaNet "
+           "hybrids (Qwen3-Next, Qwen3.5/3.6 dense and MoE), with unquantized weights or quantized ones in the int4 / "
+           "int8 (any group size, symmetric or asymmetric), FP8 (per tensor, per channel, 128x128 blocks), NVFP4 and "
+           "MXFP4 layouts")
 
 
-def problem(model_cls: type[nn.Module], architecture: str, quantization: str | None) -> str | None:
-    """Why --deterministic cannot be honoured for this target, or None."""
+def problem(model_cls: type[nn.Module], architecture: str, quantization: str | None,
+            schemes: Iterable[str] = ()) -> str | None:
+    """Why --deterministic cannot be honoured for this target, or None. `quantization`: the checkpoint's
+    description; `schemes`: the layouts its layers were built in (`quantized_schemes`, once the quantized
+    modules are swapped in: before that only the model class is checked)."""
     if not getattr(model_cls, "supports_deterministic", False):
-        return f"--deterministic covers {COVERED} so far; {architecture} (sink or sliding-window attention) " \
-               "is not covered yet: drop --deterministic"
-    if quantization is not None:
-        return f"--deterministic covers {COVERED} so far; this checkpoint's {quantization} weights are not " \
-               "covered yet: drop --deterministic or serve unquantized weights"
+        return f"--deterministic covers {COVERED} so far; {architecture} is not covered " \
+               "yet: drop --deterministic"
+    uncovered = sorted(set(schemes) - set(COVERED_SCHEMES))
+    if quantization is not None and uncovered:
+        return f"--deterministic covers {COVERED} so far; this checkpoint's {quantization} ({', '.join(uncovered)} " \
+               "layers) is not covered yet: drop --deterministic or serve unquantized weights"
     return None
+
+
+def quantized_schemes(model: nn.Module) -> set[str]:
+    """The layouts of the model's quantized layers (QuantLinear, and the expert stacks of QuantExperts)."""
+    return {m.scheme for m in model.modules() if isinstance(getattr(m, "qweight", None), torch.Tensor)}
 
 
 def linear(x: torch.Tensor, proj: nn.Module, *, gated: bool = False,
            residual: torch.Tensor | None = None) -> torch.Tensor:
     """proj(x) (SwiGLU over [gate; up] with `gated`, added into `residual` in place with it) through the
     batch-invariant kernel for the projection's weight format: every projection of a deterministic model goes
-    through here."""
+    through here. Quantized layers (QuantLinear: packed `qweight`, no `weight`) take the quant kernel's dot path
+    with one launch config per layer (kernels/quant_linear.deterministic_quant_linear)."""
+    if isinstance(getattr(proj, "qweight", None), torch.Tensor):
+        return deterministic_quant_linear(x, proj, gated=gated, residual=residual)
     weight = getattr(proj, "weight", None)
     if not isinstance(weight, torch.Tensor):
         raise RuntimeError(f"deterministic projection: {type(proj).__name__} weights are not covered yet")
@@ -153,7 +177,8 @@ def moe_residual(h: torch.Tensor, norm_module: nn.Module, block: SparseMoeBlock)
     shared = shared_expert(x, block) if block.shared_expert is not None else None
     if fused_supported(x, ex.gate_up_proj, ex.down_proj):
         weights, ids, _ = moe_route(logits, block.top_k, block.renormalize, block_t=FIXED_ROUTE_TOKENS)
-        configs = (fixed_gemm_config(x.shape[1]), fixed_gemm_config(ex.intermediate_size))
+        quantized = not isinstance(ex.gate_up_proj, torch.Tensor)  # QuantExperts: the stacks dequantized in tiles
+        configs = (fixed_gemm_config(x.shape[1], quantized), fixed_gemm_config(ex.intermediate_size, quantized))
         out = moe_experts(x, ex.gate_up_proj, ex.down_proj, weights, ids, configs=configs,
                           layout=moe_align(ids, ex.num_experts, False), residual=h if shared is None else None,
                           gate_up_bias=ex.gate_up_proj_bias, down_bias=ex.down_proj_bias, limit=ex.activation.limit,
@@ -167,6 +192,8 @@ def moe_residual(h: torch.Tensor, norm_module: nn.Module, block: SparseMoeBlock)
 
 
 def logits(hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
+    """The LM head's GEMM. A checkpoint's quantized head is held dequantized (loader/quant/apply.finalize_quantized:
+    the logits and the drafter read its weight), so it is a plain weight here too."""
     return deterministic_linear(hidden.contiguous(), lm_head_weight)
 
 

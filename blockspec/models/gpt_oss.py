@@ -58,7 +58,9 @@ class GptOssDecoderLayer(LlamaDecoderLayer):
 
 class GptOssForCausalLM(Qwen3MoeForCausalLM):
     layer_cls = GptOssDecoderLayer
-    supports_deterministic = False  # sink and sliding-window attention: fixed_split_attention has neither
+    # --deterministic (models/deterministic.py): fixed_split_attention with the sinks and window, the biased
+    # projections' epilogues, moe_residual's fixed tiles with the expert biases and clamped SwiGLU, bf16 or MXFP4
+    supports_deterministic = True
 
     def __init__(self, cfg: ModelConfig, max_positions: int | None = None) -> None:
         if cfg.moe is None:

@@ -651,3 +651,105 @@ def test_reference_entry_point_matches_f_linear_on_cpu():
     with torch.enable_grad():
         y = ql.quant_linear(x, layer)
     torch.testing.assert_close(y, F.linear(x, ql.dequantize_layer(layer, torch.float32), layer.bias))
+
+
+# ------------------------------------------------------------------------------------------------------------
+# --deterministic: one launch config per layer, a row's bits the same whatever shares its call
+
+DET_CASES = {**KERNEL_CASES, "int4_g32_sym": ("int4", 40, 160, dict(group=32, zeros=False)),
+             "int8_g32_asym": ("int8", 24, 160, dict(group=32))}
+DET_EPILOGUES = {"plain": (False, False, False), "bias+gated": (True, True, False), "residual": (False, False, True)}
+DET_ROWS = 100  # the "prefill chunk" every smaller call's rows are taken from
+
+
+def det_inputs(case: str, dtype: torch.dtype, bias: bool, gated: bool, residual: bool, rows: int = DET_ROWS):
+    """A layer (2N rows when gated), x [rows, K] and a residual [rows, N] (or None)."""
+    scheme, n, k, opts = DET_CASES[case]
+    layer = make_layer(scheme, 2 * n if gated else n, k, dtype, bias=bias, **opts).to(KERNEL_DEVICE)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(rows, k, generator=g).to(KERNEL_DEVICE, dtype)
+    res = (torch.randn(rows, n, generator=g) * 0.5).to(KERNEL_DEVICE, dtype) if residual else None
+    return layer, x, res
+
+
+def det_run(fn, x, layer, gated, res, rows=None):
+    """fn on the given rows of x (and of the residual, cloned: it is updated in place)."""
+    rows = list(range(x.shape[0])) if rows is None else rows
+    r = None if res is None else res[rows].clone()
+    with torch.no_grad():
+        return fn(x[rows].contiguous(), layer, gated=gated, residual=r)
+
+
+@pytest.mark.parametrize("scheme", ql.SCHEMES)
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 12288), (40, 96), (151936, 4096)])
+def test_deterministic_config_is_the_16_row_dot_tile(scheme, gated, n, k):
+    """One config a layer (its format, shape and the SwiGLU fold), a 16-row tensor-core tile, no one-row path."""
+    meta = ql.QuantMeta(scheme, n, k, 16 if scheme == "nvfp4" else k, 1, 1, scheme != "nvfp4", False, False)
+    cfg = ql.deterministic_config(meta, gated)
+    assert cfg.use_dot and cfg.block_m == ql.DETERMINISTIC_BLOCK_M == 16
+    assert cfg == ql.launch_config(meta, 16, gated)
+
+
+@pytest.mark.parametrize("case", ["int4_g32", "nvfp4", "fp8_block"])
+def test_deterministic_reference_is_dequantize_then_linear_row_by_row(case):
+    """fp32: the reference is quant_linear_ref's function; bf16: each row's bits do not depend on the others."""
+    layer, x, res = det_inputs(case, torch.float32, True, True, True, rows=9)
+    layer, x, res = layer.to("cpu"), x.cpu(), res.cpu()
+    want = ql.quant_linear_ref(x, layer, res.clone(), gated=True)
+    torch.testing.assert_close(det_run(ql.deterministic_quant_linear_ref, x, layer, True, res), want,
+                               rtol=1e-5, atol=1e-5)
+    layer, x, _ = det_inputs(case, torch.bfloat16, False, False, False, rows=9)
+    layer, x = layer.to("cpu"), x.cpu()
+    full = det_run(ql.deterministic_quant_linear_ref, x, layer, False, None)
+    for i in (0, 4, 8):
+        assert torch.equal(det_run(ql.deterministic_quant_linear_ref, x, layer, False, None, [i]), full[i:i + 1])
+
+
+@kernel
+@pytest.mark.parametrize("epilogue", list(DET_EPILOGUES))
+@pytest.mark.parametrize("case", list(DET_CASES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_deterministic_kernel_rows_are_bit_identical_at_every_row_count(launch, dtype, case, epilogue):
+    """Each row of a 100-row call equals that row alone (M = 1) and inside M = 8, 16, 17 and 40 at different
+    positions, bit for bit; and the values are the dequantize-then-F.linear reference's (bf16 / fp32 tolerance)."""
+    bias, gated, residual = DET_EPILOGUES[epilogue]
+    layer, x, res = det_inputs(case, dtype, bias, gated, residual)
+    full = det_run(ql.deterministic_quant_linear_triton, x, layer, gated, res)
+    want = ql.quant_linear_ref(x, layer, None if res is None else res.clone(), gated=gated)
+    assert rel_err(full, want) < TOL[dtype]
+    assert rel_err(full, det_run(ql.deterministic_quant_linear_ref, x, layer, gated, res)) < TOL[dtype]
+    row = 57
+    alone = det_run(ql.deterministic_quant_linear_triton, x, layer, gated, res, [row])
+    assert torch.equal(alone[0], full[row])
+    others = [r for r in range(DET_ROWS) if r != row]
+    for m, position in ((8, 0), (8, 7), (16, 5), (17, 16), (40, 23)):
+        rows = others[:position] + [row] + others[position:m - 1]
+        got = det_run(ql.deterministic_quant_linear_triton, x, layer, gated, res, rows)
+        assert torch.equal(got[position], alone[0]), (m, position)
+    assert torch.equal(det_run(ql.deterministic_quant_linear_triton, x, layer, gated, res, list(range(17))), full[:17])
+
+
+@kernel
+def test_deterministic_dispatch(launch):
+    """The entry point: the kernel for a layout it reads (residual in place), the act-order permutation applied
+    first, and a layout it does not read (int4 groups of 8) through the bf16 batch-invariant GEMM."""
+    layer, x, res = det_inputs("int4_g32", torch.bfloat16, True, False, True, rows=5)
+    r = res.clone()
+    with torch.no_grad():
+        out = ql.deterministic_quant_linear(x, layer, residual=r)
+    assert out is r and torch.equal(r, det_run(ql.deterministic_quant_linear_triton, x, layer, False, res))
+    perm = torch.randperm(160, generator=torch.Generator().manual_seed(3)).to(KERNEL_DEVICE)
+    permuted = dataclasses.replace(layer)
+    permuted.perm = perm
+    with torch.no_grad():
+        assert torch.equal(ql.deterministic_quant_linear(x, permuted),
+                           ql.deterministic_quant_linear(x[:, perm].contiguous(), layer))
+    narrow = make_layer("int4", 40, 160, torch.bfloat16, group=8).to(KERNEL_DEVICE)
+    assert ql.quant_meta(narrow) is None
+    from blockspec.kernels.deterministic_linear import deterministic_linear_triton
+
+    with torch.no_grad():
+        got = ql.deterministic_quant_linear(x, narrow)
+        assert torch.equal(got, deterministic_linear_triton(x, ql.dequantize_layer(narrow, x.dtype)))
+        assert rel_err(got, ql.quant_linear_ref(x, narrow)) < 1e-2

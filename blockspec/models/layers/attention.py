@@ -321,17 +321,18 @@ class PagedAttention(nn.Module):
 
     def _attend_deterministic(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Every query through the fixed-split paged kernel: a uniform decode/verify batch in one call, a
-        ragged step (prefill chunks, mixed batches) one call per sequence with its new tokens as the queries."""
-        if self.sinks is not None or self.sliding_window is not None:
-            raise RuntimeError("deterministic attention covers causal full attention only (no sinks or window)")
+        ragged step (prefill chunks, mixed batches) one call per sequence with its new tokens as the queries.
+        Sinks and the sliding window (GPT-OSS) ride along."""
+        extra = dict(sinks=self.sinks, window=self.sliding_window)
         if meta.decode is not None:
             d = meta.decode
-            out = fixed_split_attention(q, self.k_cache, self.v_cache, d.block_tables, d.seq_lens, d.q_len, self.scale)
+            out = fixed_split_attention(q, self.k_cache, self.v_cache, d.block_tables, d.seq_lens, d.q_len, self.scale,
+                                        **extra)
             return out.reshape(q.shape[0], -1)
         if meta.block_tables is None or meta.seq_ends is None or meta.seq_tokens is None:
             raise RuntimeError("deterministic attention needs the block tables of a ragged step: "
                                "ragged_metadata(..., block_tables=True), as the runner builds it in this mode")
         outs = [fixed_split_attention(q[first:first + n], self.k_cache, self.v_cache, meta.block_tables[b:b + 1],
-                                      meta.seq_ends[b:b + 1], n, self.scale)
+                                      meta.seq_ends[b:b + 1], n, self.scale, **extra)
                 for b, (first, n) in enumerate(meta.seq_tokens)]
         return torch.cat(outs).reshape(q.shape[0], -1)
