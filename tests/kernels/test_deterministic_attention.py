@@ -80,7 +80,8 @@ def test_kernel_matches_reference(dtype, variant):
     for ends, q_len in (([300, 129], 1), ([300, 200], 8), ([290], 40)):
         got = attend(q_all, k, v, table, ends, q_len, split_tokens=SPLIT, **opts)
         want = attend(q_all, k, v, table, ends, q_len, fn=fixed_split_attention_ref, **opts)
-        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        # float32: the GPU's tl.dot multiplies in TF32 (10-bit mantissa: ~5e-4 here), the interpreter exactly
+        tol = (1e-5 if DEVICE == "cpu" else 2e-3) if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
 
 
