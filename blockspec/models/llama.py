@@ -80,6 +80,14 @@ class LlamaMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_mul(self.gate_up_proj(x)))
 
+    def forward_residual(self, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """h + self(x), h updated in place: a quantized down projection adds into h inside its GEMM (the
+        quantized decode path; its norm and SwiGLU folds measured slower than their own launches)."""
+        act = silu_mul(self.gate_up_proj(x))
+        if isinstance(self.down_proj, QuantLinear):
+            return self.down_proj.forward_residual(act, h)
+        return h.add_(self.down_proj(act))
+
 
 class LlamaDecoderLayer(nn.Module):
     deterministic = False  # batch-invariant kernels (models/deterministic.py): set by the model's set_deterministic
@@ -106,6 +114,8 @@ class LlamaDecoderLayer(nn.Module):
         if self._quantized or not skinny_supported(h, attn.qkv_proj.weight):
             a = attn(positions, self.input_layernorm(h))
             x, h = self.post_attention_layernorm(a, residual=h)  # fused residual add + norm
+            if isinstance(self.mlp, LlamaMLP):  # h is the norm's fresh sum: updated in place
+                return self.mlp.forward_residual(x, h)
             return h + self.mlp(x)
         h = fused_attention_residual(h, self.input_layernorm, attn.qkv_proj, attn.o_proj,
                                      lambda qkv: attn.attend(positions, qkv))

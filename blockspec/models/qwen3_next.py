@@ -144,6 +144,8 @@ class HybridDecoderLayer(nn.Module):
         x = self.input_layernorm(h)
         x = self.linear_attn(x) if self.linear_attn is not None else self.self_attn(positions, x)
         h = h + x
+        if isinstance(self.mlp, LlamaMLP):  # the fresh h updated in place (a quantized down adds in its GEMM)
+            return self.mlp.forward_residual(self.post_attention_layernorm(h), h)
         return h + self.mlp(self.post_attention_layernorm(h))
 
     def _forward_deterministic(self, positions: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
