@@ -186,7 +186,7 @@ def cases() -> list[tuple[str, tuple, dict]]:
     grouped.update({n: "*i32" for n in ("SORTED", "ITEM_EXPERT", "ITEM_START", "ITEM_COUNT", "NUM_ITEMS")})
     grouped.update(W="*u8", QS="*u8", QZ="*u8")
     for t in (1, 16):  # GPT-OSS experts: MXFP4 with biases and the clamped SwiGLU (gate_up)
-        cfg = mg.gemm_config(t, 2880, 2880, mg.max_items(t, 4, 128), True, quantized=True, row_tiles=True)
+        cfg = mg.gemm_config(t, 2880, 2880, mg.max_items(t, 4, 128), True, quantized=True)
         out.append((f"grouped_gemm mxfp4 bias T={t}", (mg._grouped_gemm_kernel, grouped, dict(
             N_OUT=2880, K=2880, SLOTS=4, E=128, GATED=True, SHARED=False, USE_DOT=cfg.use_dot, DOT_PRECISION="tf32",
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SCHEME="mxfp4", G=32, NG=90,

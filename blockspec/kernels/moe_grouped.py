@@ -502,8 +502,7 @@ def max_items(tokens: int, slots: int, experts: int) -> int:
     return min(experts, pairs) + pairs // CHUNK
 
 
-def gemm_config(tokens: int, n: int, k: int, items: int, gated: bool, quantized: bool = False,
-                row_tiles: bool = False) -> GemmConfig:
+def gemm_config(tokens: int, n: int, k: int, items: int, gated: bool, quantized: bool = False) -> GemmConfig:
     """Launch config for `tokens` tokens, n output columns, reduction length k, up to `items` work items.
 
     A hand heuristic (no autotune: CUDA graphs are captured right after warm-up), after skinny_linear's:
@@ -518,14 +517,11 @@ def gemm_config(tokens: int, n: int, k: int, items: int, gated: bool, quantized:
       quantized GEMMs do for 4-bit weights at one row: the dequantized tile goes straight into the MMA (the
       row-reduction path would widen it to float32 first), and BLOCK_K >= 32 (an MXFP4 scale group). Not
       tuned on a GPU yet (bench/moe_kernels.py --quant).
-    - `row_tiles`: quantized experts whose tiles come out of the PTX unpacker in bf16 (NVFP4, MXFP4 with bf16
-      activations) take the row-reduction path for one token as the dense NVFP4 GEMM does at one row (qkv
-      12.1 vs 21.9 us on an H100): no 16-row padding, BLOCK_K 256 (at least one scale group of either).
     `items` is the worst case; a step that touches fewer experts has fewer live programs.
     """
-    if tokens == 1 and (not quantized or row_tiles):
+    if tokens == 1 and not quantized:
         block_n = 8 if items * _cdiv(n, 8) >= _MIN_PROGRAMS else 4
-        return GemmConfig(1, block_n, 256 if quantized else min(256, max(64, _next_pow2(k))), 4, 3)
+        return GemmConfig(1, block_n, min(256, max(64, _next_pow2(k))), 4, 3)
     block_k = min(128, max(32 if quantized else 16, _next_pow2(k)))
     block_n = next((b for b in (64, 32) if items * _cdiv(n, b) >= _MIN_PROGRAMS), 16)
     return GemmConfig(16, block_n, block_k, 4, 3)
@@ -810,9 +806,8 @@ def moe_experts(x: torch.Tensor, gate_up, down, weights: torch.Tensor, ids: torc
     if layout is None:
         layout = moe_align(ids, e, has_shared)
     if configs is None:
-        rows = quantized and gate_up.fast and gate_up.meta.scheme in ("nvfp4", "mxfp4")
-        configs = (gemm_config(t, i, h, layout.max_items, True, quantized=quantized, row_tiles=rows),
-                   gemm_config(t, h, i, layout.max_items, False, quantized=quantized, row_tiles=rows))
+        configs = (gemm_config(t, i, h, layout.max_items, True, quantized=quantized),
+                   gemm_config(t, h, i, layout.max_items, False, quantized=quantized))
     act = torch.empty(t * slots, i, dtype=x.dtype, device=x.device)
     y = torch.empty(t * slots, h, dtype=x.dtype, device=x.device)
     _grouped_gemm(x, gate_up, None, shared.gate if has_shared else None, shared.up if has_shared else None,

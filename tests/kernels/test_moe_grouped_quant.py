@@ -279,18 +279,3 @@ def test_cuda_graph_captures_the_quantized_block(variant):
             block.experts.backend = "auto"
             assert same.float().mean() >= 0.75
             assert rel_err(replayed[same], want[same]) < 2e-2, (variant, t, seed)
-
-
-@kernel
-@pytest.mark.parametrize("variant", ["nvfp4", "mxfp4"])
-def test_one_token_on_row_tiles(variant):
-    """One token of NVFP4 / MXFP4 experts in bf16: on a GPU the default config takes the row-reduction path on the
-    PTX unpacker's bf16 tiles (no 16-row padding); under the interpreter the same path on the plain tiles."""
-    dtype = torch.bfloat16
-    experts = make_quant_experts(variant, 8, dtype, seed=3)
-    h = experts.gate_up_proj.in_features
-    weights, ids = random_routing(1, 8, 4, dtype, seed=3)
-    x = torch.randn(1, h, generator=torch.Generator().manual_seed(4)).to(dtype=dtype, device=DEVICE)
-    cfgs = None if DEVICE != "cpu" else (GemmConfig(1, 8, 256, 4, 1), GemmConfig(1, 8, 256, 4, 1))
-    got = moe_experts(x, experts.gate_up_proj, experts.down_proj, weights, ids, configs=cfgs)
-    _check(got, reference(experts, x, weights, ids), dtype)
