@@ -713,6 +713,9 @@ def test_deterministic_reference_is_dequantize_then_linear_row_by_row(case):
 def test_deterministic_kernel_rows_are_bit_identical_at_every_row_count(launch, dtype, case, epilogue):
     """Each row of a 100-row call equals that row alone (M = 1) and inside M = 8, 16, 17 and 40 at different
     positions, bit for bit; and the values are the dequantize-then-F.linear reference's (bf16 / fp32 tolerance)."""
+    if KERNEL_DEVICE == "cpu" and dtype == torch.float32 and epilogue != "plain":
+        # the interpreter runs the same program logic in either dtype: CI keeps the float32 epilogues to the GPU
+        pytest.skip("float32 epilogue variants run on the GPU (the suite's time under TRITON_INTERPRET=1)")
     bias, gated, residual = DET_EPILOGUES[epilogue]
     layer, x, res = det_inputs(case, dtype, bias, gated, residual)
     full = det_run(ql.deterministic_quant_linear_triton, x, layer, gated, res)
