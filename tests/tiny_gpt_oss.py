@@ -109,3 +109,11 @@ def save_tiny_gpt_oss_drafter(out: Path, target_dir: Path, block_size: int = 16)
     config = json.loads((out / "config.json").read_text())
     (out / "config.json").write_text(json.dumps({**config, "model_type": "gpt_oss"}))
     return out
+
+
+def save_tiny_gpt_oss_pair(root: Path) -> dict[str, Path]:
+    """bf16 and MXFP4 targets and a drafter for the bf16 one, from seeds whose greedy outputs vary (with seed 0
+    the tiny models fall into repeating one token): {"bf16", "mxfp4", "drafter"}."""
+    bf16 = save_tiny_gpt_oss(root / "bf16", seed=1)
+    return {"bf16": bf16, "mxfp4": save_tiny_gpt_oss_mxfp4(root / "mxfp4", seed=2),
+            "drafter": save_tiny_gpt_oss_drafter(root / "drafter", bf16)}

@@ -86,3 +86,28 @@ def save_tiny_hybrid(out: Path, family: str, seed: int = 0, **overrides) -> Path
 
 def save_all(root: Path) -> dict[str, Path]:
     return {family: save_tiny_hybrid(root / family, family) for family in FAMILIES}
+
+
+def tiny_gated_deltanet(packed: bool, heads: int = 6, hk: int = 2, seed: int = 0, scale: float = 0.2):
+    """One random GatedDeltaNet layer (16-wide heads, conv 4) with decays, gate biases and norm weights that vary;
+    the other weights ~ N(0, scale^2)."""
+    from blockspec.models.layers.gated_deltanet import GatedDeltaNet
+    from blockspec.models.model_config import ModelConfig
+
+    cfg = ModelConfig.from_dict(dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                     num_attention_heads=2, linear_num_key_heads=hk, linear_num_value_heads=heads,
+                                     linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+                                     rms_norm_eps=1e-6))
+    torch.manual_seed(seed)
+    layer = GatedDeltaNet(cfg, packed_projections=packed)
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            if name == "A_log":
+                p.copy_(torch.empty_like(p).uniform_(0.5, 8).log())
+            elif name == "dt_bias":
+                p.copy_(torch.randn_like(p) * 0.5)
+            elif name == "norm.weight":
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+            else:
+                p.copy_(torch.randn_like(p) * scale)
+    return layer

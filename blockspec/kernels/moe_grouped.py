@@ -708,9 +708,9 @@ def moe_route_align(logits: torch.Tensor, top_k: int, renormalize: bool, x: torc
     ROUTE_ALIGN_MAX_PAIRS pairs over at most ROUTE_ALIGN_MAX_EXPERTS experts), else as the two launches."""
     t, e = logits.shape
     shared = shared_gate is not None
-    if t * (top_k + int(shared)) > ROUTE_ALIGN_MAX_PAIRS or (t > 1 and e > ROUTE_ALIGN_MAX_EXPERTS):
-        weights, ids, shared_w = moe_route(logits, top_k, renormalize, x, shared_gate,
-                                           block_t=1 if t * (top_k + int(shared)) <= ROUTE_ALIGN_MAX_PAIRS else None)
+    small = t * (top_k + int(shared)) <= ROUTE_ALIGN_MAX_PAIRS
+    if not small or (t > 1 and e > ROUTE_ALIGN_MAX_EXPERTS):  # a small block: one token a routing program
+        weights, ids, shared_w = moe_route(logits, top_k, renormalize, x, shared_gate, block_t=1 if small else None)
         return weights, ids, shared_w, moe_align(ids, e, shared)
     if shared and x is None:
         raise ValueError("the shared expert's gate needs x")

@@ -163,6 +163,11 @@ class LlamaForCausalLM(nn.Module):
         return [layer.self_attn.attn for layer in self.model.layers]
 
     @property
+    def state_layers(self) -> list[nn.Module]:
+        """Token mixers with recurrent state (the hybrids' Gated DeltaNet layers): none here."""
+        return []
+
+    @property
     def prefill_graph_safe(self) -> bool:
         """Every row's computation stays in its row and the paged KV cache (dense MLPs, or MoE blocks that route
         each token on its own), so a short prefill padded to a bucket can be one CUDA graph
@@ -196,14 +201,13 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm(h), features
 
     def set_deterministic(self, on: bool) -> None:
-        """--deterministic: every decoder layer, its attention and the LM head take the batch-invariant
-        kernels (models/deterministic.py); only for classes with supports_deterministic."""
+        """--deterministic: every decoder layer, its attention (and recurrent-state mixers) and the LM head take
+        the batch-invariant kernels (models/deterministic.py); only for classes with supports_deterministic."""
         if on and not self.supports_deterministic:
             raise ValueError(f"{type(self).__name__} has no deterministic path")
         self.deterministic = on
-        for layer in self.model.layers:
-            layer.deterministic = on
-            layer.self_attn.attn.deterministic = on
+        for module in (*self.model.layers, *self.attention_layers, *self.state_layers):
+            module.deterministic = on
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Through skinny_linear: one decode row takes its kernel (8% faster than cuBLAS for Qwen3-8B's head

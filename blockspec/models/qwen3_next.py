@@ -19,6 +19,7 @@ import functools
 import torch
 from torch import nn
 
+from blockspec.kernels.rms_norm import rms_norm_ref
 from blockspec.kernels.rotary import NORM_ZERO_CENTERED, rope_heads
 from blockspec.kernels.skinny_linear import skinny_linear, skinny_supported
 from blockspec.models import deterministic
@@ -53,9 +54,7 @@ class ZeroCenteredRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * (1.0 + self.weight.float())).to(x.dtype)
+        return rms_norm_ref(x, self.weight, self.eps, zero_centered=True)[0]
 
     def kernel_weight(self) -> torch.Tensor:
         """1 + weight, for GEMMs that fold the norm in; recomputed only when the weight changes (loading)."""
@@ -206,17 +205,6 @@ class Qwen3NextForCausalLM(LlamaForCausalLM):
     @property
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.model.layers if layer.self_attn is not None]
-
-    def set_deterministic(self, on: bool) -> None:
-        """--deterministic: every decoder layer, its attention or DeltaNet mixer and the LM head take the
-        batch-invariant kernels (models/deterministic.py)."""
-        if on and not self.supports_deterministic:
-            raise ValueError(f"{type(self).__name__} has no deterministic path")
-        self.deterministic = on
-        for layer in self.model.layers:
-            layer.deterministic = on
-        for module in (*self.attention_layers, *self.state_layers):
-            module.deterministic = on
 
     @property
     def state_layers(self) -> list[GatedDeltaNet]:

@@ -151,12 +151,9 @@ def test_quantized_moe_batch_of_8_with_drafts_equals_greedy_alone(tiny_moe, tmp_
 
 @pytest.fixture(scope="module")
 def tiny_gpt_oss(tmp_path_factory) -> dict[str, Path]:
-    from tests.tiny_gpt_oss import save_tiny_gpt_oss, save_tiny_gpt_oss_drafter, save_tiny_gpt_oss_mxfp4
+    from tests.tiny_gpt_oss import save_tiny_gpt_oss_pair
 
-    root = tmp_path_factory.mktemp("det_gpt_oss")
-    bf16 = save_tiny_gpt_oss(root / "bf16", seed=1)  # seeds whose greedy outputs vary most (not one repeated token)
-    return {"bf16": bf16, "mxfp4": save_tiny_gpt_oss_mxfp4(root / "mxfp4", seed=2),
-            "drafter": save_tiny_gpt_oss_drafter(root / "drafter", bf16)}
+    return save_tiny_gpt_oss_pair(tmp_path_factory.mktemp("det_gpt_oss"))
 
 
 @pytest.mark.parametrize("k", [0, 7, 15])

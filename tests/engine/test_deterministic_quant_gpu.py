@@ -61,12 +61,9 @@ def test_tiny_quantized_qwen3_moe_dflash_equals_greedy_at_batch_1_and_8(tmp_path
 
 @pytest.fixture(scope="module")
 def tiny_gpt_oss(tmp_path_factory) -> dict[str, Path]:
-    from tests.tiny_gpt_oss import save_tiny_gpt_oss, save_tiny_gpt_oss_drafter, save_tiny_gpt_oss_mxfp4
+    from tests.tiny_gpt_oss import save_tiny_gpt_oss_pair
 
-    root = tmp_path_factory.mktemp("det_gpt_oss_gpu")
-    bf16 = save_tiny_gpt_oss(root / "bf16", seed=1)  # seeds whose greedy outputs vary most (not one repeated token)
-    return {"bf16": bf16, "mxfp4": save_tiny_gpt_oss_mxfp4(root / "mxfp4", seed=2),
-            "drafter": save_tiny_gpt_oss_drafter(root / "drafter", bf16)}
+    return save_tiny_gpt_oss_pair(tmp_path_factory.mktemp("det_gpt_oss_gpu"))
 
 
 @pytest.mark.parametrize("k", [0, 7, 15])

@@ -23,6 +23,7 @@ from blockspec.kernels.gated_deltanet import (
     gdn_recurrent,
     gdn_recurrent_ref,
 )
+from tests.tiny_hybrid import tiny_gated_deltanet
 
 DEVICE = kernel_device()
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -146,29 +147,6 @@ def test_gated_norm_reference_is_the_module(dtype):
         assert torch.equal(gated_rms_norm_ref(o, z, norm.weight, 1e-6), norm(o.to(dtype), z))
 
 
-def _tiny_layer(packed: bool, heads: int = 6, hk: int = 2, seed: int = 0):
-    from blockspec.models.layers.gated_deltanet import GatedDeltaNet
-    from blockspec.models.model_config import ModelConfig
-
-    cfg = ModelConfig.from_dict(dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                     num_attention_heads=2, linear_num_key_heads=hk, linear_num_value_heads=heads,
-                                     linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
-                                     rms_norm_eps=1e-6))
-    torch.manual_seed(seed)
-    layer = GatedDeltaNet(cfg, packed_projections=packed)
-    with torch.no_grad():
-        for name, p in layer.named_parameters():
-            if name == "A_log":
-                p.copy_(torch.empty_like(p).uniform_(0.5, 8).log())
-            elif name == "dt_bias":
-                p.copy_(torch.randn_like(p) * 0.5)
-            elif name == "norm.weight":
-                p.copy_(1 + 0.1 * torch.randn_like(p))
-            else:
-                p.copy_(torch.randn_like(p) * 0.2)
-    return layer
-
-
 def _eager_step(layer, x, slots: list[int], length: int, speculative: bool):
     from blockspec.models.layers.attention import forward_context
     from blockspec.models.layers.recurrent_state import StateMetadata
@@ -204,7 +182,7 @@ def test_references_reproduce_the_eager_layer_bit_for_bit(packed, length, monkey
     from blockspec.models.layers.recurrent_state import LayerState
 
     monkeypatch.setenv("BLOCKSPEC_GDN_BACKEND", "reference")
-    layer = _tiny_layer(packed)
+    layer = tiny_gated_deltanet(packed)
     st = LayerState(5, layer.conv_dim, 3, 6, 16, 16, torch.float32, torch.float32, torch.device("cpu"), checkpoints=0)
     st.conv.normal_()
     st.ssm.normal_(std=0.3)
@@ -227,7 +205,7 @@ def test_references_reproduce_verify_and_commit(keep, monkeypatch):
 
     monkeypatch.setenv("BLOCKSPEC_GDN_BACKEND", "reference")
     length, slots, counts = 5, [1, 4, 2], [5, 1, 3]
-    layer = _tiny_layer(packed=False, heads=4, hk=2)
+    layer = tiny_gated_deltanet(packed=False, heads=4, hk=2)
     st = LayerState(5, layer.conv_dim, 3, 4, 16, 16, torch.float32, torch.float32, torch.device("cpu"),
                     checkpoints=length if keep else 0)
     st.conv.normal_()

@@ -14,7 +14,7 @@ import torch
 from blockspec.models.layers.attention import forward_context
 from blockspec.models.layers.gated_deltanet import GatedDeltaNet
 from blockspec.models.layers.recurrent_state import DecodeStateMetadata, LayerState, StateMetadata
-from blockspec.models.model_config import ModelConfig
+from tests.tiny_hybrid import tiny_gated_deltanet
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 L = 20  # tokens of the sequence under test
@@ -22,22 +22,7 @@ SLOT = 2  # its slot pair (2, 3); other sequences use pairs (0, 1), (4, 5)
 
 
 def tiny_layer(packed: bool) -> GatedDeltaNet:
-    cfg = ModelConfig.from_dict(dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                     num_attention_heads=2, linear_num_key_heads=2, linear_num_value_heads=4,
-                                     linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
-                                     rms_norm_eps=1e-6))
-    torch.manual_seed(0)
-    layer = GatedDeltaNet(cfg, packed_projections=packed)
-    with torch.no_grad():
-        for name, p in layer.named_parameters():
-            if name == "A_log":
-                p.copy_(torch.empty_like(p).uniform_(0.5, 8).log())
-            elif name == "dt_bias":
-                p.copy_(torch.randn_like(p) * 0.5)
-            elif name == "norm.weight":
-                p.copy_(1 + 0.1 * torch.randn_like(p))
-            else:
-                p.copy_(torch.randn_like(p) * 0.5)
+    layer = tiny_gated_deltanet(packed, heads=4, hk=2, scale=0.5)
     layer = layer.to(DEVICE, torch.bfloat16)
     layer.deterministic = True
     return layer
