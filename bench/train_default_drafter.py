@@ -22,6 +22,8 @@ Usage:
   python bench/train_default_drafter.py --init-from DIR --data-seed 1   # a second run: new data, same drafter
   python bench/train_default_drafter.py --eval-only --drafter DIR [--device cpu]   # measure a drafter
   python bench/train_default_drafter.py --arch dflash2   # DFlash 2, measured against the shipped drafter
+  python bench/train_default_drafter.py --arch dflash2 --init-from blockspec/drafters/smollm2-135m-instruct \
+      --num-layers 2 --selector-rank 32   # DFlash 2 from the shipped drafter's first two layers (23.8 MB)
   python bench/train_default_drafter.py --arch dflash2 --init-from DIR --data-seed 1 --lr 1e-3   # its stage 2
   python bench/train_default_drafter.py --arch dflash2 --smoke   # the whole flow on the CPU, small and short
 """
@@ -75,7 +77,7 @@ def train(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                            labels=args.labels, max_time_s=args.train_minutes * 60, seed=args.seed, save_every=250)
     dflash2 = {name: getattr(args, name) for name in DFLASH2_FIELDS} if args.arch == "dflash2" else None
     cfg = PipelineConfig(out=work, target=args.target, generation=gen, training=training,
-                         num_layers=args.num_layers, block_size=block_size(args), dflash2=dflash2,
+                         num_layers=args.num_layers or (None if args.init_from else 3), block_size=block_size(args), dflash2=dflash2,
                          gen_batch=args.gen_batch, gen_workers=args.gen_workers, max_prompt_len=args.max_prompt_len,
                          init_from=args.init_from, eval_prompts=args.heldout_prompts,
                          eval_max_tokens=args.heldout_max_tokens,
@@ -199,7 +201,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     help="seed of the sampled lead-ins and self-written prompts (a second run: new data)")
     ap.add_argument("--init-from", type=Path, default=None, help="continue from this drafter (a second run)")
     ap.add_argument("--gen-minutes", type=float, default=9.0)
-    ap.add_argument("--num-layers", type=int, default=3)
+    ap.add_argument("--num-layers", type=int, default=None,
+                    help="default 3; with --init-from that drafter's, or its first N")
     ap.add_argument("--epochs", type=int, default=20, help="upper bound; --train-minutes usually stops first")
     ap.add_argument("--lr", type=float, default=1.5e-3)
     ap.add_argument("--batch-size", type=int, default=64)

@@ -79,12 +79,14 @@ def is_skipped(name: str) -> bool:
 
 
 def load_weights(model: torch.nn.Module, model_dir: Path, device: torch.device | str, dtype: torch.dtype,
-                 names: Callable[[str], str | None] | None = None) -> None:
+                 names: Callable[[str], str | None] | None = None,
+                 fresh: Callable[[str], bool] | None = None) -> None:
     """Stream every checkpoint tensor of ``model_dir`` into ``model`` and check nothing is missing.
 
     ``names`` maps a checkpoint name to the model's (None: not this model's tensor); the default reads the
     text model (wrapper prefixes removed, vision and MTP tensors skipped). A part of a checkpoint, such as
-    its MTP head (spec/mtp.py), loads with its own mapping.
+    its MTP head (spec/mtp.py), loads with its own mapping. ``fresh`` names the parameters that may keep
+    their initial values (a DFlash 2 drafter started from a DFlash 1 drafter's weights).
     """
     model_dir = Path(model_dir)
     rename = checkpoint_name if names is None else names
@@ -129,7 +131,7 @@ def load_weights(model: torch.nn.Module, model_dir: Path, device: torch.device |
             " ..." if len(unknown) > 5 else "",
         )
     _tie_lm_head(model, model_dir, loaded)
-    missing = _missing_parameters(model, loaded, versions)
+    missing = [name for name in _missing_parameters(model, loaded, versions) if fresh is None or not fresh(name)]
     if missing:
         raise ModelLoadError(
             f"{len(missing)} model parameters are not in the checkpoint {model_dir} "

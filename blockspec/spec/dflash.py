@@ -52,6 +52,12 @@ DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selec
 CODEBOOKS = ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook")
 
 
+def dflash2_only(name: str) -> bool:
+    """A DFlash 2 parameter with no DFlash 1 counterpart (convolutions, selector): what stays freshly
+    initialised when a DFlash 2 drafter starts from a DFlash 1 drafter's weights."""
+    return name.startswith("candidate_selector.") or ".attention_conv." in name or ".mlp_conv." in name
+
+
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
     """Spread n layers from layer 1 to L-3 (the DFlash paper's choice)."""
     if num_draft_layers == 1:

@@ -38,10 +38,13 @@ def add_train_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="stop generating after the shard that crosses this many minutes")
     g.add_argument("--data-dir", type=Path, default=None, help="where data shards live (default OUT/data)")
     d = p.add_argument_group("drafter")
-    d.add_argument("--arch", choices=("dflash", "dflash2"), default="dflash",
-                   help="dflash2: DFlash 2 (DFlash2DraftModel): grouped dynamic convolutions around every sublayer "
-                        "and a candidate selector over the top-K tokens per slot, trained with a K-way loss")
-    d.add_argument("--num-layers", type=int, default=2, help="drafter decoder layers")
+    d.add_argument("--arch", choices=("dflash", "dflash2"), default=None,
+                   help="dflash (default; with --init-from: that drafter's own) | dflash2: DFlash 2 "
+                        "(DFlash2DraftModel): grouped dynamic convolutions around every sublayer and a candidate "
+                        "selector over the top-K tokens per slot, trained with a K-way loss; with --init-from a "
+                        "DFlash 1 drafter, its shared weights start the DFlash 2 drafter")
+    d.add_argument("--num-layers", type=int, default=None,
+                   help="drafter decoder layers (default 2; with --init-from that drafter's, or its first N)")
     d.add_argument("--block-size", type=int, default=None, help="B: anchor + B-1 drafts (default 16; 8 for dflash2)")
     d.add_argument("--conv-kernel-size", type=int, default=2, help="dflash2: convolution taps")
     d.add_argument("--conv-group-size", type=int, default=16, help="dflash2: channels sharing a dynamic tap")
@@ -79,12 +82,15 @@ def config_from_args(args: argparse.Namespace):
     from blockspec.train.trainer import TrainConfig
 
     for name in ("num_samples", "response_len", "num_layers", "epochs", "batch_size", "num_anchors", "gen_workers"):
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
     if not 0 <= args.self_prompts <= 1:
         raise ConfigError("--self-prompts must be between 0 and 1")
     if args.sampled_prefix < 0:
         raise ConfigError("--sampled-prefix must be 0 or more")
+    if args.arch == "dflash" and args.init_from is not None and _architecture(args.init_from) == "DFlash2DraftModel":
+        raise ConfigError(f"--arch dflash cannot start from the DFlash 2 drafter in {args.init_from} (its convolutions "
+                          "and selector have no DFlash 1 counterpart): leave out --arch to fine-tune it as DFlash 2")
     if args.block_size is None:
         args.block_size = 8 if args.arch == "dflash2" else 16
     if args.block_size < 2:
@@ -112,6 +118,15 @@ def config_from_args(args: argparse.Namespace):
                           max_prompt_len=args.max_prompt_len,
                           eval_prompts=args.eval_prompts, eval_max_tokens=args.eval_max_tokens,
                           device=args.device, resume=args.resume, seed=args.seed)
+
+
+def _architecture(drafter_dir: Path) -> str | None:
+    """The drafter's architecture as its config.json names it (None when it cannot be read: the pipeline
+    then says what is wrong with the directory)."""
+    try:
+        return json.loads((drafter_dir / "config.json").read_text())["architectures"][0]
+    except (OSError, ValueError, KeyError, IndexError, TypeError):
+        return None
 
 
 def cmd_train_drafter(args: argparse.Namespace) -> int:

@@ -59,12 +59,16 @@ def drafter_config_json(target: ModelConfig, num_layers: int, block_size: int, m
         "num_target_layers": target.num_hidden_layers,
         "dflash_config": {"mask_token_id": mask_token_id, "target_layer_ids": list(target_layer_ids)},
     }
-    if dflash2:
-        cfg["architectures"] = ["DFlash2DraftModel"]
-        cfg["is_causal"] = False
-        cfg["dflash_config"] |= {"block_size": block_size, **dflash2}
     if target.rope_scaling:
         cfg["rope_scaling"] = dict(target.rope_scaling)
+    return as_dflash2(cfg, block_size, dflash2) if dflash2 else cfg
+
+
+def as_dflash2(config_json: dict[str, Any], block_size: int, dflash2: dict[str, int]) -> dict[str, Any]:
+    """A DFlash 1 drafter config turned into DFlash 2's: the same layers, widths, target layers and mask
+    token, plus the convolution and selector fields, at `block_size`."""
+    cfg = {**config_json, "architectures": ["DFlash2DraftModel"], "is_causal": False, "block_size": block_size}
+    cfg["dflash_config"] = {**config_json["dflash_config"], "block_size": block_size, **dflash2}
     return cfg
 
 

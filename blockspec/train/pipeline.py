@@ -12,7 +12,7 @@ import logging
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -20,9 +20,9 @@ from blockspec.config import EngineConfig, SpeculativeConfig
 from blockspec.engine.engine import Engine
 from blockspec.errors import ConfigError
 from blockspec.loader.tokenizer import load_tokenizer
-from blockspec.loader.weights import load_weights, resolve_model_path
+from blockspec.loader.weights import checkpoint_name, load_weights, resolve_model_path
 from blockspec.models.model_config import ModelConfig
-from blockspec.spec.dflash import DrafterConfig
+from blockspec.spec.dflash import DrafterConfig, dflash2_only
 from blockspec.train.data import GenerationConfig, data_complete, generate_data, load_samples, token_counts
 from blockspec.train.drafter_init import (
     build_training_drafter,
@@ -31,7 +31,7 @@ from blockspec.train.drafter_init import (
     pick_mask_token,
 )
 from blockspec.train.evaluate import TauEvaluator, chat_texts
-from blockspec.train.export import drafter_config_json, save_drafter, write_model_card
+from blockspec.train.export import as_dflash2, drafter_config_json, save_drafter, write_model_card
 from blockspec.train.parallel_data import GeneratorSpec, generate_parallel, kv_share
 from blockspec.train.prompts import load_prompts, split_heldout
 from blockspec.train.trainer import TrainConfig, Trainer, TrainResult
@@ -48,7 +48,7 @@ class PipelineConfig:
     data_dir: Path | None = None  # default: out/data
     generation: GenerationConfig | None = None
     training: TrainConfig | None = None
-    num_layers: int = 2
+    num_layers: int | None = None  # None: 2 for a fresh drafter, with init_from its own (fewer: its first layers)
     block_size: int = 16
     dflash2: dict[str, int] | None = None  # --arch dflash2: conv_kernel_size, conv_group_size, selector_*
     target_layer_ids: str | None = None  # "1,8,14,21,27"; None: 5 spread from 1 to L-3
@@ -103,7 +103,8 @@ def drafter_config(cfg: PipelineConfig, target_dir: Path, target_cfg: ModelConfi
     if cfg.resume and existing.is_file():
         return json.loads(existing.read_text())
     if cfg.init_from is not None:
-        return init_config(cfg.init_from, target_cfg)
+        source = first_layers(init_config(cfg.init_from, target_cfg), cfg.num_layers)
+        return as_dflash2(source, cfg.block_size, cfg.dflash2) if upgrades(cfg) else source
     if cfg.mask_token_id is not None:
         mask_id = cfg.mask_token_id
         if not 0 <= mask_id < target_cfg.vocab_size:
@@ -112,7 +113,7 @@ def drafter_config(cfg: PipelineConfig, target_dir: Path, target_cfg: ModelConfi
         tokenizer = load_tokenizer(target_dir, None, None)
         mask_id = pick_mask_token(tokenizer, token_counts(samples, target_cfg.vocab_size), target_cfg.vocab_size)
     layer_ids = parse_layer_ids(cfg.target_layer_ids, target_cfg.num_hidden_layers)
-    return drafter_config_json(target_cfg, cfg.num_layers, cfg.block_size, mask_id, layer_ids, dflash2=cfg.dflash2)
+    return drafter_config_json(target_cfg, cfg.num_layers or 2, cfg.block_size, mask_id, layer_ids, dflash2=cfg.dflash2)
 
 
 def init_config(init_from: Path, target_cfg: ModelConfig) -> dict[str, Any]:
@@ -126,6 +127,34 @@ def init_config(init_from: Path, target_cfg: ModelConfig) -> dict[str, Any]:
     except (KeyError, TypeError, ValueError) as exc:
         raise ConfigError(f"--init-from {init_from}: not a DFlash drafter config ({exc})") from None
     return config_json
+
+
+def first_layers(config_json: dict[str, Any], num_layers: int | None) -> dict[str, Any]:
+    """The drafter to start from cut to its first `num_layers` layers (None: all of them)."""
+    have = config_json["num_hidden_layers"]
+    if num_layers is None or num_layers == have:
+        return config_json
+    if num_layers > have:
+        raise ConfigError(f"--num-layers {num_layers}: the --init-from drafter has {have} layers; a drafter started "
+                          f"from it keeps {have} or fewer (its first ones)")
+    types = config_json.get("layer_types") or ["full_attention"] * have
+    return {**config_json, "num_hidden_layers": num_layers, "layer_types": types[:num_layers]}
+
+
+def _kept_layers(num_layers: int) -> Callable[[str], str | None]:
+    """Checkpoint names of a drafter cut to its first layers: the later layers' tensors are not read."""
+    def name(raw: str) -> str | None:
+        parts = raw.split(".")
+        return None if parts[0] == "layers" and int(parts[1]) >= num_layers else checkpoint_name(raw)
+    return name
+
+
+def upgrades(cfg: PipelineConfig) -> bool:
+    """--arch dflash2 from a DFlash 1 drafter: its shared weights start a DFlash 2 drafter."""
+    if cfg.init_from is None or cfg.dflash2 is None:
+        return False
+    source = json.loads((cfg.init_from / "config.json").read_text())
+    return "DFlash2DraftModel" not in source.get("architectures", [])
 
 
 def run(cfg: PipelineConfig) -> dict[str, Any]:
@@ -152,7 +181,8 @@ def run(cfg: PipelineConfig) -> dict[str, Any]:
         log.warning("the drafter's sliding window (%d) is shorter than the training sequences (%d tokens): "
                     "training attends over the whole context, serving over the window", min(windows), longest)
     if cfg.init_from is not None and not cfg.resume:
-        load_weights(drafter, cfg.init_from, device, torch.float32)
+        load_weights(drafter, cfg.init_from, device, torch.float32, names=_kept_layers(dcfg.model.num_hidden_layers),
+                     fresh=dflash2_only if upgrades(cfg) else None)
     save_drafter(drafter, config_json, cfg.out)  # the evaluation engine loads the drafter from here
 
     eval_len = cfg.max_prompt_len + cfg.eval_max_tokens + block
@@ -198,6 +228,7 @@ def _summary(cfg: PipelineConfig, target_dir: Path, config_json: dict[str, Any],
                      "epochs_done": round(result.epochs_done, 2), "final_loss": round(result.loss, 4),
                      "final_tau_est": round(result.tau_est, 3), "wall_s": round(result.wall_s, 1)},
         "init_from": str(cfg.init_from) if cfg.init_from else None,
+        "upgraded_from_dflash1": upgrades(cfg),
         "heldout_eval": result.last_eval,
         "device": dev,
         "data_wall_s": round(t_data, 1),
@@ -224,7 +255,12 @@ def _labels(t: dict[str, Any]) -> str:
 
 def _init_from(summary: dict[str, Any]) -> str:
     src = summary.get("init_from")
-    return f"Starting from the weights of the drafter in {src} (see its own card): " if src else ""
+    if not src:
+        return ""
+    if summary.get("upgraded_from_dflash1"):
+        return (f"Starting from the DFlash 1 drafter in {src} (see its own card): its attention, MLP, norm and "
+                "feature weights; the convolutions start as the identity and the selector fresh. ")
+    return f"Starting from the weights of the drafter in {src} (see its own card): "
 
 
 def _kind(m: dict[str, Any]) -> str:

@@ -89,7 +89,7 @@ def test_init_from_continues_from_a_trained_drafter(trained, tmp_path):
     drafter's (far below a fresh start's), and the config (layers, block, mask token) is carried over."""
     out = tmp_path / "tuned"
     args = _arg(_arg(trained["args"], "--out", str(out)), "--epochs", "1")
-    args = _arg(_arg(args, "--lr", "1e-9"), "--num-layers", "2")  # --num-layers gives way to the drafter's own
+    args = _arg(_arg(args, "--lr", "1e-9"), "--num-layers", "1")  # the drafter's own: all its layers
     args += ["--data-dir", str(trained["out"] / "data"), "--init-from", str(trained["out"])]
     assert main(args) == 0
 
@@ -156,3 +156,72 @@ def test_dflash2_training_exports_what_the_reference_loads(trained, tmp_path, mo
     assert got.token_ids == want.output_ids[0, len(ids):].tolist()
     assert (got.stats.steps, got.stats.decode_tokens) == (len(want.acceptance_lengths),
                                                           sum(want.acceptance_lengths))
+
+
+def test_dflash2_from_a_dflash1_drafter_carries_its_shared_weights(trained, tmp_path):
+    """--arch dflash2 --init-from a DFlash 1 drafter: the DFlash 2 drafter keeps the source's layers, target
+    layers and mask token, takes every shared tensor from it, and starts its convolutions as the identity,
+    so its first loss is already near the trained drafter's (far below a fresh DFlash 2 start's)."""
+    from safetensors.torch import load_file
+
+    out = tmp_path / "up"
+    args = _arg(_arg(trained["args"], "--out", str(out)), "--epochs", "1")
+    args = _arg(args, "--lr", "1e-9")
+    args += ["--data-dir", str(trained["out"] / "data"), "--init-from", str(trained["out"]), "--arch", "dflash2",
+             "--selector-top-k", "4", "--selector-rank", "8"]
+    assert main(args) == 0
+    old, new = (json.loads((d / "config.json").read_text()) for d in (trained["out"], out))
+    assert new["architectures"] == ["DFlash2DraftModel"] and new["num_hidden_layers"] == old["num_hidden_layers"]
+    assert {k: new["dflash_config"][k] for k in old["dflash_config"]} == old["dflash_config"]
+    before, after = (load_file(str(d / "model.safetensors")) for d in (trained["out"], out))
+    for name, tensor in before.items():
+        torch.testing.assert_close(after[name].float(), tensor.float(), rtol=0, atol=1e-3)
+    assert any("candidate_selector" in name for name in after)
+
+    def first_loss(d):
+        return next(json.loads(line)["loss"] for line in (d / "train_log.jsonl").read_text().splitlines()
+                    if "loss" in json.loads(line))
+
+    fresh = tmp_path / "fresh"
+    args = _arg(_arg(args, "--out", str(fresh)), "--init-from", str(tmp_path / "none"))
+    args = args[:args.index("--init-from")] + args[args.index("--init-from") + 2:]
+    assert main(args) == 0
+    assert first_loss(out) < 0.5 * first_loss(fresh)
+    assert "DFlash 1 drafter" in (out / "README.md").read_text()
+
+
+def test_init_from_with_more_layers_than_the_drafter_is_refused(trained, tmp_path, capsys):
+    args = _arg(_arg(trained["args"], "--out", str(tmp_path / "x")), "--num-layers", "2")
+    args += ["--data-dir", str(trained["out"] / "data"), "--init-from", str(trained["out"])]
+    assert main(args) != 0
+    assert "--num-layers 2: the --init-from drafter has 1 layers" in capsys.readouterr().err
+
+
+def test_dflash1_from_a_dflash2_drafter_is_refused(trained, tmp_path, capsys):
+    d2 = tmp_path / "d2"
+    d2.mkdir()
+    (d2 / "config.json").write_text(json.dumps({"architectures": ["DFlash2DraftModel"]}))
+    args = _arg(trained["args"], "--out", str(tmp_path / "x"))
+    args += ["--data-dir", str(trained["out"] / "data"), "--init-from", str(d2), "--arch", "dflash"]
+    assert main(args) != 0
+    assert "cannot start from the DFlash 2 drafter" in capsys.readouterr().err
+
+
+def test_init_from_keeps_the_first_layers_asked_for(trained, tmp_path):
+    """--num-layers below the source drafter's: its first layers start the new drafter, the rest are not read."""
+    from safetensors.torch import load_file
+
+    two = tmp_path / "two"
+    base = [*trained["args"], "--data-dir", str(trained["out"] / "data")]
+    assert main(_arg(_arg(_arg(base, "--out", str(two)), "--num-layers", "2"), "--epochs", "1")) == 0
+    one = tmp_path / "one"
+    args = _arg(_arg(_arg(base, "--out", str(one)), "--epochs", "1"), "--lr", "1e-9")
+    assert main([*args, "--init-from", str(two), "--arch", "dflash2", "--selector-top-k", "4",
+                 "--selector-rank", "8"]) == 0
+    cfg = json.loads((one / "config.json").read_text())
+    assert cfg["num_hidden_layers"] == 1 and len(cfg["layer_types"]) == 1
+    before, after = (load_file(str(d / "model.safetensors")) for d in (two, one))
+    assert not any(name.startswith("layers.1.") for name in after)
+    for name, tensor in before.items():
+        if not name.startswith("layers.1."):
+            torch.testing.assert_close(after[name].float(), tensor.float(), rtol=0, atol=1e-3)
