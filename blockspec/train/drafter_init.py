@@ -98,3 +98,12 @@ def copy_final_norm(drafter: DFlashDrafter, target: nn.Module) -> bool:
     with torch.no_grad():
         drafter.norm.weight.copy_(weight)
     return True
+
+
+def identity_convolutions(drafter: nn.Module) -> None:
+    """DFlash 2's convolutions exactly the identity (their dynamic taps zero, not small): a DFlash 2 drafter
+    started from a DFlash 1 drafter then drafts as that drafter did, and training moves on from there."""
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            if name.endswith("conv.kernel_projection.weight"):
+                p.zero_()

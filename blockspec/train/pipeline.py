@@ -10,9 +10,10 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -27,6 +28,7 @@ from blockspec.train.data import GenerationConfig, data_complete, generate_data,
 from blockspec.train.drafter_init import (
     build_training_drafter,
     copy_final_norm,
+    identity_convolutions,
     parse_layer_ids,
     pick_mask_token,
 )
@@ -183,6 +185,8 @@ def run(cfg: PipelineConfig) -> dict[str, Any]:
     if cfg.init_from is not None and not cfg.resume:
         load_weights(drafter, cfg.init_from, device, torch.float32, names=_kept_layers(dcfg.model.num_hidden_layers),
                      fresh=dflash2_only if upgrades(cfg) else None)
+        if upgrades(cfg):
+            identity_convolutions(drafter)
     save_drafter(drafter, config_json, cfg.out)  # the evaluation engine loads the drafter from here
 
     eval_len = cfg.max_prompt_len + cfg.eval_max_tokens + block

@@ -177,6 +177,8 @@ def test_dflash2_from_a_dflash1_drafter_carries_its_shared_weights(trained, tmp_
     for name, tensor in before.items():
         torch.testing.assert_close(after[name].float(), tensor.float(), rtol=0, atol=1e-3)
     assert any("candidate_selector" in name for name in after)
+    projections = [t for name, t in after.items() if name.endswith("conv.kernel_projection.weight")]
+    assert projections and all(float(t.abs().max()) < 1e-6 for t in projections)  # exactly the identity
 
     def first_loss(d):
         return next(json.loads(line)["loss"] for line in (d / "train_log.jsonl").read_text().splitlines()
