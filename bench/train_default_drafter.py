@@ -77,7 +77,8 @@ def train(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                            labels=args.labels, max_time_s=args.train_minutes * 60, seed=args.seed, save_every=250)
     dflash2 = {name: getattr(args, name) for name in DFLASH2_FIELDS} if args.arch == "dflash2" else None
     cfg = PipelineConfig(out=work, target=args.target, generation=gen, training=training,
-                         num_layers=args.num_layers or (None if args.init_from else 3), block_size=block_size(args), dflash2=dflash2,
+                         num_layers=args.num_layers or (None if args.init_from else 3), block_size=block_size(args),
+                         dflash2=dflash2,
                          gen_batch=args.gen_batch, gen_workers=args.gen_workers, max_prompt_len=args.max_prompt_len,
                          init_from=args.init_from, eval_prompts=args.heldout_prompts,
                          eval_max_tokens=args.heldout_max_tokens,
