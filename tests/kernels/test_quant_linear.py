@@ -437,6 +437,82 @@ def test_kernel_folds_launch_configs(launch, case, cfg):
     check_fold(launch(x, layer, residual=r, cfg=config, norm_weight=nw, eps=EPS, gated=True), x, layer, nw, True, r, r0)
 
 
+SPLIT_K_CASES = {"int4_g128": "int4", "nvfp4_256": "nvfp4", "int8_256": "int8", "fp8_256": "fp8"}
+FOLD_CASES.update({"nvfp4_256": ("nvfp4", 24, 256, dict()), "int8_256": ("int8", 24, 256, dict()),
+                   "fp8_256": ("fp8", 24, 256, dict(block_fp8=True))})
+SPLIT_K_CONFIGS = {  # K = 256 in 2 or 4 parts of whole steps
+    "dot_bm8_k2": ql.LaunchConfig(True, 8, 16, 32, 2, 2, 2, split_k=2),
+    "dot_bm16_k4": ql.LaunchConfig(True, 16, 16, 32, 2, 2, 2, split_k=4),
+    "reduce_k2": ql.LaunchConfig(False, 1, 8, 64, 1, 4, 2, split_k=2),
+}
+
+
+@kernel
+@pytest.mark.parametrize("folds", ["gated", "all"])
+@pytest.mark.parametrize("cfg", list(SPLIT_K_CONFIGS))
+@pytest.mark.parametrize("case", list(SPLIT_K_CASES))
+def test_split_k_matches_reference_and_leaves_the_counters_at_zero(launch, case, cfg, folds):
+    """K split across programs: the last program of a tile sums the parts in order (the same bits on a second
+    call, whatever the arrival order) and runs the folds; every counter is back at zero for the next call. The
+    one-row path keeps a folded norm in one part (its squares are gathered along the program's columns)."""
+    config = SPLIT_K_CONFIGS[cfg]
+    norm, gated, residual = FOLDS[folds]
+    if norm and not config.use_dot:
+        config = dataclasses.replace(config, split_k=1)
+    m = 1 if not config.use_dot else min(config.block_m, 5)
+    layer, x, nw, r = fold_inputs(case, m, torch.bfloat16, norm, gated, residual, seed=13)
+    r0 = None if r is None else r.clone()
+    out = launch(x, layer, residual=r, cfg=config, norm_weight=nw, eps=EPS, gated=gated)
+    check_fold(out, x, layer, nw, gated, r, r0)
+    counters = getattr(layer, "_split_k_counters", None)
+    assert (counters is not None) == (config.split_k > 1)
+    if counters is not None:
+        assert int(counters.abs().sum()) == 0
+    again = launch(x, layer, residual=None if r0 is None else r0.clone(), cfg=config, norm_weight=nw, eps=EPS,
+                   gated=gated)
+    assert torch.equal(again, out)
+
+
+@gpu
+@pytest.mark.parametrize("case", ["int4_g128", "nvfp4_256"])
+def test_split_k_in_a_cuda_graph(case):
+    """Captured after a warm-up (as the decode graphs are), a split-K launch replays to the eager bits again and
+    again: the counters the capture recorded are the layer's own, back at zero after every replay, never
+    reallocated; captured first, with no counters yet, the launch runs unsplit and still right."""
+    cfg = ql.LaunchConfig(True, 8, 16, 32, 2, 2, 2, split_k=4)
+    for warm in (True, False):
+        layer, x, _, r = fold_inputs(case, 1, torch.bfloat16, False, False, True, seed=17)
+        r0 = r.clone()
+        meta = ql.quant_meta(layer)
+        with torch.no_grad():
+            eager = ql._gemm_triton(x, layer, meta, r0.clone(), cfg if warm else dataclasses.replace(cfg, split_k=1))
+            if not warm:
+                del layer._split_k_counters
+            graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+            with torch.cuda.stream(stream):
+                if warm:
+                    ql._gemm_triton(x, layer, meta, r.clone(), cfg)
+            torch.cuda.current_stream().wait_stream(stream)
+            with torch.cuda.graph(graph):
+                ql._gemm_triton(x, layer, meta, r, cfg)
+        assert hasattr(layer, "_split_k_counters") == warm
+        counters = getattr(layer, "_split_k_counters", None)
+        for _ in range(3):
+            r.copy_(r0)
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(r, eager)
+            assert counters is None or int(counters.abs().sum()) == 0
+        assert getattr(layer, "_split_k_counters", None) is counters
+
+
+@kernel
+def test_split_k_that_does_not_divide_k_is_refused(launch):
+    layer, x, _, _ = fold_inputs("int4_g32", 1, torch.bfloat16, False, False, False)  # K = 160
+    with pytest.raises(ValueError, match="split_k 2 does not divide K = 160"):
+        launch(x, layer, cfg=ql.LaunchConfig(True, 8, 16, 32, 2, 2, 2, split_k=2))
+
+
 @kernel
 @pytest.mark.parametrize("folds", ["norm+gated", "all"])
 @pytest.mark.parametrize("case", ["int4_g32", "nvfp4"])
