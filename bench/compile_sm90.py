@@ -93,8 +93,7 @@ def cases() -> list[tuple[str, tuple, dict]]:
             base, USE_DOT=dot, PAIR=False, NORM_OUT=False, PDL=True, **tile)),
             dict(div16=("X", "W", "Y", "N_OUT"), ptx_has=pdl_ptx)))
     quant = {n: "*u8" for n in ("QW", "S", "Z")}
-    quant.update(X="*bf16", GS="*fp32", B="*bf16", NW="*bf16", Y="*bf16", WS="*fp32", CNT="*i32", M="i32", N="i32",
-                 eps="fp32")
+    quant.update(X="*bf16", GS="*fp32", B="*bf16", NW="*bf16", Y="*bf16", M="i32", N="i32", eps="fp32")
     for scheme, dot, tile in (("int4", True, dict(BLOCK_M=8, BLOCK_N=16, BLOCK_K=128, SPLIT=4)),
                               ("nvfp4", False, dict(BLOCK_M=1, BLOCK_N=8, BLOCK_K=512, SPLIT=1))):
         types = dict(quant, S="*bf16" if scheme == "int4" else "*u8", Z="*i32" if scheme == "int4" else "*u8")
@@ -104,18 +103,6 @@ def cases() -> list[tuple[str, tuple, dict]]:
             HAS_BIAS=False, HAS_NORM=False, GATED=False, HAS_RES=True, USE_DOT=dot, FAST=True, DOT_PRECISION="tf32",
             PDL=True, **tile)),
             dict(div16=("X", "QW", "S", "Y"), ptx_has=pdl_ptx)))
-    # K split across programs (the last one sums the parts): both paths, with the SwiGLU fold's two planes
-    for scheme, dot, gated in (("int4", True, False), ("int4", True, True), ("nvfp4", False, False),
-                               ("nvfp4", True, True)):
-        tile = dict(BLOCK_M=8, BLOCK_N=16, BLOCK_K=128, SPLIT=4) if dot else dict(BLOCK_M=1, BLOCK_N=8, BLOCK_K=512,
-                                                                                 SPLIT=1)
-        types = dict(quant, S="*bf16" if scheme == "int4" else "*u8", Z="*i32" if scheme == "int4" else "*u8")
-        out.append((f"quant_linear split_k=4 {scheme} dot={dot} gated={gated}", (ql._quant_linear_kernel, types, dict(
-            SCHEME=scheme, K=4096, G=128 if scheme == "int4" else 16, NG=32 if scheme == "int4" else 256,
-            SCALE_ROW_DIV=1, HAS_ZERO=scheme == "int4", PER_ROW=False, HAS_GS=scheme == "nvfp4", GS_FACTOR=1.0,
-            HAS_BIAS=False, HAS_NORM=False, GATED=gated, HAS_RES=not gated, USE_DOT=dot, FAST=True,
-            DOT_PRECISION="tf32", PDL=True, SPLIT_K=4, **tile)),
-            dict(div16=("X", "QW", "S", "Y"), no_spill=True, ptx_has=pdl_ptx + ("atom.global",))))
     # the decoder's folds on Qwen3-8B's int4 g128 / NVFP4 shapes (qkv: norm; gate_up: norm + SwiGLU), as quant_linear
     # launches them: the dot path at 1 and 16 rows, NVFP4's one-row reduction path, 64-row tiles (SwiGLU only)
     folds = [(m, "qkv", 6144, True, False) for m in (1, 16)] + [(m, "gate_up", 24576, True, True) for m in (1, 16)]

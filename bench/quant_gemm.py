@@ -13,7 +13,6 @@ decode target is >= 80% for int4 g128 and NVFP4 at 1 row, and 16 rows not much s
   python bench/quant_gemm.py                        # the table (default launch configs)
   python bench/quant_gemm.py --sweep                # + launch-config sweep (int4, nvfp4 by default)
   python bench/quant_gemm.py --sweep --schemes int4 --shapes o,down --rows 1
-  python bench/quant_gemm.py --split-k 1,2,4,8 --schemes int4,nvfp4 --rows 1,16   # K split across programs
   python bench/quant_gemm.py --prefill 64,256,1024,4096   # tl.dot GEMM vs dequantize + cuBLAS (PREFILL_DEQUANT_MIN_M)
   python bench/quant_gemm.py --folds --schemes int4,nvfp4 --rows 1,4,16   # folded norm / SwiGLU / add vs launches
 """
@@ -106,8 +105,6 @@ def rotation(layer: ql.QuantWeights) -> list[ql.QuantWeights]:
 def quant_fn(x, layers, epilogue, res, cfg=None, fast=None):
     """One call per invocation, each on the next weight of the rotation (fixed per call once graph-captured)."""
     meta = ql.quant_meta(layers[0])
-    for layer in layers:  # once each outside graph capture: split-K configs make their counters here
-        ql._gemm_triton(x, layer, meta, res if epilogue == "residual" else None, cfg, fast)
     turn = itertools.cycle(layers)
 
     def fn():
@@ -150,13 +147,6 @@ def sweep_configs(m: int) -> list[ql.LaunchConfig]:
     if m == 1:
         for bn, bk, warps in ((4, 1024, 4), (8, 512, 4), (8, 512, 8), (8, 1024, 8), (16, 256, 4), (16, 512, 8)):
             cfgs.append(ql.LaunchConfig(False, 1, bn, bk, 1, warps, 3))
-    # K split across programs (more warps a scheduler on narrow projections), around the configs that measured
-    # best unsplit
-    for base in [c for c in cfgs if (c.block_n, c.block_k, c.split, c.num_stages) in
-                 ((16, 128, 4, 3), (16, 128, 2, 3), (16, 256, 2, 3), (32, 128, 4, 3))] + \
-            [c for c in cfgs if not c.use_dot and c.block_n in (4, 8)]:
-        for split_k in (2, 4, 8):
-            cfgs.append(dataclasses.replace(base, split_k=split_k))
     return cfgs
 
 
@@ -197,7 +187,7 @@ def sweep(row: dict, layers: list[ql.QuantWeights], x, res, epilogue, bw, deadli
         try:
             e = check(x, layer, epilogue, c, fast)
             t = bench(quant_fn(x, layers, epilogue, res, c, fast))
-        except (triton.runtime.errors.OutOfResources, RuntimeError, ValueError) as exc:
+        except (triton.runtime.errors.OutOfResources, RuntimeError) as exc:
             print(f"   skip {c}: {type(exc).__name__}", flush=True)
             continue
         results.append((t, asdict(c), e))
@@ -212,22 +202,6 @@ def sweep(row: dict, layers: list[ql.QuantWeights], x, res, epilogue, bw, deadli
             "default_us": row["us"], "best_us": round(best_us, 2), "best_config": best_cfg,
             "best_pct_copy": pct(row["bytes"], best_us, bw),
             "all": [[round(t, 2), c, round(e, 5)] for t, c, e in results]}
-
-
-def split_row(row: dict, layers: list[ql.QuantWeights], x, res, epilogue, bw, split_k: int) -> dict:
-    """The shape's default launch with K in split_k parts (its own: 1 where K does not split so)."""
-    meta = ql.quant_meta(layers[0])
-    base = ql.launch_config(meta, x.shape[0])
-    cfg = dataclasses.replace(base, split_k=split_k)
-    if meta.k % (split_k * base.block_k * base.split):
-        cfg = dataclasses.replace(base, split_k=1)
-    err = check(x, layers[0], epilogue, cfg)
-    us = bench(quant_fn(x, layers, epilogue, res, cfg))
-    print(f"   split_k {cfg.split_k}: {us:8.1f} us err {err:.1e} (default {row['us']:.1f}, {base.split_k} parts)",
-          flush=True)
-    return {"shape": row["shape"], "rows": row["rows"], "scheme": row["scheme"], "split_k": cfg.split_k,
-            "us": round(us, 2), "pct_copy": pct(row["bytes"], us, bw), "default_us": row["us"],
-            "default_split_k": base.split_k, "rel_err": round(err, 5), "config": asdict(cfg)}
 
 
 def prefill_row(name: str, n: int, k: int, m: int, scheme: str) -> dict:
@@ -288,8 +262,6 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="also sweep launch configs (int4 / nvfp4 unless --schemes)")
     ap.add_argument("--sweep-budget", type=float, default=420.0, help="seconds after which sweeping stops")
     ap.add_argument("--prefill", default="", help="row counts for the tl.dot vs dequantize + cuBLAS comparison")
-    ap.add_argument("--split-k", default="", help="e.g. 1,2,4,8: each shape's default launch with K split across "
-                    "that many programs (the table's rows stay the defaults)")
     ap.add_argument("--folds", action="store_true", help="only the folded decoder ops vs their own launches, per "
                     "shape (--rows, --schemes)")
     args = ap.parse_args()
@@ -300,7 +272,7 @@ def main() -> None:
     torch.manual_seed(0)
     bw = copy_bandwidth()
     deadline = time.time() + args.sweep_budget
-    table, sweeps, prefill, folds, splits = [], [], [], [], []
+    table, sweeps, prefill, folds = [], [], [], []
     with torch.inference_mode():
         for name, n, k, fold in FOLD_SHAPES if args.folds else []:
             for m, scheme in itertools.product(rows, schemes):
@@ -314,8 +286,6 @@ def main() -> None:
                 for scheme in schemes:
                     row, layers = measure(name, n, k, epilogue, m, scheme, x, res, bf16, bw)
                     table.append(row)
-                    for split_k in [int(v) for v in args.split_k.split(",") if v]:
-                        splits.append(split_row(row, layers, x, res, epilogue, bw, split_k))
                     if args.sweep and scheme in sweep_schemes:
                         result = sweep(row, layers, x, res, epilogue, bw, deadline)
                         if result:
@@ -328,7 +298,7 @@ def main() -> None:
                     prefill.append(prefill_row(name, n, k, m, scheme))
     out = {"device": torch.cuda.get_device_name(), "commit": os.environ.get("COMMIT", "?"),
            "copy_bandwidth_GBs": round(bw / 1e9, 1), "prefill_dequant_min_m": ql.PREFILL_DEQUANT_MIN_M,
-           "table": table, "sweeps": sweeps, "prefill": prefill, "folds": folds, "split_k": splits}
+           "table": table, "sweeps": sweeps, "prefill": prefill, "folds": folds}
     out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else Path(__file__).resolve().parent / "results"
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "quant_gemm.json").write_text(json.dumps(out, indent=1))
@@ -342,9 +312,6 @@ def main() -> None:
     for s in sweeps:
         print(f"sweep {s['shape']:8s} m={s['rows']:<3d} {s['scheme']:6s} default {s['default_us']:7.1f} best "
               f"{s['best_us']:7.1f} us ({s['best_pct_copy']}%) {s['best_config']}")
-    for r in splits:
-        print(f"split_k {r['shape']:8s} m={r['rows']:<3d} {r['scheme']:6s} {r['split_k']} parts {r['us']:7.1f} us "
-              f"({r['pct_copy']}%) vs default {r['default_us']:7.1f} ({r['default_split_k']} parts)")
     for p in prefill:
         print(f"prefill {p['shape']:8s} m={p['rows']:<5d} {p['scheme']:6s} tl.dot {p['dot_us']:9.1f} "
               f"dequant+cuBLAS {p['dequant_cublas_us']:9.1f}")

@@ -196,8 +196,12 @@ if HAVE_TRITON:
         return tl.load(x_rows + ks[:, None, :], mask=mask, other=0.0)
 
     @triton.jit
-    def _acc_rows(acc, USE_DOT: tl.constexpr, SPLIT: tl.constexpr):
-        """The accumulator -> the raw products [BM, BN] in float32: the sum over the slices (or across K)."""
+    def _linear_out(acc, S, GS, B, rows, n_mask, rstd, USE_DOT: tl.constexpr, SPLIT: tl.constexpr,
+                    PER_ROW: tl.constexpr, HAS_GS: tl.constexpr, GS_FACTOR: tl.constexpr, HAS_RSTD: tl.constexpr,
+                    HAS_BIAS: tl.constexpr):
+        """The accumulator of weight rows `rows` -> their F.linear output [BM, BN] in float32: the sum over the
+        slices (or across K), the per-row scale, the global scale (and the fast NVFP4 tiles' 2^26), the one-row
+        norm's rstd, the bias."""
         if USE_DOT:
             if SPLIT == 1:
                 y = tl.trans(acc)
@@ -205,13 +209,6 @@ if HAVE_TRITON:
                 y = tl.trans(tl.sum(acc, axis=0))
         else:
             y = tl.sum(tl.sum(acc, axis=2), axis=0)[None, :]  # [1, BN]
-        return y
-
-    @triton.jit
-    def _linear_out(y, S, GS, B, rows, n_mask, rstd, PER_ROW: tl.constexpr, HAS_GS: tl.constexpr,
-                    GS_FACTOR: tl.constexpr, HAS_RSTD: tl.constexpr, HAS_BIAS: tl.constexpr):
-        """The raw products [BM, BN] of weight rows `rows` -> their F.linear output in float32: the per-row scale,
-        the global scale (and the fast NVFP4 tiles' 2^26), the one-row norm's rstd, the bias."""
         if PER_ROW:
             y = y * tl.load(S + rows, mask=n_mask, other=0.0).to(tl.float32)[None, :]
         if HAS_GS:
@@ -225,35 +222,13 @@ if HAVE_TRITON:
         return y
 
     @triton.jit
-    def _finish(y, yu, S, GS, B, Y, rows, rows_u, offs_m, offs_n, m_mask, n_mask, N, rstd, PER_ROW: tl.constexpr,
-                HAS_GS: tl.constexpr, GS_FACTOR: tl.constexpr, HAS_RSTD: tl.constexpr, HAS_BIAS: tl.constexpr,
-                GATED: tl.constexpr, HAS_RES: tl.constexpr):
-        """The epilogue over the raw products of the gate (and up) rows: scales and bias, SwiGLU, the residual add,
-        the store."""
-        dtype = Y.dtype.element_ty
-        y = _linear_out(y, S, GS, B, rows, n_mask, rstd, PER_ROW, HAS_GS, GS_FACTOR, HAS_RSTD, HAS_BIAS)
-        y = y.to(dtype)  # the F.linear output
-        if GATED:  # silu_mul_ref: F.silu rounds, then the multiply by the rounded up projection rounds again
-            yu = _linear_out(yu, S, GS, B, rows_u, n_mask, rstd, PER_ROW, HAS_GS, GS_FACTOR, HAS_RSTD, HAS_BIAS)
-            g = y.to(tl.float32)
-            s = (g / (1.0 + tl.exp(-g))).to(dtype)
-            y = (s.to(tl.float32) * yu.to(dtype).to(tl.float32)).to(dtype)
-        out_mask = m_mask[:, None] & n_mask[None, :]
-        y_ptrs = Y + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
-        if HAS_RES:
-            r = tl.load(y_ptrs, mask=out_mask, other=0.0)
-            y = (r.to(tl.float32) + y.to(tl.float32)).to(dtype)
-        tl.store(y_ptrs, y, mask=out_mask)
-
-    @triton.jit
-    def _quant_linear_kernel(X, QW, S, Z, GS, B, NW, Y, WS, CNT, M, N, eps, SCHEME: tl.constexpr, K: tl.constexpr,
+    def _quant_linear_kernel(X, QW, S, Z, GS, B, NW, Y, M, N, eps, SCHEME: tl.constexpr, K: tl.constexpr,
                              G: tl.constexpr, NG: tl.constexpr, SCALE_ROW_DIV: tl.constexpr, HAS_ZERO: tl.constexpr,
                              PER_ROW: tl.constexpr, HAS_GS: tl.constexpr, GS_FACTOR: tl.constexpr,
                              HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr, GATED: tl.constexpr,
                              HAS_RES: tl.constexpr, USE_DOT: tl.constexpr, FAST: tl.constexpr,
                              DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                             BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr = False,
-                             SPLIT_K: tl.constexpr = 1):
+                             BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr = False):
         # Program (pid_n, pid_m) owns BLOCK_N output columns of BLOCK_M rows. Each step of the K loop covers
         # SPLIT * BLOCK_K columns of the weight: slice s = [k0 + s * BLOCK_K, + BLOCK_K). The dot path computes
         # the weight-as-A product acc[s] += W_s @ x_s^T as one batched dot (the warps split over the slices)
@@ -273,11 +248,6 @@ if HAVE_TRITON:
         # - GATED: output column n is silu(gate) * up of weight rows n (gate) and N + n (up): two dequantized
         #   tiles and two accumulators a step; N is the output width, the weight has 2N rows.
         # - HAS_RES: Y is the residual, read, added to and written back.
-        # SPLIT_K > 1 (a grid too small to keep the SMs' schedulers busy: one decode row of a 4096-wide projection
-        # is 256 programs, ~2 warps a scheduler): program (pid_n, pid_m, pid_k) covers K / SPLIT_K columns and
-        # stores its raw float32 products to the workspace WS [SPLIT_K, 1 or 2 (GATED), M, N]; the tile's counter
-        # CNT[tile] tells the last program to arrive, which sums the SPLIT_K parts in order 0..SPLIT_K-1 (the same
-        # bits whichever finishes last), runs the epilogue and sets the counter back to zero for the next call.
         dtype = Y.dtype.element_ty
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)
@@ -288,9 +258,7 @@ if HAVE_TRITON:
         rows = offs_n.to(tl.int64)
         rows_u = rows + N  # GATED: the up rows
         wait_for_inputs(PDL)
-        K_PART: tl.constexpr = K // SPLIT_K  # the host splits only where every part is whole steps
-        EVEN_K: tl.constexpr = K_PART % (BLOCK_K * SPLIT) == 0
-        k_begin = tl.program_id(2) * K_PART if SPLIT_K > 1 else 0
+        EVEN_K: tl.constexpr = K % (BLOCK_K * SPLIT) == 0
         TILE: tl.constexpr = X.dtype.element_ty if USE_DOT or FAST else tl.float32
         z_row = tl.zeros([BLOCK_N], dtype=tl.int32)
         z_row_u = tl.zeros([BLOCK_N], dtype=tl.int32)
@@ -308,7 +276,7 @@ if HAVE_TRITON:
             acc = tl.zeros([SPLIT, BLOCK_N, BLOCK_K], dtype=tl.float32)
         acc_u = tl.zeros_like(acc)
         ss = tl.zeros([SPLIT, BLOCK_K], dtype=tl.float32)  # one-row norm: x^2, summed across K after the loop
-        for k0 in range(k_begin, k_begin + K_PART, BLOCK_K * SPLIT):
+        for k0 in range(0, K, BLOCK_K * SPLIT):
             kk = k0 + tl.arange(0, SPLIT) * BLOCK_K
             w = _dequant_tile(QW, S, Z, rows, n_mask, k0, z_row, SPLIT, SCHEME, K, G, NG, SCALE_ROW_DIV, HAS_ZERO,
                               PER_ROW, BLOCK_K, EVEN_K, FAST, TILE)
@@ -346,33 +314,23 @@ if HAVE_TRITON:
             rstd = tl.rsqrt(ss_m / K + eps)[:, None]
         elif HAS_NORM:
             rstd = tl.rsqrt(tl.sum(tl.sum(ss, axis=1), axis=0) / K + eps)
-        y = _acc_rows(acc, USE_DOT, SPLIT)
-        yu = _acc_rows(acc_u, USE_DOT, SPLIT) if GATED else y
+        y = _linear_out(acc, S, GS, B, rows, n_mask, rstd, USE_DOT, SPLIT, PER_ROW, HAS_GS, GS_FACTOR, HAS_NORM,
+                        HAS_BIAS)
+        if GATED:
+            yu = _linear_out(acc_u, S, GS, B, rows_u, n_mask, rstd, USE_DOT, SPLIT, PER_ROW, HAS_GS, GS_FACTOR,
+                             HAS_NORM, HAS_BIAS)
+        y = y.to(dtype)  # the F.linear output
+        if GATED:  # silu_mul_ref: F.silu rounds, then the multiply by the rounded up projection rounds again
+            g = y.to(tl.float32)
+            s = (g / (1.0 + tl.exp(-g))).to(dtype)
+            y = (s.to(tl.float32) * yu.to(dtype).to(tl.float32)).to(dtype)
         release_dependents(PDL)
-        if SPLIT_K == 1:
-            _finish(y, yu, S, GS, B, Y, rows, rows_u, offs_m, offs_n, m_mask, n_mask, N, rstd, PER_ROW, HAS_GS,
-                    GS_FACTOR, HAS_NORM, HAS_BIAS, GATED, HAS_RES)
-        else:
-            PLANES: tl.constexpr = 2 if GATED else 1
-            part = M * N
-            ws_offs = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
-            ws_mask = m_mask[:, None] & n_mask[None, :]
-            tl.store(WS + tl.program_id(2) * PLANES * part + ws_offs, y, mask=ws_mask)
-            if GATED:
-                tl.store(WS + (tl.program_id(2) * PLANES + 1) * part + ws_offs, yu, mask=ws_mask)
-            tl.debug_barrier()  # every thread's part stored before the counter's release
-            tile = pid_m * tl.num_programs(0) + pid_n
-            if tl.atomic_add(CNT + tile, 1, sem="acq_rel") == SPLIT_K - 1:
-                y = tl.zeros_like(y)
-                yu = tl.zeros_like(yu)
-                for s in tl.static_range(SPLIT_K):  # in order: the result does not depend on arrival
-                    y += tl.load(WS + s * PLANES * part + ws_offs, mask=ws_mask, other=0.0, cache_modifier=".cg")
-                    if GATED:
-                        yu += tl.load(WS + (s * PLANES + 1) * part + ws_offs, mask=ws_mask, other=0.0,
-                                      cache_modifier=".cg")
-                tl.atomic_xchg(CNT + tile, 0)
-                _finish(y, yu, S, GS, B, Y, rows, rows_u, offs_m, offs_n, m_mask, n_mask, N, rstd, PER_ROW, HAS_GS,
-                        GS_FACTOR, HAS_NORM, HAS_BIAS, GATED, HAS_RES)
+        out_mask = m_mask[:, None] & n_mask[None, :]
+        y_ptrs = Y + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+        if HAS_RES:
+            r = tl.load(y_ptrs, mask=out_mask, other=0.0)
+            y = (r.to(tl.float32) + y.to(tl.float32)).to(dtype)
+        tl.store(y_ptrs, y, mask=out_mask)
 
     @triton.jit
     def _dequant_kernel(QW, S, Z, GS, W, N, SCHEME: tl.constexpr, K: tl.constexpr, G: tl.constexpr,
@@ -430,7 +388,6 @@ class LaunchConfig:
     split: int
     num_warps: int
     num_stages: int
-    split_k: int = 1  # programs along K, their parts summed by the last to finish (_quant_linear_kernel)
 
 
 def _next_pow2(v: int) -> int:
@@ -670,46 +627,17 @@ def _gemm_triton(x: torch.Tensor, layer, meta: QuantMeta, residual: torch.Tensor
     gs = layer.global_scale if meta.has_gs else x
     dot_precision = "ieee" if x.dtype == torch.float32 else "tf32"
     grid = (triton.cdiv(n_out, cfg.block_n), triton.cdiv(m, cfg.block_m) if cfg.use_dot else 1)
-    if cfg.split_k > 1 and not _splits(meta, cfg, norm_weight is not None):
-        raise ValueError(f"split_k {cfg.split_k} does not divide K = {meta.k} into whole steps of {cfg}")
-    counters = _split_counters(layer, x.device, grid[0] * grid[1]) if cfg.split_k > 1 else None
-    if counters is None:
-        cfg, ws, counters = replace(cfg, split_k=1), x, x
-    else:
-        ws = torch.empty(cfg.split_k * (2 if gated else 1) * m * n_out, dtype=torch.float32, device=x.device)
-    grid = (*grid, cfg.split_k)
     on = pdl(x)
     (kernel or _quant_linear_kernel)[grid](
         x, *kernel_operands(layer, meta), gs, layer.bias if layer.bias is not None else x,
-        norm_weight if norm_weight is not None else x, out, ws, counters, m, n_out, eps,
+        norm_weight if norm_weight is not None else x, out, m, n_out, eps,
         SCHEME=meta.scheme, K=meta.k, G=meta.group, NG=meta.n_groups, SCALE_ROW_DIV=meta.scale_row_div,
         HAS_ZERO=meta.has_zero, PER_ROW=meta.per_row, HAS_GS=meta.has_gs, GS_FACTOR=gs_factor,
         HAS_BIAS=layer.bias is not None, HAS_NORM=norm_weight is not None, GATED=gated,
         HAS_RES=residual is not None, USE_DOT=cfg.use_dot, FAST=fast, DOT_PRECISION=dot_precision,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=cfg.split, PDL=on, SPLIT_K=cfg.split_k,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=cfg.split, PDL=on,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=on)
     return out
-
-
-def _splits(meta: QuantMeta, cfg: LaunchConfig, norm: bool) -> bool:
-    """Whether K splits into cfg.split_k parts of whole K steps (so no part masks columns) and the fold allows
-    it: the one-row path gathers the norm's squares along its own columns, so a folded norm keeps one part."""
-    step = cfg.block_k * cfg.split
-    return meta.k % (cfg.split_k * step) == 0 and not (norm and not cfg.use_dot)
-
-
-def _split_counters(layer, device: torch.device, tiles: int) -> torch.Tensor | None:
-    """The layer's split-K arrival counters (int32, zero between calls: the last program of a tile resets its
-    own): made once, outside graph capture, for one row tile of the narrowest BLOCK_N (4), and kept on the layer
-    for its lifetime (a captured graph holds their address). None, and the call runs unsplit, while capturing
-    before they exist, or for more tiles than they hold."""
-    counters = getattr(layer, "_split_k_counters", None)
-    if counters is None or counters.device != device:
-        if torch.cuda.is_available() and device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        counters = torch.zeros(_cdiv(layer.out_features, 4) + 64, dtype=torch.int32, device=device)
-        layer._split_k_counters = counters
-    return counters if counters.numel() >= tiles else None
 
 
 def dequantize_triton(layer, dtype: torch.dtype, meta: QuantMeta | None = None) -> torch.Tensor:
@@ -792,7 +720,7 @@ def deterministic_config(meta: QuantMeta, gated: bool = False) -> LaunchConfig:
     from the row count: the dot path's config for a 16-row tile, taken for one decode row, a verify block and
     a long prefill alike. A row's K is then always reduced in the same order: SPLIT slices of BLOCK_K inside
     the program, summed in one fixed order after the loop, nothing split across programs."""
-    cfg = replace(launch_config(meta, DETERMINISTIC_BLOCK_M, gated), split_k=1)
+    cfg = launch_config(meta, DETERMINISTIC_BLOCK_M, gated)
     if not (cfg.use_dot and cfg.block_m == DETERMINISTIC_BLOCK_M):
         raise AssertionError(f"the 16-row config of {meta.scheme} is not a 16-row dot tile: {cfg}")
     return cfg
