@@ -32,6 +32,7 @@ from blockspec.kernels import moe_grouped as mg  # noqa: E402
 from blockspec.kernels import paged_attention as pa  # noqa: E402
 from blockspec.kernels import quant_linear as ql  # noqa: E402
 from blockspec.kernels import rms_norm as rn  # noqa: E402
+from blockspec.kernels import selector_walk as sw  # noqa: E402
 from blockspec.kernels import skinny_linear as sl  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -140,6 +141,12 @@ def cases() -> list[tuple[str, tuple, dict]]:
                 DOT_PRECISION="tf32", BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                 SPLIT=cfg.split)),
             dict(div16=("X", "QW", "S", "Y"), num_warps=cfg.num_warps, num_stages=cfg.num_stages)))
+    walk = {"UNARY": "*bf16", "CAND": "*i64", "CTX": "*bf16", "ANCHOR": "*i64", "PRED": "*bf16", "SUCC": "*bf16",
+            "TEMP": "*fp32", "NOISE": "*fp32", "PATH": "*i64", "Q": "*fp32", "P": "i32"}
+    for sampling, rank in ((False, 64), (True, 256)):  # the selector walk: SmolLM2's drafter, z-lab's rank 256
+        out.append((f"selector_walk sampling={sampling} rank={rank}", (sw._walk_kernel, walk, dict(
+            K=16, RANK=rank, BLOCK_K=16, BLOCK_R=rank, SAMPLING=sampling, PDL=True)),
+            dict(num_warps=4 if 16 * rank >= 4096 else 1, no_spill=True, ptx_has=pdl_ptx)))
     out.append(("rms_norm PDL", (rn._rms_norm_kernel, {"X": "*bf16", "R": "*bf16", "W": "*bf16", "Y": "*bf16",
                                                        "RO": "*bf16", "n": "i32", "eps": "fp32"},
                                  dict(HAS_RES=True, BLOCK=4096, PDL=True)), dict(ptx_has=pdl_ptx)))

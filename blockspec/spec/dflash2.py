@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from blockspec.kernels._triton import use_triton
+from blockspec.kernels.selector_walk import selector_walk
 from blockspec.kernels.skinny_linear import linear
 from blockspec.models.layers.linear import Linear
 
@@ -81,8 +83,8 @@ class CandidateSelector(nn.Module):
                     ) -> torch.Tensor:
         """The pairwise term [..., K]: context [..., rank] (projected hidden), predecessor [...] token ids,
         candidates [..., K] token ids."""
-        left = self.predecessor_codebook(predecessor) * context
-        return torch.matmul(self.successor_codebook(candidates), left[..., None])[..., 0]
+        return pair_scores(context, predecessor, candidates, self.predecessor_codebook.weight,
+                           self.successor_codebook.weight)
 
     def walk(self, hidden: torch.Tensor, logits: torch.Tensor, anchors: torch.Tensor,
              temperature: torch.Tensor | None = None, noise: torch.Tensor | None = None
@@ -95,20 +97,40 @@ class CandidateSelector(nn.Module):
         unary, candidates = torch.topk(logits, self.top_k, dim=-1)
         context = linear(hidden.reshape(-1, hidden.shape[-1]), self.hidden_projection.weight)
         context = context.view(*hidden.shape[:-1], -1)
-        sampling = temperature is not None
+        walk = selector_walk if use_triton(hidden) else walk_slots  # kernels/selector_walk.py: one launch
+        path, q = walk(unary, candidates, context, anchors, self.predecessor_codebook.weight,
+                       self.successor_codebook.weight, temperature, noise)
+        return path, candidates, q
+
+
+def pair_scores(context: torch.Tensor, predecessor: torch.Tensor, candidates: torch.Tensor,
+                predecessor_codebook: torch.Tensor, successor_codebook: torch.Tensor) -> torch.Tensor:
+    """The pairwise term [..., K] of CandidateSelector (its codebooks [V, rank] given)."""
+    left = F.embedding(predecessor, predecessor_codebook) * context
+    return torch.matmul(F.embedding(candidates, successor_codebook), left[..., None])[..., 0]
+
+
+def walk_slots(unary: torch.Tensor, candidates: torch.Tensor, context: torch.Tensor, anchors: torch.Tensor,
+               predecessor_codebook: torch.Tensor, successor_codebook: torch.Tensor,
+               temperature: torch.Tensor | None = None, noise: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The walk over the slots, given the top-K (unary, candidates [R, P, K]) and the projected context
+    [R, P, rank]: (path [R, P], q [R, P, K] or None). The definition and the CPU path of
+    kernels/selector_walk.selector_walk."""
+    sampling = temperature is not None
+    if sampling:
+        temp = temperature.clamp(min=1e-5)[:, None].float()
+        greedy = (temperature <= 0)[:, None]
+    predecessor, path, qs = anchors, [], []
+    for slot in range(candidates.shape[1]):
+        scores = unary[:, slot] + pair_scores(context[:, slot], predecessor, candidates[:, slot],
+                                              predecessor_codebook, successor_codebook)
+        best = scores.argmax(-1)
         if sampling:
-            temp = temperature.clamp(min=1e-5)[:, None].float()
-            greedy = (temperature <= 0)[:, None]
-        predecessor, path, qs = anchors, [], []
-        for slot in range(hidden.shape[1]):
-            scores = unary[:, slot] + self.pair_scores(context[:, slot], predecessor, candidates[:, slot])
-            best = scores.argmax(-1)
-            if sampling:
-                q = (scores.float() / temp).softmax(-1)
-                drawn = (q / noise[:, slot]).argmax(-1)  # exponential race: index j with probability q_j
-                best = torch.where(greedy[:, 0], best, drawn)
-                qs.append(q)
-            predecessor = candidates[:, slot].gather(-1, best[:, None])[:, 0]
-            path.append(predecessor)
-        q_all = torch.stack(qs, dim=1) if sampling else None
-        return torch.stack(path, dim=1), candidates, q_all
+            q = (scores.float() / temp).softmax(-1)
+            drawn = (q / noise[:, slot]).argmax(-1)  # exponential race: index j with probability q_j
+            best = torch.where(greedy[:, 0], best, drawn)
+            qs.append(q)
+        predecessor = candidates[:, slot].gather(-1, best[:, None])[:, 0]
+        path.append(predecessor)
+    return torch.stack(path, dim=1), torch.stack(qs, dim=1) if sampling else None
