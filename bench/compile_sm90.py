@@ -28,6 +28,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from blockspec.kernels import deterministic_linear as dl  # noqa: E402
+from blockspec.kernels import grouped_conv as gc  # noqa: E402
 from blockspec.kernels import moe_grouped as mg  # noqa: E402
 from blockspec.kernels import paged_attention as pa  # noqa: E402
 from blockspec.kernels import quant_linear as ql  # noqa: E402
@@ -147,6 +148,10 @@ def cases() -> list[tuple[str, tuple, dict]]:
         out.append((f"selector_walk sampling={sampling} rank={rank}", (sw._walk_kernel, walk, dict(
             K=16, RANK=rank, BLOCK_K=16, BLOCK_R=rank, SAMPLING=sampling, PDL=True)),
             dict(num_warps=4 if 16 * rank >= 4096 else 1, no_spill=True, ptx_has=pdl_ptx)))
+    conv = {"X": "*bf16", "DYN": "*bf16", "BASE": "*bf16", "BIDX": "*i64", "OUT": "*bf16", "H": "i32",
+            "stride_dt": "i32", "stride_dj": "i32"}
+    out.append(("grouped_conv PDL", (gc._grouped_conv_kernel, conv, dict(TAPS=2, GROUP=16, BLOCK=1024, PDL=True)),
+                dict(no_spill=True, ptx_has=pdl_ptx)))
     out.append(("rms_norm PDL", (rn._rms_norm_kernel, {"X": "*bf16", "R": "*bf16", "W": "*bf16", "Y": "*bf16",
                                                        "RO": "*bf16", "n": "i32", "eps": "fp32"},
                                  dict(HAS_RES=True, BLOCK=4096, PDL=True)), dict(ptx_has=pdl_ptx)))

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from blockspec.kernels._triton import use_triton
+from blockspec.kernels.grouped_conv import grouped_conv_triton
 from blockspec.kernels.selector_walk import selector_walk
 from blockspec.kernels.skinny_linear import linear
 from blockspec.models.layers.linear import Linear
@@ -29,6 +30,14 @@ from blockspec.models.layers.linear import Linear
 
 def grouped_conv(x: torch.Tensor, dynamic: torch.Tensor, base: torch.Tensor, group_size: int,
                  block_index: torch.Tensor) -> torch.Tensor:
+    """grouped_conv_ref as one kernel (kernels/grouped_conv.py) for the drafter's 2-D rows, else the reference."""
+    if x.dim() == 2 and dynamic.dim() == 3 and use_triton(x) and x.is_contiguous() and dynamic.stride(-1) == 1:
+        return grouped_conv_triton(x, dynamic, base, group_size, block_index)
+    return grouped_conv_ref(x, dynamic, base, group_size, block_index)
+
+
+def grouped_conv_ref(x: torch.Tensor, dynamic: torch.Tensor, base: torch.Tensor, group_size: int,
+                     block_index: torch.Tensor) -> torch.Tensor:
     """x [..., T, H]; dynamic [..., T, taps, G] per-group offsets; base [taps, H]; block_index [T] each row's
     index inside its block (rows of a block are contiguous). Row t mixes rows t - j of its own block."""
     *lead, t, h = x.shape
