@@ -146,8 +146,9 @@ def first_layers(config_json: dict[str, Any], num_layers: int | None) -> dict[st
 def _kept_layers(num_layers: int) -> Callable[[str], str | None]:
     """Checkpoint names of a drafter cut to its first layers: the later layers' tensors are not read."""
     def name(raw: str) -> str | None:
-        parts = raw.split(".")
-        return None if parts[0] == "layers" and int(parts[1]) >= num_layers else checkpoint_name(raw)
+        plain = checkpoint_name(raw)
+        parts = plain.split(".")
+        return None if parts[0] == "layers" and int(parts[1]) >= num_layers else plain
     return name
 
 
