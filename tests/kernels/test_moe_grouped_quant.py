@@ -235,6 +235,10 @@ def quantized_block(variant: str, e: int, k: int, shared: int, seed: int = 0,
 def test_block_fused_path_matches_its_reference_path(variant, t, k, shared, monkeypatch):
     """SparseMoeBlock with quantized experts: the fused path (routing kernel, grouped quantized GEMMs, the
     shared expert on its own QuantLinear path) against the same block on the reference path."""
+    if DEVICE == "cpu" and variant == "nvfp4" and not shared:
+        # under the interpreter NVFP4 runs with the shared expert; the block without one runs with INT4 (1 token)
+        # and FP8 (5 tokens, the dot path as NVFP4's 16)
+        pytest.skip("NVFP4 without a shared expert runs on the GPU (the suite's time under TRITON_INTERPRET=1)")
     block = quantized_block(variant, 8, k, shared, seed=t)
     h = block.gate.in_features
     calls = []

@@ -111,6 +111,9 @@ def test_split_count_fills_the_gpu(monkeypatch):
 def test_many_splits_match_reference(splits):
     """32 or 64 splits over contexts of 1 to 70 keys leave most splits empty (-inf partials the merge must weigh 0);
     over 300 keys every split holds one 64-key tile or none; decode rows (q_len 1) as the decode path runs."""
+    if DEVICE == "cpu" and splits == 32:
+        # the same programs as 64 splits (empty splits, one tile or none a split), half as many
+        pytest.skip("32 splits run on the GPU (the suite's time under TRITON_INTERPRET=1)")
     dtype = torch.float32 if DEVICE == "cpu" else torch.bfloat16
     for max_len, seed in ((3, 0), (70, 1), (300, 2)):
         q, kc, vc, tables, seq_lens, kv_start = random_case(DEVICE, dtype, 2, 1, 8, 2, 128, max_len=max_len,

@@ -169,6 +169,11 @@ CASES = {  # name: (N, K, options); N and K are deliberately not multiples of th
 @pytest.mark.parametrize("m", [1, 2, 5, 16])
 def test_kernel_matches_reference(launch, m, case, dtype):
     n, k, opts = CASES[case]
+    gated = opts.get("gated", False)
+    n_out = n // 2 if gated else n
+    if KERNEL_DEVICE == "cpu" and m == 2 and _launch_config(2, n_out, k, gated) == _launch_config(5, n_out, k, gated):
+        # both pad to the same 16-row dot tile: the same program (bias and all), fewer live rows
+        pytest.skip("2 rows on the 5-row launch run on the GPU (the suite's time under TRITON_INTERPRET=1)")
     flags = dict(bias=False, norm=False, gated=False, residual=False) | opts
     inp = make_inputs(m, n, k, dtype, device=KERNEL_DEVICE, seed=m, **flags)
     x0 = inp["x"].clone()

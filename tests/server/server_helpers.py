@@ -98,10 +98,12 @@ def free_port() -> int:
 
 
 def start_subprocess(args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
-    """`python -m blockspec.cli serve ARGS` with stderr/stdout captured."""
+    """`python -m blockspec.cli serve ARGS` with stderr/stdout captured, on one torch thread as conftest's
+    one_torch_thread runs the in-process engines: with two OpenMP threads beside the test's clients on a 2-core
+    machine, any other load made the real-model server tests up to 10x slower (2 of 8 full CPU runs, +90-115 s)."""
     return subprocess.Popen([sys.executable, "-m", "blockspec.cli", "serve", *args], cwd=REPO,
-                            env={**os.environ, **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+                            env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
 
 
 def stop_subprocess(proc: subprocess.Popen, timeout: float = 30) -> tuple[int, str]:
