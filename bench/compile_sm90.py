@@ -31,6 +31,7 @@ from blockspec.kernels import deterministic_linear as dl  # noqa: E402
 from blockspec.kernels import grouped_conv as gc  # noqa: E402
 from blockspec.kernels import moe_grouped as mg  # noqa: E402
 from blockspec.kernels import paged_attention as pa  # noqa: E402
+from blockspec.kernels import quant_gemv as qv  # noqa: E402
 from blockspec.kernels import quant_linear as ql  # noqa: E402
 from blockspec.kernels import rms_norm as rn  # noqa: E402
 from blockspec.kernels import selector_walk as sw  # noqa: E402
@@ -148,6 +149,12 @@ def cases() -> list[tuple[str, tuple, dict]]:
         out.append((f"selector_walk sampling={sampling} rank={rank}", (sw._walk_kernel, walk, dict(
             K=16, RANK=rank, BLOCK_K=16, BLOCK_R=rank, SAMPLING=sampling, PDL=True)),
             dict(num_warps=4 if 16 * rank >= 4096 else 1, no_spill=True, ptx_has=pdl_ptx)))
+    gemv = {"X": "*bf16", "QW": "*u8", "S": "*u8", "GS": "*fp32", "Y": "*bf16", "N": "i32"}
+    for k, has_gs in ((4096, True), (5120, False)):  # the NVFP4 one-row mma GEMV: 8B / 35B gate|up widths
+        out.append((f"quant_gemv nvfp4 K={k} HAS_GS={has_gs}", (qv._nvfp4_gemv_kernel, gemv, dict(
+            K=k, HAS_GS=has_gs, BN=qv.BLOCK_N, SPANS=qv.SPANS, PDL=True)),
+            dict(div16=("X", "QW", "S", "Y"), num_warps=qv.NUM_WARPS, num_stages=1, no_spill=True,
+                 ptx_has=pdl_ptx + ("mma.sync.aligned.m16n8k16",))))
     conv = {"X": "*bf16", "DYN": "*bf16", "BASE": "*bf16", "BIDX": "*i64", "OUT": "*bf16", "H": "i32",
             "stride_dt": "i32", "stride_dj": "i32"}
     out.append(("grouped_conv PDL", (gc._grouped_conv_kernel, conv, dict(TAPS=2, GROUP=16, BLOCK=1024, PDL=True)),

@@ -28,6 +28,8 @@ is rms_norm_ref + dequantize + F.linear + silu_mul_ref + the add. `quant_linear`
   dequantization costs ~8 instructions per weight (NVFP4: ~24), more than an H100 can issue while streaming 4-bit
   weights at full bandwidth (~7 per weight at 80% of it). One row of int8 / fp8 (1 byte per weight, half the
   element rate) and of NVFP4 (measured faster) takes a reduction path like skinny_linear's (`_M1_PATH`).
+- one row of a wide NVFP4 layer (gate|up: >= quant_gemv.MIN_ROWS outputs) with no bias or fold: kernels/quant_gemv.py,
+  the packed weights straight from registers into mma.sync (measured faster there, slower on narrower layers).
 - 17 to PREFILL_DEQUANT_MIN_M - 1 rows: the same kernel with 32-64-row tiles (Hopper: wgmma), the norm a kernel
   of its own before it.
 - more rows (prefill): the whole weight is dequantized to the activation dtype once per call, then cuBLAS; the
@@ -49,6 +51,7 @@ import torch
 import torch.nn.functional as F
 
 from blockspec.device import cuda_capability
+from blockspec.kernels import quant_gemv
 from blockspec.kernels._triton import HAVE_TRITON, INTERPRET, pdl, use_triton
 from blockspec.kernels.activation import silu_mul, silu_mul_ref
 from blockspec.kernels.deterministic_linear import deterministic_linear, deterministic_linear_ref
@@ -698,7 +701,9 @@ def quant_linear(x: torch.Tensor, layer, *, residual: torch.Tensor | None = None
         return residual if residual is not None else x.new_empty(*lead, n_out)
     if norm_weight is not None and m > 16:
         x2, norm_weight = rms_norm(x2, norm_weight, eps)[0], None
-    if m < PREFILL_DEQUANT_MIN_M:
+    if quant_gemv.applies(x2, layer, meta, res2, norm_weight, gated):  # one row, a wide NVFP4 layer
+        y = quant_gemv.nvfp4_gemv(x2, layer, meta)
+    elif m < PREFILL_DEQUANT_MIN_M:
         y = _gemm_triton(x2, layer, meta, res2, norm_weight=norm_weight, eps=eps, gated=gated)
     elif gated:
         y = silu_mul(_prefill(x2, layer, meta, None))

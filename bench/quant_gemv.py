@@ -1,0 +1,64 @@
+"""The one-row NVFP4 mma GEMV (blockspec/kernels/quant_gemv.py) against quant_linear's one-row dot path on the
+Qwen3-8B projection shapes (issue 14), and where the dispatch draws its line (quant_gemv.MIN_ROWS). GPU only.
+Timings as bench/quant_gemm.py takes them (CUDA-graph replays, weights rotated past the L2, % of the copy
+bandwidth measured in the same run). Prints a table last; JSON to $OUT (else bench/results/).
+
+  python bench/quant_gemv.py
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import quant_gemm as qgm  # noqa: E402
+from first_gpu import copy_bandwidth  # noqa: E402
+
+from blockspec.kernels import quant_gemv  # noqa: E402
+from blockspec.kernels import quant_linear as ql  # noqa: E402
+
+SHAPES = [("qkv", 6144, 4096), ("o", 4096, 4096), ("down", 4096, 12288), ("gate_up", 24576, 4096),
+          ("35b_gate_up", 2 * 17408, 5120), ("lm_head", 151936, 4096)]
+
+
+def gemv_fn(x, layers):
+    turn = itertools.cycle(layers)
+    meta = ql.quant_meta(layers[0])
+    return lambda: quant_gemv.nvfp4_gemv(x, next(turn), meta)
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    bw = copy_bandwidth()
+    rows = []
+    for name, n, k in SHAPES:
+        layer = qgm.random_layer("nvfp4", n, k)
+        layers = qgm.rotation(layer)
+        x = torch.randn(1, k, dtype=torch.bfloat16, device="cuda")
+        ref = ql.quant_linear_ref(x, layer)
+        err = qgm.rel_err(quant_gemv.nvfp4_gemv(x, layer, ql.quant_meta(layer)), ref)
+        dot = qgm.bench(qgm.quant_fn(x, layers, "plain", None))
+        gemv = qgm.bench(gemv_fn(x, layers))
+        nbytes = qgm.bytes_read(layer)
+        rows.append(dict(shape=name, n=n, k=k, bytes=nbytes, dot_us=dot, gemv_us=gemv, rel_err=err,
+                         dot_pct=qgm.pct(nbytes, dot, bw), gemv_pct=qgm.pct(nbytes, gemv, bw),
+                         dispatched=n >= quant_gemv.MIN_ROWS))
+        print(rows[-1], flush=True)
+    out = Path(os.environ.get("OUT", "bench/results")) / "quant_gemv.json"
+    out.write_text(json.dumps(dict(device=torch.cuda.get_device_name(), commit=os.environ.get("COMMIT", "?"),
+                                   copy_gbs=bw / 1e9, dtype="bfloat16", scheme="nvfp4", rows_of_x=1, rows=rows),
+                              indent=1))
+    print(f"{'shape':12} {'N':>6} {'K':>6} {'dot us':>7} {'%copy':>6} {'gemv us':>8} {'%copy':>6} {'err':>7}  taken")
+    for r in rows:
+        print(f"{r['shape']:12} {r['n']:6} {r['k']:6} {r['dot_us']:7.1f} {r['dot_pct']:6.1f} {r['gemv_us']:8.1f} "
+              f"{r['gemv_pct']:6.1f} {r['rel_err']:7.1e}  {'gemv' if r['dispatched'] else 'dot'}")
+
+
+if __name__ == "__main__":
+    main()

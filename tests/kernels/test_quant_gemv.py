@@ -1,0 +1,81 @@
+"""The one-row NVFP4 mma GEMV (kernels/quant_gemv.py) against quant_linear_ref, and quant_linear's dispatch to
+it. The kernel is PTX (mma.sync) that only a GPU runs; on CPU only the dispatch rule is checked."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from blockspec.kernels import quant_gemv as qg
+from blockspec.kernels import quant_linear as ql
+from blockspec.kernels._triton import HAVE_TRITON
+from tests.kernels.test_quant_linear import make_layer
+
+gpu = pytest.mark.skipif(not (HAVE_TRITON and torch.cuda.is_available()), reason="needs a CUDA GPU")
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def test_dispatch_rule_keeps_cpu_narrow_and_folded_layers_off_the_gemv() -> None:
+    wide = make_layer("nvfp4", qg.MIN_ROWS, 512, torch.bfloat16)
+    meta = ql.quant_meta(wide)
+    x = torch.randn(1, 512, dtype=torch.bfloat16)
+    assert not qg.applies(x, wide, meta, None, None, False)  # CPU tensors: the reference / interpreter path
+    narrow = make_layer("nvfp4", 4096, 512, torch.bfloat16)
+    assert ql.quant_meta(narrow).n < qg.MIN_ROWS
+
+
+@gpu
+@pytest.mark.parametrize("n,k,global_scale", [(qg.MIN_ROWS + 24, 512, True), (qg.MIN_ROWS, 1024, False),
+                                              (24576, 4096, True)])
+def test_gemv_matches_the_reference(n: int, k: int, global_scale: bool) -> None:
+    layer = make_layer("nvfp4", n, k, torch.bfloat16, global_scale=global_scale, seed=n + k).to("cuda")
+    meta = ql.quant_meta(layer)
+    x = torch.randn(1, k, dtype=torch.bfloat16, device="cuda")
+    assert qg.applies(x, layer, meta, None, None, False)
+    got = qg.nvfp4_gemv(x, layer, meta)
+    ref = ql.quant_linear_ref(x, layer)
+    assert got.shape == ref.shape == (1, n)
+    assert rel_err(got, ref) < 1e-2  # bf16 outputs of float32 sums in another order
+    torch.testing.assert_close(ql.quant_linear(x, layer), got, rtol=0, atol=0)  # the dispatch takes it
+
+
+@gpu
+def test_gemv_is_not_taken_with_folds_bias_or_more_rows() -> None:
+    n, k = qg.MIN_ROWS, 512
+    layer = make_layer("nvfp4", n, k, torch.bfloat16).to("cuda")
+    meta = ql.quant_meta(layer)
+    x = torch.randn(1, k, dtype=torch.bfloat16, device="cuda")
+    res = torch.zeros(1, n, dtype=torch.bfloat16, device="cuda")
+    assert not qg.applies(x, layer, meta, res, None, False)
+    assert not qg.applies(x, layer, meta, None, torch.ones(k, dtype=torch.bfloat16, device="cuda"), False)
+    assert not qg.applies(x, layer, meta, None, None, True)
+    assert not qg.applies(torch.randn(2, k, dtype=torch.bfloat16, device="cuda"), layer, meta, None, None, False)
+    biased = make_layer("nvfp4", n, k, torch.bfloat16, bias=True).to("cuda")
+    assert not qg.applies(x, biased, ql.quant_meta(biased), None, None, False)
+    # with the residual the dot path runs, and still adds the same product
+    ref = ql.quant_linear_ref(x, layer)
+    got = ql.quant_linear(x, layer, residual=res)
+    assert rel_err(got, ref) < 1e-2
+
+
+@gpu
+def test_gemv_replays_in_a_cuda_graph() -> None:
+    n, k = qg.MIN_ROWS, 1024
+    layer = make_layer("nvfp4", n, k, torch.bfloat16, seed=3).to("cuda")
+    x = torch.randn(1, k, dtype=torch.bfloat16, device="cuda")
+    eager = ql.quant_linear(x, layer)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        ql.quant_linear(x, layer)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = ql.quant_linear(x, layer)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, ql.quant_linear(x, layer), rtol=0, atol=0)
+    assert not torch.equal(out, eager)
