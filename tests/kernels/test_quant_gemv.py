@@ -14,6 +14,13 @@ from tests.kernels.test_quant_linear import make_layer
 gpu = pytest.mark.skipif(not (HAVE_TRITON and torch.cuda.is_available()), reason="needs a CUDA GPU")
 
 
+@pytest.fixture(autouse=True)
+def inference():
+    """As the engine runs: with grad enabled quant_linear takes the reference (the kernels have no backward)."""
+    with torch.inference_mode():
+        yield
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm())
 
