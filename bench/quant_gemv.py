@@ -4,10 +4,12 @@ Timings as bench/quant_gemm.py takes them (CUDA-graph replays, weights rotated p
 bandwidth measured in the same run). Prints a table last; JSON to $OUT (else bench/results/).
 
   python bench/quant_gemv.py
+  python bench/quant_gemv.py --sweep      # + launch configs (warps, spans a step, K parts) per shape
 """
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import json
 import os
@@ -27,17 +29,54 @@ SHAPES = [("qkv", 6144, 4096), ("o", 4096, 4096), ("down", 4096, 12288), ("gate_
           ("35b_gate_up", 2 * 17408, 5120), ("lm_head", 151936, 4096)]
 
 
-def gemv_fn(x, layers):
+def gemv_fn(x, layers, cfg=None):
+    """One call a replay on the next weight of the rotation; cfg = (warps, rows a warp, spans, parts)."""
     turn = itertools.cycle(layers)
     meta = ql.quant_meta(layers[0])
-    return lambda: quant_gemv.nvfp4_gemv(x, next(turn), meta)
+    if cfg is None:
+        return lambda: quant_gemv.nvfp4_gemv(x, next(turn), meta)
+    warps, reps, spans, parts = cfg
+    bn = 8 * warps * reps
+    y = torch.empty(1, meta.n, dtype=x.dtype, device=x.device)
+
+    def fn():
+        layer = next(turn)
+        quant_gemv._nvfp4_gemv_kernel[(-(-meta.n * parts // bn),)](
+            x, layer.qweight, layer.scales.view(torch.uint8), layer.global_scale, y, meta.n, K=meta.k, HAS_GS=True,
+            BN=bn, SPANS=spans, P=parts, num_warps=warps, num_stages=1)
+        return y
+    return fn
+
+
+SWEEP = [(w, r, s, p) for w in (2, 4, 8, 16) for r in (1,) for s in (2, 4, 8) for p in (1, 2, 4)
+         if 64 * p < 32 * w or (w, p) == (2, 1)]  # x loaded in the lane layout (no barrier) + today's default
+
+
+def sweep(x, layer, layers, ref, k) -> dict:
+    best = None
+    for cfg in SWEEP:
+        if k % (128 * cfg[2] * cfg[3]):
+            continue
+        err = qgm.rel_err(gemv_fn(x, [layer], cfg)(), ref)
+        if err > 2e-2:
+            print(f"  {cfg}: WRONG rel err {err:.3g}", flush=True)
+            continue
+        us = qgm.bench(gemv_fn(x, layers, cfg))
+        print(f"  warps {cfg[0]} reps {cfg[1]} spans {cfg[2]} parts {cfg[3]}: {us:.1f} us", flush=True)
+        if best is None or us < best["us"]:
+            best = dict(us=us, warps=cfg[0], reps=cfg[1], spans=cfg[2], parts=cfg[3])
+    return best
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--shapes", default=",".join(s[0] for s in SHAPES))
+    args = ap.parse_args()
     torch.manual_seed(0)
     bw = copy_bandwidth()
     rows = []
-    for name, n, k in SHAPES:
+    for name, n, k in [s for s in SHAPES if s[0] in args.shapes.split(",")]:
         layer = qgm.random_layer("nvfp4", n, k)
         layers = qgm.rotation(layer)
         x = torch.randn(1, k, dtype=torch.bfloat16, device="cuda")
@@ -49,6 +88,8 @@ def main() -> None:
         rows.append(dict(shape=name, n=n, k=k, bytes=nbytes, dot_us=dot, gemv_us=gemv, rel_err=err,
                          dot_pct=qgm.pct(nbytes, dot, bw), gemv_pct=qgm.pct(nbytes, gemv, bw),
                          dispatched=n >= quant_gemv.MIN_ROWS))
+        if args.sweep:
+            rows[-1]["best"] = sweep(x, layer, layers, ref, k)
         print(rows[-1], flush=True)
     out = Path(os.environ.get("OUT", "bench/results")) / "quant_gemv.json"
     out.write_text(json.dumps(dict(device=torch.cuda.get_device_name(), commit=os.environ.get("COMMIT", "?"),
@@ -57,7 +98,10 @@ def main() -> None:
     print(f"{'shape':12} {'N':>6} {'K':>6} {'dot us':>7} {'%copy':>6} {'gemv us':>8} {'%copy':>6} {'err':>7}  taken")
     for r in rows:
         print(f"{r['shape']:12} {r['n']:6} {r['k']:6} {r['dot_us']:7.1f} {r['dot_pct']:6.1f} {r['gemv_us']:8.1f} "
-              f"{r['gemv_pct']:6.1f} {r['rel_err']:7.1e}  {'gemv' if r['dispatched'] else 'dot'}")
+              f"{r['gemv_pct']:6.1f} {r['rel_err']:7.1e}  {'gemv' if r['dispatched'] else 'dot'}"
+              + (f"  best {r['best']['us']:.1f} us ({qgm.pct(r['bytes'], r['best']['us'], bw):.1f}%): "
+                 f"warps {r['best']['warps']} reps {r['best']['reps']} spans {r['best']['spans']} "
+                 f"parts {r['best']['parts']}" if r.get("best") else ""))
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ SPAN_BYTES = 64  # weight bytes a row per mma step group: 4 lanes x 16
 BLOCK_N = 16  # weight rows a program: 2 warps of 8
 SPANS = 4  # spans a loop step (loads of a step issued together)
 NUM_WARPS = 2
+PARTS = 1  # K parts a weight row is split over (columns of the mma)
 
 # quant_tiles' E2M1 decode (_E2M1_ASM) of the 4 bytes in $16 with the scale pair $21 into t0..t3 (pairs of
 # bytes 0..3), then the two mma steps into ($0..$3, from $8..$11) and ($4..$7, from $12..$15), A = $17..$20
@@ -66,7 +67,7 @@ def applies(x: torch.Tensor, layer, meta, residual, norm_weight, gated: bool) ->
     """The GEMV's case: one bf16 row on a CUDA GPU, an NVFP4 layer at least MIN_ROWS wide whose K fills whole
     loop steps, no bias and no fold (quant_linear's kernel keeps those)."""
     return (HAVE_TRITON and not INTERPRET and x.is_cuda and x.dtype == torch.bfloat16 and x.shape[0] == 1
-            and meta.scheme == "nvfp4" and meta.n >= MIN_ROWS and meta.k % (2 * SPAN_BYTES * SPANS) == 0
+            and meta.scheme == "nvfp4" and meta.n >= MIN_ROWS and meta.k % (2 * SPAN_BYTES * SPANS * PARTS) == 0
             and layer.bias is None and residual is None and norm_weight is None and not gated)
 
 
@@ -80,17 +81,22 @@ if HAVE_TRITON:
     _FP4_BIAS = tl.constexpr(FP4_GLOBAL_BIAS)
 
     @triton.jit
-    def _nvfp4_span(acc1, acc2, QW, x32, S, rows64, n_mask, b0, KB: tl.constexpr, NG: tl.constexpr,
-                    BN: tl.constexpr):
-        """acc1, acc2 += one 64-byte span of the rows (bytes b0 ..) against x (see the module docstring)."""
+    def _nvfp4_span(acc1, acc2, QW, x32, S, wrow, part, n_mask, b0, KB: tl.constexpr, NG: tl.constexpr,
+                    BN: tl.constexpr, P: tl.constexpr):
+        """acc1, acc2 += one 64-byte span (bytes b0 .. of each column's K part) against x (module docstring).
+        Tile column c reads weight row wrow[c], K part part[c] = c % P."""
         kb = tl.arange(0, 64)
-        w = tl.load(QW + rows64[:, None] * KB + b0 + kb[None, :], mask=n_mask[:, None], other=0)
-        xp = tl.load(x32 + b0 + kb)  # x as bf16 pairs, pair i beside weight byte i
-        # a lane's two groups (bytes 16 t + 8 h): loaded [t, row] and transposed, which gives the scales the
-        # lane layout of the weight tile (a [row, t] load would be laid out across the lanes the other way
+        KP: tl.constexpr = KB // P  # bytes a part
+        w = tl.load(QW + wrow[:, None] * KB + (part * KP)[:, None] + b0 + kb[None, :], mask=n_mask[:, None], other=0)
+        # x as bf16 pairs, pair i beside weight byte i: [P, 64], broadcast over the rows of each part. Loaded
+        # small (fewer elements than threads), Triton loads it straight in the tile's lane layout.
+        xp = tl.load(x32 + (tl.arange(0, P) * KP)[:, None] + b0 + kb[None, :])
+        xp = tl.reshape(tl.broadcast_to(xp[None, :, :], [BN // P, P, 64]), [BN, 64])
+        # a lane's two groups (bytes 16 t + 8 h): loaded [t, column] and transposed, which gives the scales the
+        # lane layout of the weight tile (a [column, t] load would be laid out across the lanes the other way
         # and converted through shared memory, a barrier a span)
         g = b0 // 8 + 2 * tl.arange(0, 4)
-        sp = S + rows64[None, :] * NG + g[:, None]
+        sp = S + (wrow * NG + part * (NG // P))[None, :] + g[:, None]
         sa = tl.trans(tl.load(sp, mask=n_mask[None, :], other=0))
         sb = tl.trans(tl.load(sp + 1, mask=n_mask[None, :], other=0))
         sf = tl.join(sa, sb).to(tl.float8e4nv, bitcast=True).to(tl.float32)  # [BN, 4, 2]
@@ -99,45 +105,53 @@ if HAVE_TRITON:
         s2 = tl.reshape(tl.broadcast_to(s2[:, :, :, None], [BN, 4, 2, 8]), [BN, 64])
         acc1, acc2 = tl.inline_asm_elementwise(
             _E2M1_MMA_C, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r",
-            [acc1, acc2, w, tl.broadcast_to(xp[None, :], w.shape), s2],
-            dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
+            [acc1, acc2, w, xp, s2], dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
         return acc1, acc2
 
     @triton.jit
     def _nvfp4_gemv_kernel(X, QW, S, GS, Y, N, K: tl.constexpr, HAS_GS: tl.constexpr, BN: tl.constexpr,
-                           SPANS: tl.constexpr, PDL: tl.constexpr = False):
+                           SPANS: tl.constexpr, P: tl.constexpr, PDL: tl.constexpr = False):
+        # BN tile columns = BN / P weight rows x P parts of K (column c: row c // P, part c % P); P divides 8,
+        # so the 8 columns of a warp's mma hold whole rows and part(g) = g % P
         pid = tl.program_id(0)
-        rows = pid * BN + tl.arange(0, BN)
+        cols = tl.arange(0, BN)
+        rows = pid * (BN // P) + cols // P
         n_mask = rows < N
-        rows64 = rows.to(tl.int64)
+        wrow = rows.to(tl.int64)
+        part = (cols % P).to(tl.int64)
         KB: tl.constexpr = K // 2
         NG: tl.constexpr = K // 16
         x32 = X.to(tl.pointer_type(tl.int32))
         acc1 = tl.zeros([BN, 64], dtype=tl.float32)
         acc2 = tl.zeros([BN, 64], dtype=tl.float32)
         wait_for_inputs(PDL)
-        for b0 in range(0, KB, 64 * SPANS):
+        for b0 in range(0, KB // P, 64 * SPANS):
             for u in tl.static_range(SPANS):
-                acc1, acc2 = _nvfp4_span(acc1, acc2, QW, x32, S, rows64, n_mask, b0 + 64 * u, KB, NG, BN)
+                acc1, acc2 = _nvfp4_span(acc1, acc2, QW, x32, S, wrow, part, n_mask, b0 + 64 * u, KB, NG, BN, P)
         # element 4 i + c of a lane's 16 is C register c of its i-th group of 4 bytes: row g (c 0, 1) of acc1
         # and row g + 8 (c 2, 3) of acc2 hold the products; the 4 groups are summed
         lo1, hi1 = tl.split(tl.permute(tl.reshape(acc1, [BN, 4, 4, 2, 2]), [0, 1, 2, 4, 3]))
         lo2, hi2 = tl.split(tl.permute(tl.reshape(acc2, [BN, 4, 4, 2, 2]), [0, 1, 2, 4, 3]))
-        y = tl.sum(lo1 + hi2, axis=2) * _FP4_BIAS  # [BN, t, c]: weight row 2 t + c of the 8
+        y = tl.sum(lo1 + hi2, axis=2)  # [BN, t, e]: C[g][n] with g = c % 8 and n = 2 t + e of c's 8-column block
+        # C[g][n] used x of part g % P: right where that is n's part, n % P; keep g = n % P, sum n's P parts
+        y = tl.reshape(y, [BN // 8, 8, 8])  # [block, g, n]
+        gi = tl.arange(0, 8)[None, :, None]
+        ni = tl.arange(0, 8)[None, None, :]
+        y = tl.sum(tl.where(gi == ni % P, y, 0.0), axis=1)  # [block, n]
+        y = tl.sum(tl.reshape(y, [BN // 8, 8 // P, P]), axis=2) * _FP4_BIAS  # [block, row of the block]
         if HAS_GS:
             y = y * tl.load(GS)
         release_dependents(PDL)
-        r = tl.arange(0, BN)[:, None, None]
-        out = pid * BN + (r // 8) * 8 + 2 * tl.arange(0, 4)[None, :, None] + tl.arange(0, 2)[None, None, :]
-        tl.store(Y + out, y.to(Y.dtype.element_ty), mask=((r % 8) == 0) & (out < N))  # lanes g = 0 store
+        out = pid * (BN // P) + tl.arange(0, BN // 8)[:, None] * (8 // P) + tl.arange(0, 8 // P)[None, :]
+        tl.store(Y + out, y.to(Y.dtype.element_ty), mask=out < N)
 
 
 def nvfp4_gemv(x: torch.Tensor, layer, meta) -> torch.Tensor:
     """x [1, K] (bf16, contiguous) @ dequantize(layer).T -> [1, N]; the caller checked `applies`."""
     y = torch.empty(1, meta.n, dtype=x.dtype, device=x.device)
     on = pdl(x)
-    _nvfp4_gemv_kernel[(triton.cdiv(meta.n, BLOCK_N),)](
+    _nvfp4_gemv_kernel[(triton.cdiv(meta.n * PARTS, BLOCK_N),)](
         x, layer.qweight, layer.scales.view(torch.uint8), layer.global_scale if meta.has_gs else x, y, meta.n,
-        K=meta.k, HAS_GS=meta.has_gs, BN=BLOCK_N, SPANS=SPANS,
+        K=meta.k, HAS_GS=meta.has_gs, BN=BLOCK_N, SPANS=SPANS, P=PARTS,
         PDL=on, num_warps=NUM_WARPS, num_stages=1, launch_pdl=on)
     return y
