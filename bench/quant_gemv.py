@@ -1,5 +1,5 @@
 """The one-row NVFP4 mma GEMV (blockspec/kernels/quant_gemv.py) against quant_linear's one-row dot path on the
-Qwen3-8B projection shapes (issue 14), and where the dispatch draws its line (quant_gemv.MIN_ROWS). GPU only.
+Qwen3-8B projection shapes (issue 14), and where the dispatch draws its lines (quant_gemv.launch_config). GPU only.
 Timings as bench/quant_gemm.py takes them (CUDA-graph replays, weights rotated past the L2, % of the copy
 bandwidth measured in the same run). Prints a table last; JSON to $OUT (else bench/results/).
 
@@ -29,42 +29,31 @@ SHAPES = [("qkv", 6144, 4096), ("o", 4096, 4096), ("down", 4096, 12288), ("gate_
           ("35b_gate_up", 2 * 17408, 5120), ("lm_head", 151936, 4096)]
 
 
-def gemv_fn(x, layers, cfg=None):
-    """One call a replay on the next weight of the rotation; cfg = (warps, rows a warp, spans, parts)."""
+def gemv_fn(x, layers, cfg: quant_gemv.GemvConfig | None = None):
+    """One call a replay on the next weight of the rotation (cfg: the dispatch's, else forced)."""
     turn = itertools.cycle(layers)
     meta = ql.quant_meta(layers[0])
-    if cfg is None:
-        return lambda: quant_gemv.nvfp4_gemv(x, next(turn), meta)
-    warps, reps, spans, parts = cfg
-    bn = 8 * warps * reps
-    y = torch.empty(1, meta.n, dtype=x.dtype, device=x.device)
-
-    def fn():
-        layer = next(turn)
-        quant_gemv._nvfp4_gemv_kernel[(-(-meta.n * parts // bn),)](
-            x, layer.qweight, layer.scales.view(torch.uint8), layer.global_scale, y, meta.n, K=meta.k, HAS_GS=True,
-            BN=bn, SPANS=spans, P=parts, num_warps=warps, num_stages=1)
-        return y
-    return fn
+    cfg = cfg or quant_gemv.launch_config(meta) or quant_gemv.WIDE
+    return lambda: quant_gemv.nvfp4_gemv(x, next(turn), meta, cfg)
 
 
-SWEEP = [(w, r, s, p) for w in (2, 4, 8, 16) for r in (1,) for s in (2, 4, 8) for p in (1, 2, 4)
+SWEEP = [quant_gemv.GemvConfig(w, s, p) for w in (2, 4, 8, 16, 32) for s in (2, 4, 8) for p in (1, 2, 4, 8)
          if 64 * p < 32 * w or (w, p) == (2, 1)]  # x loaded in the lane layout (no barrier) + today's default
 
 
 def sweep(x, layer, layers, ref, k) -> dict:
     best = None
     for cfg in SWEEP:
-        if k % (128 * cfg[2] * cfg[3]):
+        if k % (128 * cfg.spans * cfg.parts):
             continue
         err = qgm.rel_err(gemv_fn(x, [layer], cfg)(), ref)
         if err > 2e-2:
             print(f"  {cfg}: WRONG rel err {err:.3g}", flush=True)
             continue
         us = qgm.bench(gemv_fn(x, layers, cfg))
-        print(f"  warps {cfg[0]} reps {cfg[1]} spans {cfg[2]} parts {cfg[3]}: {us:.1f} us", flush=True)
+        print(f"  {cfg}: {us:.1f} us", flush=True)
         if best is None or us < best["us"]:
-            best = dict(us=us, warps=cfg[0], reps=cfg[1], spans=cfg[2], parts=cfg[3])
+            best = dict(us=us, warps=cfg.warps, spans=cfg.spans, parts=cfg.parts)
     return best
 
 
@@ -81,13 +70,13 @@ def main() -> None:
         layers = qgm.rotation(layer)
         x = torch.randn(1, k, dtype=torch.bfloat16, device="cuda")
         ref = ql.quant_linear_ref(x, layer)
-        err = qgm.rel_err(quant_gemv.nvfp4_gemv(x, layer, ql.quant_meta(layer)), ref)
+        err = qgm.rel_err(gemv_fn(x, [layer])(), ref)
         dot = qgm.bench(qgm.quant_fn(x, layers, "plain", None))
         gemv = qgm.bench(gemv_fn(x, layers))
         nbytes = qgm.bytes_read(layer)
         rows.append(dict(shape=name, n=n, k=k, bytes=nbytes, dot_us=dot, gemv_us=gemv, rel_err=err,
                          dot_pct=qgm.pct(nbytes, dot, bw), gemv_pct=qgm.pct(nbytes, gemv, bw),
-                         dispatched=n >= quant_gemv.MIN_ROWS))
+                         dispatched=quant_gemv.launch_config(ql.quant_meta(layer)) is not None))
         if args.sweep:
             rows[-1]["best"] = sweep(x, layer, layers, ref, k)
         print(rows[-1], flush=True)
@@ -100,7 +89,7 @@ def main() -> None:
         print(f"{r['shape']:12} {r['n']:6} {r['k']:6} {r['dot_us']:7.1f} {r['dot_pct']:6.1f} {r['gemv_us']:8.1f} "
               f"{r['gemv_pct']:6.1f} {r['rel_err']:7.1e}  {'gemv' if r['dispatched'] else 'dot'}"
               + (f"  best {r['best']['us']:.1f} us ({qgm.pct(r['bytes'], r['best']['us'], bw):.1f}%): "
-                 f"warps {r['best']['warps']} reps {r['best']['reps']} spans {r['best']['spans']} "
+                 f"warps {r['best']['warps']} spans {r['best']['spans']} "
                  f"parts {r['best']['parts']}" if r.get("best") else ""))
 
 

@@ -11,26 +11,56 @@ reading (P0 | P2) and row g + 8 (P1 | P3). One mma takes B = (bytes 0, 2) and ke
 B = (bytes 1, 3) and keeps its row g + 8: every product is counted once and no register is copied.
 C register c of lane (g, t) then holds the dot product of weight row 2 t + c (of the 8) with x.
 
+Narrow layers have too few rows for enough warps, so a row's K can be split over P of the warp's 8 mma
+columns (column c: row c // P, K part c % P), each A row g then carrying x of part g % P: C[g][n] is right where
+g % P == n % P, and the P parts of a row are summed after the loop.
+
 The E2M1 decode is quant_tiles' PTX (w * scale * 2^-26 as bf16 pairs, exact), the 2^26 and the global scale
-are applied to the float32 sums. Measured on an H100 (bench/results/gemv_mma_h100_*.json): the 24576 x 4096
-gate|up projection of a Qwen3-8B shape at 71% of copy bandwidth against 51% for quant_linear's one-row
-path, but slower below ~16k output rows (a warp streams its 8 rows one 64-byte span at a time, and few rows
-mean few warps), so quant_linear takes it for wide layers only (`applies`).
+are applied to the float32 sums. Measured on an H100 (bench/quant_gemv.py, bench/results/quant_gemv_h100_*.json,
+% of copy bandwidth): Qwen3-8B gate|up 37.8 -> 27.0 us (50 -> 70%), o 10.2 -> 8.9, down 25.8 -> 21.7; qkv stays
+on quant_linear's dot path (15.6 against 11.6 us): `launch_config` holds the lines.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from blockspec.kernels._triton import HAVE_TRITON, INTERPRET, pdl
 from blockspec.kernels.quant_tiles import FP4_GLOBAL_BIAS
 
-MIN_ROWS = 16384  # output rows from which the GEMV beats the one-row dot path (H100, 8B shapes)
+NUM_SMS = 132  # H100 / H200
 SPAN_BYTES = 64  # weight bytes a row per mma step group: 4 lanes x 16
-BLOCK_N = 16  # weight rows a program: 2 warps of 8
-SPANS = 4  # spans a loop step (loads of a step issued together)
-NUM_WARPS = 2
-PARTS = 1  # K parts a weight row is split over (columns of the mma)
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    warps: int  # a program: 8 mma columns a warp
+    spans: int  # 64-byte spans a loop step
+    parts: int  # K parts a weight row is split over (P mma columns a row)
+
+    @property
+    def block(self) -> int:
+        return 8 * self.warps
+
+
+WIDE_ROWS = 16384  # from here one K part: many programs already (gate|up, LM heads)
+WIDE = GemvConfig(warps=2, spans=4, parts=1)
+# narrow layers: K in 4 parts over 16 warps (32 rows a program), while the programs fit one wave
+NARROW = GemvConfig(warps=16, spans=4, parts=4)
+
+
+def launch_config(meta) -> GemvConfig | None:
+    """The GEMV's launch for an NVFP4 layer, or None where quant_linear's dot path measured faster (H100,
+    bench/quant_gemv.py --sweep): one K part for >= WIDE_ROWS outputs; 4 parts over 16 warps for layers narrow
+    enough that their programs fit one wave (Qwen3-8B o_proj 10.2 -> 8.9 us, down 25.8 -> 21.7); between
+    the two (qkv: 15.6 against 11.6) the dot path."""
+    cfg = WIDE if meta.n >= WIDE_ROWS else NARROW if meta.n * NARROW.parts <= NARROW.block * NUM_SMS else None
+    if cfg is None or meta.k % (2 * SPAN_BYTES * cfg.spans * cfg.parts):
+        return None
+    return cfg
+
 
 # quant_tiles' E2M1 decode (_E2M1_ASM) of the 4 bytes in $16 with the scale pair $21 into t0..t3 (pairs of
 # bytes 0..3), then the two mma steps into ($0..$3, from $8..$11) and ($4..$7, from $12..$15), A = $17..$20
@@ -64,11 +94,11 @@ mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$4, $5, $6, $7},
 
 
 def applies(x: torch.Tensor, layer, meta, residual, norm_weight, gated: bool) -> bool:
-    """The GEMV's case: one bf16 row on a CUDA GPU, an NVFP4 layer at least MIN_ROWS wide whose K fills whole
-    loop steps, no bias and no fold (quant_linear's kernel keeps those)."""
+    """The GEMV's case: one bf16 row on a CUDA GPU, an NVFP4 layer of a width it measured faster on
+    (`launch_config`), no bias and no fold (quant_linear's kernel keeps those)."""
     return (HAVE_TRITON and not INTERPRET and x.is_cuda and x.dtype == torch.bfloat16 and x.shape[0] == 1
-            and meta.scheme == "nvfp4" and meta.n >= MIN_ROWS and meta.k % (2 * SPAN_BYTES * SPANS * PARTS) == 0
-            and layer.bias is None and residual is None and norm_weight is None and not gated)
+            and meta.scheme == "nvfp4" and launch_config(meta) is not None and layer.bias is None
+            and residual is None and norm_weight is None and not gated)
 
 
 if HAVE_TRITON:
@@ -133,25 +163,36 @@ if HAVE_TRITON:
         lo1, hi1 = tl.split(tl.permute(tl.reshape(acc1, [BN, 4, 4, 2, 2]), [0, 1, 2, 4, 3]))
         lo2, hi2 = tl.split(tl.permute(tl.reshape(acc2, [BN, 4, 4, 2, 2]), [0, 1, 2, 4, 3]))
         y = tl.sum(lo1 + hi2, axis=2)  # [BN, t, e]: C[g][n] with g = c % 8 and n = 2 t + e of c's 8-column block
-        # C[g][n] used x of part g % P: right where that is n's part, n % P; keep g = n % P, sum n's P parts
-        y = tl.reshape(y, [BN // 8, 8, 8])  # [block, g, n]
-        gi = tl.arange(0, 8)[None, :, None]
-        ni = tl.arange(0, 8)[None, None, :]
-        y = tl.sum(tl.where(gi == ni % P, y, 0.0), axis=1)  # [block, n]
-        y = tl.sum(tl.reshape(y, [BN // 8, 8 // P, P]), axis=2) * _FP4_BIAS  # [block, row of the block]
-        if HAS_GS:
-            y = y * tl.load(GS)
-        release_dependents(PDL)
-        out = pid * (BN // P) + tl.arange(0, BN // 8)[:, None] * (8 // P) + tl.arange(0, 8 // P)[None, :]
-        tl.store(Y + out, y.to(Y.dtype.element_ty), mask=out < N)
+        if P == 1:  # every C row is right: lanes g = 0 store their block's 8 rows
+            y = y * _FP4_BIAS
+            if HAS_GS:
+                y = y * tl.load(GS)
+            release_dependents(PDL)
+            r = tl.arange(0, BN)[:, None, None]
+            out = pid * BN + (r // 8) * 8 + 2 * tl.arange(0, 4)[None, :, None] + tl.arange(0, 2)[None, None, :]
+            tl.store(Y + out, y.to(Y.dtype.element_ty), mask=((r % 8) == 0) & (out < N))
+        else:
+            # C[g][n] used x of part g % P: right where that is n's part, n % P; keep g = n % P, sum n's P parts
+            y = tl.reshape(y, [BN // 8, 8, 8])  # [block, g, n]
+            gi = tl.arange(0, 8)[None, :, None]
+            ni = tl.arange(0, 8)[None, None, :]
+            y = tl.sum(tl.where(gi == ni % P, y, 0.0), axis=1)  # [block, n]
+            y = tl.sum(tl.reshape(y, [BN // 8, 8 // P, P]), axis=2) * _FP4_BIAS  # [block, row of the block]
+            if HAS_GS:
+                y = y * tl.load(GS)
+            release_dependents(PDL)
+            out = pid * (BN // P) + tl.arange(0, BN // 8)[:, None] * (8 // P) + tl.arange(0, 8 // P)[None, :]
+            tl.store(Y + out, y.to(Y.dtype.element_ty), mask=out < N)
 
 
-def nvfp4_gemv(x: torch.Tensor, layer, meta) -> torch.Tensor:
-    """x [1, K] (bf16, contiguous) @ dequantize(layer).T -> [1, N]; the caller checked `applies`."""
+def nvfp4_gemv(x: torch.Tensor, layer, meta, cfg: GemvConfig | None = None) -> torch.Tensor:
+    """x [1, K] (bf16, contiguous) @ dequantize(layer).T -> [1, N]; the caller checked `applies` (or passes
+    its own cfg: bench/quant_gemv.py)."""
+    cfg = cfg or launch_config(meta)
     y = torch.empty(1, meta.n, dtype=x.dtype, device=x.device)
     on = pdl(x)
-    _nvfp4_gemv_kernel[(triton.cdiv(meta.n * PARTS, BLOCK_N),)](
+    _nvfp4_gemv_kernel[(triton.cdiv(meta.n * cfg.parts, cfg.block),)](
         x, layer.qweight, layer.scales.view(torch.uint8), layer.global_scale if meta.has_gs else x, y, meta.n,
-        K=meta.k, HAS_GS=meta.has_gs, BN=BLOCK_N, SPANS=SPANS, P=PARTS,
-        PDL=on, num_warps=NUM_WARPS, num_stages=1, launch_pdl=on)
+        K=meta.k, HAS_GS=meta.has_gs, BN=cfg.block, SPANS=cfg.spans, P=cfg.parts, PDL=on, num_warps=cfg.warps,
+        num_stages=1, launch_pdl=on)
     return y

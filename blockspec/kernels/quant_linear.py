@@ -28,8 +28,8 @@ is rms_norm_ref + dequantize + F.linear + silu_mul_ref + the add. `quant_linear`
   dequantization costs ~8 instructions per weight (NVFP4: ~24), more than an H100 can issue while streaming 4-bit
   weights at full bandwidth (~7 per weight at 80% of it). One row of int8 / fp8 (1 byte per weight, half the
   element rate) and of NVFP4 (measured faster) takes a reduction path like skinny_linear's (`_M1_PATH`).
-- one row of a wide NVFP4 layer (gate|up: >= quant_gemv.MIN_ROWS outputs) with no bias or fold: kernels/quant_gemv.py,
-  the packed weights straight from registers into mma.sync (measured faster there, slower on narrower layers).
+- one row of an NVFP4 layer with no bias or fold, at the widths where it measured faster (quant_gemv.launch_config):
+  kernels/quant_gemv.py, the packed weights straight from registers into mma.sync.
 - 17 to PREFILL_DEQUANT_MIN_M - 1 rows: the same kernel with 32-64-row tiles (Hopper: wgmma), the norm a kernel
   of its own before it.
 - more rows (prefill): the whole weight is dequantized to the activation dtype once per call, then cuBLAS; the

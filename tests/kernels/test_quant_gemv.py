@@ -26,23 +26,28 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def test_dispatch_rule_keeps_cpu_narrow_and_folded_layers_off_the_gemv() -> None:
-    wide = make_layer("nvfp4", qg.MIN_ROWS, 512, torch.bfloat16)
+    wide = make_layer("nvfp4", qg.WIDE_ROWS, 512, torch.bfloat16)
     meta = ql.quant_meta(wide)
     x = torch.randn(1, 512, dtype=torch.bfloat16)
+    assert qg.launch_config(meta) == qg.WIDE
     assert not qg.applies(x, wide, meta, None, None, False)  # CPU tensors: the reference / interpreter path
-    narrow = make_layer("nvfp4", 4096, 512, torch.bfloat16)
-    assert ql.quant_meta(narrow).n < qg.MIN_ROWS
+    assert qg.launch_config(ql.quant_meta(make_layer("nvfp4", 4096, 4096, torch.bfloat16))) == qg.NARROW
+    assert qg.launch_config(ql.quant_meta(make_layer("nvfp4", 6144, 4096, torch.bfloat16))) is None  # qkv: dot
+    assert qg.launch_config(ql.quant_meta(make_layer("nvfp4", 4096, 1024, torch.bfloat16))) is None  # K short
 
 
 @gpu
-@pytest.mark.parametrize("n,k,global_scale", [(qg.MIN_ROWS + 24, 512, True), (qg.MIN_ROWS, 1024, False),
-                                              (24576, 4096, True)])
+@pytest.mark.parametrize("n,k,global_scale", [(qg.WIDE_ROWS + 24, 512, True), (qg.WIDE_ROWS, 1024, False),
+                                              (24576, 4096, True), (4096 - 24, 2048, True), (4096, 12288, False)])
 def test_gemv_matches_the_reference(n: int, k: int, global_scale: bool) -> None:
     layer = make_layer("nvfp4", n, k, torch.bfloat16, global_scale=global_scale, seed=n + k).to("cuda")
     meta = ql.quant_meta(layer)
     x = torch.randn(1, k, dtype=torch.bfloat16, device="cuda")
     assert qg.applies(x, layer, meta, None, None, False)
     got = qg.nvfp4_gemv(x, layer, meta)
+    for cfg in (qg.WIDE, qg.NARROW, qg.GemvConfig(8, 2, 2)):  # every K split, whatever the dispatch picks
+        if k % (128 * cfg.spans * cfg.parts) == 0:
+            assert rel_err(qg.nvfp4_gemv(x, layer, meta, cfg), ql.quant_linear_ref(x, layer)) < 1e-2, cfg
     ref = ql.quant_linear_ref(x, layer)
     assert got.shape == ref.shape == (1, n)
     assert rel_err(got, ref) < 1e-2  # bf16 outputs of float32 sums in another order
@@ -51,7 +56,7 @@ def test_gemv_matches_the_reference(n: int, k: int, global_scale: bool) -> None:
 
 @gpu
 def test_gemv_is_not_taken_with_folds_bias_or_more_rows() -> None:
-    n, k = qg.MIN_ROWS, 512
+    n, k = qg.WIDE_ROWS, 512
     layer = make_layer("nvfp4", n, k, torch.bfloat16).to("cuda")
     meta = ql.quant_meta(layer)
     x = torch.randn(1, k, dtype=torch.bfloat16, device="cuda")
@@ -70,7 +75,7 @@ def test_gemv_is_not_taken_with_folds_bias_or_more_rows() -> None:
 
 @gpu
 def test_gemv_replays_in_a_cuda_graph() -> None:
-    n, k = qg.MIN_ROWS, 1024
+    n, k = qg.WIDE_ROWS, 1024
     layer = make_layer("nvfp4", n, k, torch.bfloat16, seed=3).to("cuda")
     x = torch.randn(1, k, dtype=torch.bfloat16, device="cuda")
     eager = ql.quant_linear(x, layer)
