@@ -111,24 +111,37 @@ if HAVE_TRITON:
     _FP4_BIAS = tl.constexpr(FP4_GLOBAL_BIAS)
 
     @triton.jit
-    def _nvfp4_span(acc1, acc2, QW, x32, S, wrow, part, n_mask, b0, KB: tl.constexpr, NG: tl.constexpr,
-                    BN: tl.constexpr, P: tl.constexpr):
-        """acc1, acc2 += one 64-byte span (bytes b0 .. of each column's K part) against x (module docstring).
-        Tile column c reads weight row wrow[c], K part part[c] = c % P."""
+    def _span_loads(QW, x32, S, wrow, part, n_mask, b0, KB: tl.constexpr, NG: tl.constexpr, BN: tl.constexpr,
+                    P: tl.constexpr):
+        """What one 64-byte span (bytes b0 .. of each column's K part) reads: the weight bytes [BN, 64], x as bf16
+        pairs beside them (pair i beside byte i) and the e4m3 scales of each lane's two groups (bytes 16 t +
+        8 h) as two [BN, 4] uint8 tensors. Nothing past the part's end is read (b0 may be one span beyond)."""
         kb = tl.arange(0, 64)
         KP: tl.constexpr = KB // P  # bytes a part
-        w = tl.load(QW + wrow[:, None] * KB + (part * KP)[:, None] + b0 + kb[None, :], mask=n_mask[:, None], other=0)
-        # x as bf16 pairs, pair i beside weight byte i: [P, 64], broadcast over the rows of each part. Loaded
-        # small (fewer elements than threads), Triton loads it straight in the tile's lane layout.
-        xp = tl.load(x32 + (tl.arange(0, P) * KP)[:, None] + b0 + kb[None, :])
-        xp = tl.reshape(tl.broadcast_to(xp[None, :, :], [BN // P, P, 64]), [BN, 64])
-        # a lane's two groups (bytes 16 t + 8 h): loaded [t, column] and transposed, which gives the scales the
-        # lane layout of the weight tile (a [column, t] load would be laid out across the lanes the other way
-        # and converted through shared memory, a barrier a span)
+        live = b0 < KP
         g = b0 // 8 + 2 * tl.arange(0, 4)
-        sp = S + (wrow * NG + part * (NG // P))[None, :] + g[:, None]
-        sa = tl.trans(tl.load(sp, mask=n_mask[None, :], other=0))
-        sb = tl.trans(tl.load(sp + 1, mask=n_mask[None, :], other=0))
+        if P == 1:
+            w = tl.load(QW + wrow[:, None] * KB + b0 + kb[None, :], mask=n_mask[:, None] & live, other=0)
+            xp = tl.broadcast_to(tl.load(x32 + b0 + kb, mask=live & (kb < 64), other=0)[None, :], [BN, 64])
+            sp = S + wrow[None, :] * NG + g[:, None]
+        else:
+            w = tl.load(QW + wrow[:, None] * KB + (part * KP)[:, None] + b0 + kb[None, :],
+                        mask=n_mask[:, None] & live, other=0)
+            # x pairs [P, 64], broadcast over the rows of each part; loaded small (fewer elements than threads),
+            # Triton loads it straight in the tile's lane layout
+            xp = tl.load(x32 + (tl.arange(0, P) * KP)[:, None] + b0 + kb[None, :], mask=live, other=0)
+            xp = tl.reshape(tl.broadcast_to(xp[None, :, :], [BN // P, P, 64]), [BN, 64])
+            sp = S + (wrow * NG + part * (NG // P))[None, :] + g[:, None]
+        # the scales loaded [t, column] and transposed, which gives them the lane layout of the weight tile (a
+        # [column, t] load would be laid out across the lanes the other way and converted through shared
+        # memory, a barrier a span)
+        sa = tl.trans(tl.load(sp, mask=n_mask[None, :] & live, other=0))
+        sb = tl.trans(tl.load(sp + 1, mask=n_mask[None, :] & live, other=0))
+        return w, xp, sa, sb
+
+    @triton.jit
+    def _span_mma(acc1, acc2, w, xp, sa, sb, BN: tl.constexpr):
+        """acc1, acc2 += the span's products (module docstring)."""
         sf = tl.join(sa, sb).to(tl.float8e4nv, bitcast=True).to(tl.float32)  # [BN, 4, 2]
         top = (sf * 1.2676506002282294e30).to(tl.int32, bitcast=True) & -65536  # s * 2^100 as bf16, exact
         s2 = top | ((top >> 16) & 0xFFFF)
@@ -145,19 +158,27 @@ if HAVE_TRITON:
         # so the 8 columns of a warp's mma hold whole rows and part(g) = g % P
         pid = tl.program_id(0)
         cols = tl.arange(0, BN)
-        rows = pid * (BN // P) + cols // P
+        if P == 1:
+            rows = pid * BN + cols
+            part = cols.to(tl.int64)  # unused
+        else:
+            rows = pid * (BN // P) + cols // P
+            part = (cols % P).to(tl.int64)
         n_mask = rows < N
         wrow = rows.to(tl.int64)
-        part = (cols % P).to(tl.int64)
         KB: tl.constexpr = K // 2
         NG: tl.constexpr = K // 16
         x32 = X.to(tl.pointer_type(tl.int32))
         acc1 = tl.zeros([BN, 64], dtype=tl.float32)
         acc2 = tl.zeros([BN, 64], dtype=tl.float32)
         wait_for_inputs(PDL)
+        # software-pipelined by one span: the next span's loads are issued before this one's mma
+        w, xp, sa, sb = _span_loads(QW, x32, S, wrow, part, n_mask, 0, KB, NG, BN, P)
         for b0 in range(0, KB // P, 64 * SPANS):
             for u in tl.static_range(SPANS):
-                acc1, acc2 = _nvfp4_span(acc1, acc2, QW, x32, S, wrow, part, n_mask, b0 + 64 * u, KB, NG, BN, P)
+                nw, nxp, nsa, nsb = _span_loads(QW, x32, S, wrow, part, n_mask, b0 + 64 * (u + 1), KB, NG, BN, P)
+                acc1, acc2 = _span_mma(acc1, acc2, w, xp, sa, sb, BN)
+                w, xp, sa, sb = nw, nxp, nsa, nsb
         # element 4 i + c of a lane's 16 is C register c of its i-th group of 4 bytes: row g (c 0, 1) of acc1
         # and row g + 8 (c 2, 3) of acc2 hold the products; the 4 groups are summed
         lo1, hi1 = tl.split(tl.permute(tl.reshape(acc1, [BN, 4, 4, 2, 2]), [0, 1, 2, 4, 3]))

@@ -1,0 +1,143 @@
+"""One decode row through an NVFP4 layer on tensor cores, the weights never leaving registers.
+
+quant_linear's one-row paths dequantize a tile and either reduce it with float32 multiplies or hand it to
+`tl.dot`, which stages it through shared memory into the mma operand layout. Here each lane loads 16 bytes of
+one weight row (lane = 4 g + t: row g of the warp's 8, bytes 16 t .. 16 t + 15 of a 64-byte span) and feeds
+them to `mma.sync.m16n8k16` as the B operand where they are, with no layout conversion: the order of the
+products over K does not matter to the sum, so the k index the mma gives a B register is simply defined to be
+the physical column that lane loaded, and x is loaded in the same order for the A operand. x has one row, so
+A's rows are copies of it: the aligned quad of x pairs (P0, P1, P2, P3) of bytes 0-3 is A as loaded, row g
+reading (P0 | P2) and row g + 8 (P1 | P3). One mma takes B = (bytes 0, 2) and keeps its row g, the other
+B = (bytes 1, 3) and keeps its row g + 8: every product is counted once and no register is copied.
+C register c of lane (g, t) then holds the dot product of weight row 2 t + c (of the 8) with x.
+
+The E2M1 decode is quant_tiles' PTX (w * scale * 2^-26 as bf16 pairs, exact), the 2^26 and the global scale
+are applied to the float32 sums. Measured on an H100 (bench/results/gemv_mma_h100_*.json): the 24576 x 4096
+gate|up projection of a Qwen3-8B shape at 71% of copy bandwidth against 51% for quant_linear's one-row
+path, but slower below ~16k output rows (a warp streams its 8 rows one 64-byte span at a time, and few rows
+mean few warps), so quant_linear takes it for wide layers only (`applies`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from blockspec.kernels._triton import HAVE_TRITON, INTERPRET, pdl
+from blockspec.kernels.quant_tiles import FP4_GLOBAL_BIAS
+
+MIN_ROWS = 16384  # output rows from which the GEMV beats the one-row dot path (H100, 8B shapes)
+SPAN_BYTES = 64  # weight bytes a row per mma step group: 4 lanes x 16
+BLOCK_N = 16  # weight rows a program: 2 warps of 8
+SPANS = 4  # spans a loop step (loads of a step issued together)
+NUM_WARPS = 2
+
+# quant_tiles' E2M1 decode (_E2M1_ASM) of the 4 bytes in $16 with the scale pair $21 into t0..t3 (pairs of
+# bytes 0..3), then the two mma steps into ($0..$3, from $8..$11) and ($4..$7, from $12..$15), A = $17..$20
+_E2M1_MMA = """{
+.reg .b32 lo, hi, t<4>, nz;
+mov.b32 nz, 0x80008000;
+and.b32 lo, $16, 0x0F0F0F0F;
+shr.b32 hi, $16, 4;
+and.b32 hi, hi, 0x0F0F0F0F;
+prmt.b32 t0, lo, hi, 0x8480;
+prmt.b32 t1, lo, hi, 0x8581;
+prmt.b32 t2, lo, hi, 0x8682;
+prmt.b32 t3, lo, hi, 0x8783;
+mul.lo.u32 t0, t0, 0x1040;
+mul.lo.u32 t1, t1, 0x1040;
+mul.lo.u32 t2, t2, 0x1040;
+mul.lo.u32 t3, t3, 0x1040;
+and.b32 t0, t0, 0x81C081C0;
+and.b32 t1, t1, 0x81C081C0;
+and.b32 t2, t2, 0x81C081C0;
+and.b32 t3, t3, 0x81C081C0;
+fma.rn.bf16x2 t0, t0, $21, nz;
+fma.rn.bf16x2 t1, t1, $21, nz;
+fma.rn.bf16x2 t2, t2, $21, nz;
+fma.rn.bf16x2 t3, t3, $21, nz;
+mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0, $1, $2, $3},
+    {$17, $18, $19, $20}, {t0, t2}, {$8, $9, $10, $11};
+mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$4, $5, $6, $7},
+    {$17, $18, $19, $20}, {t1, t3}, {$12, $13, $14, $15};
+}"""
+
+
+def applies(x: torch.Tensor, layer, meta, residual, norm_weight, gated: bool) -> bool:
+    """The GEMV's case: one bf16 row on a CUDA GPU, an NVFP4 layer at least MIN_ROWS wide whose K fills whole
+    loop steps, no bias and no fold (quant_linear's kernel keeps those)."""
+    return (HAVE_TRITON and not INTERPRET and x.is_cuda and x.dtype == torch.bfloat16 and x.shape[0] == 1
+            and meta.scheme == "nvfp4" and meta.n >= MIN_ROWS and meta.k % (2 * SPAN_BYTES * SPANS) == 0
+            and layer.bias is None and residual is None and norm_weight is None and not gated)
+
+
+if HAVE_TRITON:
+    import triton
+    import triton.language as tl
+
+    from blockspec.kernels._triton import release_dependents, wait_for_inputs
+
+    _E2M1_MMA_C = tl.constexpr(_E2M1_MMA)
+    _FP4_BIAS = tl.constexpr(FP4_GLOBAL_BIAS)
+
+    @triton.jit
+    def _nvfp4_span(acc1, acc2, QW, x32, S, rows64, n_mask, b0, KB: tl.constexpr, NG: tl.constexpr,
+                    BN: tl.constexpr):
+        """acc1, acc2 += one 64-byte span of the rows (bytes b0 ..) against x (see the module docstring)."""
+        kb = tl.arange(0, 64)
+        w = tl.load(QW + rows64[:, None] * KB + b0 + kb[None, :], mask=n_mask[:, None], other=0)
+        xp = tl.load(x32 + b0 + kb)  # x as bf16 pairs, pair i beside weight byte i
+        # a lane's two groups (bytes 16 t + 8 h): loaded [t, row] and transposed, which gives the scales the
+        # lane layout of the weight tile (a [row, t] load would be laid out across the lanes the other way
+        # and converted through shared memory, a barrier a span)
+        g = b0 // 8 + 2 * tl.arange(0, 4)
+        sp = S + rows64[None, :] * NG + g[:, None]
+        sa = tl.trans(tl.load(sp, mask=n_mask[None, :], other=0))
+        sb = tl.trans(tl.load(sp + 1, mask=n_mask[None, :], other=0))
+        sf = tl.join(sa, sb).to(tl.float8e4nv, bitcast=True).to(tl.float32)  # [BN, 4, 2]
+        top = (sf * 1.2676506002282294e30).to(tl.int32, bitcast=True) & -65536  # s * 2^100 as bf16, exact
+        s2 = top | ((top >> 16) & 0xFFFF)
+        s2 = tl.reshape(tl.broadcast_to(s2[:, :, :, None], [BN, 4, 2, 8]), [BN, 64])
+        acc1, acc2 = tl.inline_asm_elementwise(
+            _E2M1_MMA_C, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r",
+            [acc1, acc2, w, tl.broadcast_to(xp[None, :], w.shape), s2],
+            dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
+        return acc1, acc2
+
+    @triton.jit
+    def _nvfp4_gemv_kernel(X, QW, S, GS, Y, N, K: tl.constexpr, HAS_GS: tl.constexpr, BN: tl.constexpr,
+                           SPANS: tl.constexpr, PDL: tl.constexpr = False):
+        pid = tl.program_id(0)
+        rows = pid * BN + tl.arange(0, BN)
+        n_mask = rows < N
+        rows64 = rows.to(tl.int64)
+        KB: tl.constexpr = K // 2
+        NG: tl.constexpr = K // 16
+        x32 = X.to(tl.pointer_type(tl.int32))
+        acc1 = tl.zeros([BN, 64], dtype=tl.float32)
+        acc2 = tl.zeros([BN, 64], dtype=tl.float32)
+        wait_for_inputs(PDL)
+        for b0 in range(0, KB, 64 * SPANS):
+            for u in tl.static_range(SPANS):
+                acc1, acc2 = _nvfp4_span(acc1, acc2, QW, x32, S, rows64, n_mask, b0 + 64 * u, KB, NG, BN)
+        # element 4 i + c of a lane's 16 is C register c of its i-th group of 4 bytes: row g (c 0, 1) of acc1
+        # and row g + 8 (c 2, 3) of acc2 hold the products; the 4 groups are summed
+        lo1, hi1 = tl.split(tl.permute(tl.reshape(acc1, [BN, 4, 4, 2, 2]), [0, 1, 2, 4, 3]))
+        lo2, hi2 = tl.split(tl.permute(tl.reshape(acc2, [BN, 4, 4, 2, 2]), [0, 1, 2, 4, 3]))
+        y = tl.sum(lo1 + hi2, axis=2) * _FP4_BIAS  # [BN, t, c]: weight row 2 t + c of the 8
+        if HAS_GS:
+            y = y * tl.load(GS)
+        release_dependents(PDL)
+        r = tl.arange(0, BN)[:, None, None]
+        out = pid * BN + (r // 8) * 8 + 2 * tl.arange(0, 4)[None, :, None] + tl.arange(0, 2)[None, None, :]
+        tl.store(Y + out, y.to(Y.dtype.element_ty), mask=((r % 8) == 0) & (out < N))  # lanes g = 0 store
+
+
+def nvfp4_gemv(x: torch.Tensor, layer, meta) -> torch.Tensor:
+    """x [1, K] (bf16, contiguous) @ dequantize(layer).T -> [1, N]; the caller checked `applies`."""
+    y = torch.empty(1, meta.n, dtype=x.dtype, device=x.device)
+    on = pdl(x)
+    _nvfp4_gemv_kernel[(triton.cdiv(meta.n, BLOCK_N),)](
+        x, layer.qweight, layer.scales.view(torch.uint8), layer.global_scale if meta.has_gs else x, y, meta.n,
+        K=meta.k, HAS_GS=meta.has_gs, BN=BLOCK_N, SPANS=SPANS,
+        PDL=on, num_warps=NUM_WARPS, num_stages=1, launch_pdl=on)
+    return y
