@@ -151,8 +151,9 @@ def cases() -> list[tuple[str, tuple, dict]]:
             dict(num_warps=4 if 16 * rank >= 4096 else 1, no_spill=True, ptx_has=pdl_ptx)))
     gemv = {"X": "*bf16", "QW": "*u8", "S": "*u8", "GS": "*fp32", "Y": "*bf16", "N": "i32"}
     for k, has_gs, cfg in ((4096, True, qv.WIDE), (5120, False, qv.WIDE), (12288, True, qv.NARROW)):
-        out.append((f"quant_gemv nvfp4 K={k} HAS_GS={has_gs} {cfg}", (qv._nvfp4_gemv_kernel, gemv, dict(
-            K=k, HAS_GS=has_gs, BN=cfg.block, SPANS=cfg.spans, P=cfg.parts, PDL=True)),
+        kern, extra = (qv._wide_kernel, {}) if cfg.parts == 1 else (qv._parts_kernel, dict(P=cfg.parts))
+        out.append((f"quant_gemv nvfp4 K={k} HAS_GS={has_gs} {cfg}", (kern, gemv, dict(
+            K=k, HAS_GS=has_gs, BN=cfg.block, SPANS=cfg.spans, PDL=True, **extra)),
             dict(div16=("X", "QW", "S", "Y"), num_warps=cfg.warps, num_stages=1, no_spill=True,
                  ptx_has=pdl_ptx + ("mma.sync.aligned.m16n8k16",))))
     conv = {"X": "*bf16", "DYN": "*bf16", "BASE": "*bf16", "BIDX": "*i64", "OUT": "*bf16", "H": "i32",

@@ -111,35 +111,6 @@ if HAVE_TRITON:
     _FP4_BIAS = tl.constexpr(FP4_GLOBAL_BIAS)
 
     @triton.jit
-    def _span_loads(QW, x32, S, wrow, part, n_mask, b0, KB: tl.constexpr, NG: tl.constexpr, BN: tl.constexpr,
-                    P: tl.constexpr):
-        """What one 64-byte span (bytes b0 .. of each column's K part) reads: the weight bytes [BN, 64], x as bf16
-        pairs beside them (pair i beside byte i) and the e4m3 scales of each lane's two groups (bytes 16 t +
-        8 h) as two [BN, 4] uint8 tensors. Nothing past the part's end is read (b0 may be one span beyond)."""
-        kb = tl.arange(0, 64)
-        KP: tl.constexpr = KB // P  # bytes a part
-        live = b0 < KP
-        g = b0 // 8 + 2 * tl.arange(0, 4)
-        if P == 1:
-            w = tl.load(QW + wrow[:, None] * KB + b0 + kb[None, :], mask=n_mask[:, None] & live, other=0)
-            xp = tl.broadcast_to(tl.load(x32 + b0 + kb, mask=live & (kb < 64), other=0)[None, :], [BN, 64])
-            sp = S + wrow[None, :] * NG + g[:, None]
-        else:
-            w = tl.load(QW + wrow[:, None] * KB + (part * KP)[:, None] + b0 + kb[None, :],
-                        mask=n_mask[:, None] & live, other=0)
-            # x pairs [P, 64], broadcast over the rows of each part; loaded small (fewer elements than threads),
-            # Triton loads it straight in the tile's lane layout
-            xp = tl.load(x32 + (tl.arange(0, P) * KP)[:, None] + b0 + kb[None, :], mask=live, other=0)
-            xp = tl.reshape(tl.broadcast_to(xp[None, :, :], [BN // P, P, 64]), [BN, 64])
-            sp = S + (wrow * NG + part * (NG // P))[None, :] + g[:, None]
-        # the scales loaded [t, column] and transposed, which gives them the lane layout of the weight tile (a
-        # [column, t] load would be laid out across the lanes the other way and converted through shared
-        # memory, a barrier a span)
-        sa = tl.trans(tl.load(sp, mask=n_mask[None, :] & live, other=0))
-        sb = tl.trans(tl.load(sp + 1, mask=n_mask[None, :] & live, other=0))
-        return w, xp, sa, sb
-
-    @triton.jit
     def _span_mma(acc1, acc2, w, xp, sa, sb, BN: tl.constexpr):
         """acc1, acc2 += the span's products (module docstring)."""
         sf = tl.join(sa, sb).to(tl.float8e4nv, bitcast=True).to(tl.float32)  # [BN, 4, 2]
@@ -152,18 +123,84 @@ if HAVE_TRITON:
         return acc1, acc2
 
     @triton.jit
-    def _nvfp4_gemv_kernel(X, QW, S, GS, Y, N, K: tl.constexpr, HAS_GS: tl.constexpr, BN: tl.constexpr,
-                           SPANS: tl.constexpr, P: tl.constexpr, PDL: tl.constexpr = False):
+    def _wide_span(acc1, acc2, QW, x32, S, rows64, n_mask, b0, KB: tl.constexpr, NG: tl.constexpr,
+                    BN: tl.constexpr):
+        """acc1, acc2 += one 64-byte span of the rows (bytes b0 ..) against x (see the module docstring)."""
+        kb = tl.arange(0, 64)
+        w = tl.load(QW + rows64[:, None] * KB + b0 + kb[None, :], mask=n_mask[:, None], other=0)
+        xp = tl.load(x32 + b0 + kb)  # x as bf16 pairs, pair i beside weight byte i
+        # a lane's two groups (bytes 16 t + 8 h): loaded [t, row] and transposed, which gives the scales the
+        # lane layout of the weight tile (a [row, t] load would be laid out across the lanes the other way
+        # and converted through shared memory, a barrier a span)
+        g = b0 // 8 + 2 * tl.arange(0, 4)
+        sp = S + rows64[None, :] * NG + g[:, None]
+        sa = tl.trans(tl.load(sp, mask=n_mask[None, :], other=0))
+        sb = tl.trans(tl.load(sp + 1, mask=n_mask[None, :], other=0))
+        return _span_mma(acc1, acc2, w, tl.broadcast_to(xp[None, :], w.shape), sa, sb, BN)
+
+    @triton.jit
+    def _wide_kernel(X, QW, S, GS, Y, N, K: tl.constexpr, HAS_GS: tl.constexpr, BN: tl.constexpr,
+                     SPANS: tl.constexpr, PDL: tl.constexpr = False):
+        """One K part (wide layers). Kept as first measured: the parts kernel at P = 1 (its loads written the
+        same) compiled to another schedule, ~20% slower on gate|up (bench/quant_gemv.py, H100)."""
+        pid = tl.program_id(0)
+        rows = pid * BN + tl.arange(0, BN)
+        n_mask = rows < N
+        rows64 = rows.to(tl.int64)
+        KB: tl.constexpr = K // 2
+        NG: tl.constexpr = K // 16
+        x32 = X.to(tl.pointer_type(tl.int32))
+        acc1 = tl.zeros([BN, 64], dtype=tl.float32)
+        acc2 = tl.zeros([BN, 64], dtype=tl.float32)
+        wait_for_inputs(PDL)
+        for b0 in range(0, KB, 64 * SPANS):
+            for u in tl.static_range(SPANS):
+                acc1, acc2 = _wide_span(acc1, acc2, QW, x32, S, rows64, n_mask, b0 + 64 * u, KB, NG, BN)
+        # element 4 i + c of a lane's 16 is C register c of its i-th group of 4 bytes: row g (c 0, 1) of acc1
+        # and row g + 8 (c 2, 3) of acc2 hold the products; the 4 groups are summed
+        lo1, hi1 = tl.split(tl.permute(tl.reshape(acc1, [BN, 4, 4, 2, 2]), [0, 1, 2, 4, 3]))
+        lo2, hi2 = tl.split(tl.permute(tl.reshape(acc2, [BN, 4, 4, 2, 2]), [0, 1, 2, 4, 3]))
+        y = tl.sum(lo1 + hi2, axis=2) * _FP4_BIAS  # [BN, t, c]: weight row 2 t + c of the 8
+        if HAS_GS:
+            y = y * tl.load(GS)
+        release_dependents(PDL)
+        r = tl.arange(0, BN)[:, None, None]
+        out = pid * BN + (r // 8) * 8 + 2 * tl.arange(0, 4)[None, :, None] + tl.arange(0, 2)[None, None, :]
+        tl.store(Y + out, y.to(Y.dtype.element_ty), mask=((r % 8) == 0) & (out < N))  # lanes g = 0 store
+
+    @triton.jit
+    def _span_loads(QW, x32, S, wrow, part, n_mask, b0, KB: tl.constexpr, NG: tl.constexpr, BN: tl.constexpr,
+                    P: tl.constexpr):
+        """What one 64-byte span (bytes b0 .. of each column's K part) reads: the weight bytes [BN, 64], x as bf16
+        pairs beside them (pair i beside byte i) and the e4m3 scales of each lane's two groups (bytes 16 t +
+        8 h) as two [BN, 4] uint8 tensors. Nothing past the part's end is read (b0 may be one span beyond)."""
+        kb = tl.arange(0, 64)
+        KP: tl.constexpr = KB // P  # bytes a part
+        live = b0 < KP
+        g = b0 // 8 + 2 * tl.arange(0, 4)
+        w = tl.load(QW + wrow[:, None] * KB + (part * KP)[:, None] + b0 + kb[None, :], mask=n_mask[:, None] & live,
+                    other=0)
+        # x pairs [P, 64], broadcast over the rows of each part; loaded small (fewer elements than threads),
+        # Triton loads it straight in the tile's lane layout
+        xp = tl.load(x32 + (tl.arange(0, P) * KP)[:, None] + b0 + kb[None, :], mask=live, other=0)
+        xp = tl.reshape(tl.broadcast_to(xp[None, :, :], [BN // P, P, 64]), [BN, 64])
+        sp = S + (wrow * NG + part * (NG // P))[None, :] + g[:, None]
+        # the scales loaded [t, column] and transposed, which gives them the lane layout of the weight tile (a
+        # [column, t] load would be laid out across the lanes the other way and converted through shared
+        # memory, a barrier a span)
+        sa = tl.trans(tl.load(sp, mask=n_mask[None, :] & live, other=0))
+        sb = tl.trans(tl.load(sp + 1, mask=n_mask[None, :] & live, other=0))
+        return w, xp, sa, sb
+
+    @triton.jit
+    def _parts_kernel(X, QW, S, GS, Y, N, K: tl.constexpr, HAS_GS: tl.constexpr, BN: tl.constexpr,
+                      SPANS: tl.constexpr, P: tl.constexpr, PDL: tl.constexpr = False):
         # BN tile columns = BN / P weight rows x P parts of K (column c: row c // P, part c % P); P divides 8,
         # so the 8 columns of a warp's mma hold whole rows and part(g) = g % P
         pid = tl.program_id(0)
         cols = tl.arange(0, BN)
-        if P == 1:
-            rows = pid * BN + cols
-            part = cols.to(tl.int64)  # unused
-        else:
-            rows = pid * (BN // P) + cols // P
-            part = (cols % P).to(tl.int64)
+        rows = pid * (BN // P) + cols // P
+        part = (cols % P).to(tl.int64)
         n_mask = rows < N
         wrow = rows.to(tl.int64)
         KB: tl.constexpr = K // 2
@@ -184,26 +221,17 @@ if HAVE_TRITON:
         lo1, hi1 = tl.split(tl.permute(tl.reshape(acc1, [BN, 4, 4, 2, 2]), [0, 1, 2, 4, 3]))
         lo2, hi2 = tl.split(tl.permute(tl.reshape(acc2, [BN, 4, 4, 2, 2]), [0, 1, 2, 4, 3]))
         y = tl.sum(lo1 + hi2, axis=2)  # [BN, t, e]: C[g][n] with g = c % 8 and n = 2 t + e of c's 8-column block
-        if P == 1:  # every C row is right: lanes g = 0 store their block's 8 rows
-            y = y * _FP4_BIAS
-            if HAS_GS:
-                y = y * tl.load(GS)
-            release_dependents(PDL)
-            r = tl.arange(0, BN)[:, None, None]
-            out = pid * BN + (r // 8) * 8 + 2 * tl.arange(0, 4)[None, :, None] + tl.arange(0, 2)[None, None, :]
-            tl.store(Y + out, y.to(Y.dtype.element_ty), mask=((r % 8) == 0) & (out < N))
-        else:
-            # C[g][n] used x of part g % P: right where that is n's part, n % P; keep g = n % P, sum n's P parts
-            y = tl.reshape(y, [BN // 8, 8, 8])  # [block, g, n]
-            gi = tl.arange(0, 8)[None, :, None]
-            ni = tl.arange(0, 8)[None, None, :]
-            y = tl.sum(tl.where(gi == ni % P, y, 0.0), axis=1)  # [block, n]
-            y = tl.sum(tl.reshape(y, [BN // 8, 8 // P, P]), axis=2) * _FP4_BIAS  # [block, row of the block]
-            if HAS_GS:
-                y = y * tl.load(GS)
-            release_dependents(PDL)
-            out = pid * (BN // P) + tl.arange(0, BN // 8)[:, None] * (8 // P) + tl.arange(0, 8 // P)[None, :]
-            tl.store(Y + out, y.to(Y.dtype.element_ty), mask=out < N)
+        # C[g][n] used x of part g % P: right where that is n's part, n % P; keep g = n % P, sum n's P parts
+        y = tl.reshape(y, [BN // 8, 8, 8])  # [block, g, n]
+        gi = tl.arange(0, 8)[None, :, None]
+        ni = tl.arange(0, 8)[None, None, :]
+        y = tl.sum(tl.where(gi == ni % P, y, 0.0), axis=1)  # [block, n]
+        y = tl.sum(tl.reshape(y, [BN // 8, 8 // P, P]), axis=2) * _FP4_BIAS  # [block, row of the block]
+        if HAS_GS:
+            y = y * tl.load(GS)
+        release_dependents(PDL)
+        out = pid * (BN // P) + tl.arange(0, BN // 8)[:, None] * (8 // P) + tl.arange(0, 8 // P)[None, :]
+        tl.store(Y + out, y.to(Y.dtype.element_ty), mask=out < N)
 
 
 def nvfp4_gemv(x: torch.Tensor, layer, meta, cfg: GemvConfig | None = None) -> torch.Tensor:
@@ -212,8 +240,12 @@ def nvfp4_gemv(x: torch.Tensor, layer, meta, cfg: GemvConfig | None = None) -> t
     cfg = cfg or launch_config(meta)
     y = torch.empty(1, meta.n, dtype=x.dtype, device=x.device)
     on = pdl(x)
-    _nvfp4_gemv_kernel[(triton.cdiv(meta.n * cfg.parts, cfg.block),)](
-        x, layer.qweight, layer.scales.view(torch.uint8), layer.global_scale if meta.has_gs else x, y, meta.n,
-        K=meta.k, HAS_GS=meta.has_gs, BN=cfg.block, SPANS=cfg.spans, P=cfg.parts, PDL=on, num_warps=cfg.warps,
-        num_stages=1, launch_pdl=on)
+    args = (x, layer.qweight, layer.scales.view(torch.uint8), layer.global_scale if meta.has_gs else x, y, meta.n)
+    grid = (triton.cdiv(meta.n * cfg.parts, cfg.block),)
+    if cfg.parts == 1:
+        _wide_kernel[grid](*args, K=meta.k, HAS_GS=meta.has_gs, BN=cfg.block, SPANS=cfg.spans, PDL=on,
+                           num_warps=cfg.warps, num_stages=1, launch_pdl=on)
+    else:
+        _parts_kernel[grid](*args, K=meta.k, HAS_GS=meta.has_gs, BN=cfg.block, SPANS=cfg.spans, P=cfg.parts, PDL=on,
+                            num_warps=cfg.warps, num_stages=1, launch_pdl=on)
     return y
