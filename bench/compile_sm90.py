@@ -156,6 +156,13 @@ def cases() -> list[tuple[str, tuple, dict]]:
             K=k, HAS_GS=has_gs, BN=cfg.block, SPANS=cfg.spans, PDL=True, **extra)),
             dict(div16=("X", "QW", "S", "Y"), num_warps=cfg.warps, num_stages=1, no_spill=True,
                  ptx_has=pdl_ptx + ("mma.sync.aligned.m16n8k16",))))
+    moe = {"X": "*bf16", "IDS": "*i64", "QW": "*u8", "S": "*u8", "GS": "*fp32", "OUT": "*bf16"}
+    for gated, n_w, k in ((True, 1024, 2048), (False, 2048, 512)):  # 35B-A3B's NVFP4 experts, one token
+        out.append((f"quant_gemv moe gated={gated}", (qv._moe_kernel, moe, dict(
+            N_W=n_w, K=k, W_STRIDE=n_w * k // 2, S_STRIDE=n_w * k // 16, HAS_GS=True, GATED=gated,
+            X_PER_SLOT=not gated, BN=8 * qv.WIDE.warps, SPANS=qv._moe_spans(k), PDL=True)),
+            dict(div16=("X", "QW", "S", "OUT"), num_warps=qv.WIDE.warps, num_stages=1, no_spill=True,
+                 ptx_has=pdl_ptx + ("mma.sync.aligned.m16n8k16",))))
     conv = {"X": "*bf16", "DYN": "*bf16", "BASE": "*bf16", "BIDX": "*i64", "OUT": "*bf16", "H": "i32",
             "stride_dt": "i32", "stride_dj": "i32"}
     out.append(("grouped_conv PDL", (gc._grouped_conv_kernel, conv, dict(TAPS=2, GROUP=16, BLOCK=1024, PDL=True)),

@@ -45,6 +45,7 @@ import dataclasses
 
 import torch
 
+from blockspec.kernels import quant_gemv
 from blockspec.kernels._triton import HAVE_TRITON, pdl, use_triton
 from blockspec.kernels.quant_tiles import FP4_GLOBAL_BIAS
 
@@ -803,6 +804,11 @@ def moe_experts(x: torch.Tensor, gate_up, down, weights: torch.Tensor, ids: torc
     weights = weights if weights.is_contiguous() else weights.contiguous()
     gate_up_bias = _check_bias(gate_up_bias, e, two_i, x.dtype, "gate_up_bias")
     down_bias = _check_bias(down_bias, e, h, x.dtype, "down_bias")
+    if configs is None and quant_gemv.moe_applies(x, gate_up, down, has_shared,
+                                                  gate_up_bias is not None or down_bias is not None, limit is not None):
+        act = quant_gemv.nvfp4_moe(x, ids, gate_up, gated=True)  # one token, NVFP4: no alignment needed
+        y = quant_gemv.nvfp4_moe(act, ids, down, gated=False)
+        return _combine(x, y, weights, shared_weight, residual, k, slots, False)
     if layout is None:
         layout = moe_align(ids, e, has_shared)
     if configs is None:
@@ -814,6 +820,13 @@ def moe_experts(x: torch.Tensor, gate_up, down, weights: torch.Tensor, ids: torc
                   act, layout, slots, e, True, configs[0], gate_up_bias, limit, alpha)
     _grouped_gemm(act, down, None, shared.down if has_shared else None, None, y, layout, slots, e, False,
                   configs[1], down_bias)
+    return _combine(x, y, weights, shared_weight, residual, k, slots, has_shared)
+
+
+def _combine(x: torch.Tensor, y: torch.Tensor, weights: torch.Tensor, shared_weight: torch.Tensor | None,
+             residual: torch.Tensor | None, k: int, slots: int, has_shared: bool) -> torch.Tensor:
+    """Each token's slots of y [T * slots, H] summed with their routing weights (+ the residual): one launch."""
+    t, h = x.shape
     out = torch.empty_like(x)
     has_res = residual is not None
     if has_res and (residual.shape != x.shape or residual.dtype != x.dtype or not residual.is_contiguous()):

@@ -249,3 +249,96 @@ def nvfp4_gemv(x: torch.Tensor, layer, meta, cfg: GemvConfig | None = None) -> t
         _parts_kernel[grid](*args, K=meta.k, HAS_GS=meta.has_gs, BN=cfg.block, SPANS=cfg.spans, P=cfg.parts, PDL=on,
                             num_warps=cfg.warps, num_stages=1, launch_pdl=on)
     return y
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# One token through NVFP4 experts: the wide kernel over each routed expert's stacked weight
+
+
+def moe_applies(x: torch.Tensor, gate_up, down, shared: bool, biases: bool, clamped: bool) -> bool:
+    """One bf16 token on a CUDA GPU through NVFP4 experts (kernels/moe_grouped.QuantOperand with the PTX
+    unpacker) whose widths fill whole spans, with no folded shared expert, biases or clamped activation (the
+    grouped kernels keep those)."""
+    return (HAVE_TRITON and not INTERPRET and x.is_cuda and x.dtype == torch.bfloat16 and x.shape[0] == 1
+            and not (shared or biases or clamped)
+            and all(getattr(w, "meta", None) is not None and w.meta.scheme == "nvfp4" and w.fast
+                    and w.k % (2 * SPAN_BYTES) == 0 for w in (gate_up, down)))
+
+
+def _moe_spans(k: int) -> int:
+    return next(s for s in (4, 2, 1) if k % (2 * SPAN_BYTES * s) == 0)
+
+
+if HAVE_TRITON:
+    @triton.jit
+    def _moe_kernel(X, IDS, QW, S, GS, OUT, N_W: tl.constexpr, K: tl.constexpr, W_STRIDE: tl.constexpr,
+                    S_STRIDE: tl.constexpr, HAS_GS: tl.constexpr, GATED: tl.constexpr, X_PER_SLOT: tl.constexpr,
+                    BN: tl.constexpr, SPANS: tl.constexpr, PDL: tl.constexpr = False):
+        """Program (slot, block): BN rows of the slot's expert (IDS[slot]) against x (X, or row `slot` of X
+        with X_PER_SLOT). GATED (gate|up, N_W = 2I rows): tile column c reads gate row c // 2 (c even) or up
+        row I + c // 2 (c odd), so a lane's two C registers are one output's gate and up, and it writes
+        SiLU(gate) * up to OUT [slots, I], rounded as silu_mul_ref; else OUT [slots, N_W]."""
+        slot = tl.program_id(0)
+        blk = tl.program_id(1)
+        e = tl.load(IDS + slot).to(tl.int64)
+        cols = tl.arange(0, BN)
+        if GATED:
+            HALF: tl.constexpr = N_W // 2  # I
+            m = blk * (BN // 2) + cols // 2
+            n_mask = m < HALF
+            rows = m + (cols % 2) * HALF
+        else:
+            rows = blk * BN + cols
+            n_mask = rows < N_W
+        KB: tl.constexpr = K // 2
+        NG: tl.constexpr = K // 16
+        wait_for_inputs(PDL)
+        x = X + slot * K if X_PER_SLOT else X
+        x32 = x.to(tl.pointer_type(tl.int32))
+        qw = QW + e * W_STRIDE
+        s = S + e * S_STRIDE
+        rows64 = rows.to(tl.int64)
+        acc1 = tl.zeros([BN, 64], dtype=tl.float32)
+        acc2 = tl.zeros([BN, 64], dtype=tl.float32)
+        for b0 in range(0, KB, 64 * SPANS):
+            for u in tl.static_range(SPANS):
+                acc1, acc2 = _wide_span(acc1, acc2, qw, x32, s, rows64, n_mask, b0 + 64 * u, KB, NG, BN)
+        lo1, hi1 = tl.split(tl.permute(tl.reshape(acc1, [BN, 4, 4, 2, 2]), [0, 1, 2, 4, 3]))
+        lo2, hi2 = tl.split(tl.permute(tl.reshape(acc2, [BN, 4, 4, 2, 2]), [0, 1, 2, 4, 3]))
+        y = tl.sum(lo1 + hi2, axis=2) * _FP4_BIAS  # [BN, t, c]: tile column 2 t + c of the 8 (every lane right)
+        if HAS_GS:
+            y = y * tl.load(GS + e)
+        dtype = OUT.dtype.element_ty
+        release_dependents(PDL)
+        r = tl.arange(0, BN)[:, None]
+        t = tl.arange(0, 4)[None, :]
+        if GATED:
+            gate, up = tl.split(y)  # [BN, 4]: output m = the block's 4 (r // 8) * 4 + t
+            g = gate.to(dtype).to(tl.float32)  # the F.linear outputs, then silu_mul_ref's roundings
+            sg = (g / (1.0 + tl.exp(-g))).to(dtype)
+            act = (sg.to(tl.float32) * up.to(dtype).to(tl.float32)).to(dtype)
+            out = blk * (BN // 2) + (r // 8) * 4 + t
+            tl.store(OUT + slot * HALF + out, act, mask=((r % 8) == 0) & (out < HALF))
+        else:
+            r3 = r[:, :, None]
+            out = blk * BN + (r3 // 8) * 8 + 2 * t[:, :, None] + tl.arange(0, 2)[None, None, :]
+            tl.store(OUT + slot * N_W + out, y.to(dtype), mask=((r3 % 8) == 0) & (out < N_W))
+
+
+def nvfp4_moe(x: torch.Tensor, ids: torch.Tensor, w, gated: bool) -> torch.Tensor:
+    """One token's routed experts through one stacked NVFP4 projection w (QuantOperand): gated, x [1, H] ->
+    SiLU(gate) * up [k, I] for the k experts of ids [1, k]; else x [k, I] (one row a slot) -> [k, H]. The
+    caller checked `moe_applies`."""
+    slots = ids.shape[-1]
+    n_out = w.n // 2 if gated else w.n
+    out = torch.empty(slots, n_out, dtype=x.dtype, device=x.device)
+    ids = ids.reshape(-1)
+    bn = 8 * WIDE.warps
+    on = pdl(x)
+    _moe_kernel[(slots, triton.cdiv(w.n, bn))](
+        x, ids if ids.is_contiguous() else ids.contiguous(), w.qweight, w.scales,
+        w.global_scale if w.global_scale is not None else w.scales, out, N_W=w.n, K=w.k,
+        W_STRIDE=w.strides[0], S_STRIDE=w.strides[1], HAS_GS=w.global_scale is not None, GATED=gated,
+        X_PER_SLOT=not gated, BN=bn, SPANS=_moe_spans(w.k), PDL=on, num_warps=WIDE.warps, num_stages=1,
+        launch_pdl=on)
+    return out

@@ -1,5 +1,6 @@
 """The one-row NVFP4 mma GEMV (kernels/quant_gemv.py) against quant_linear_ref, and quant_linear's dispatch to
-it. The kernel is PTX (mma.sync) that only a GPU runs; on CPU only the dispatch rule is checked."""
+it; its one-token MoE form against the dequantized experts' reference, and moe_experts' dispatch to it. The
+kernels are PTX (mma.sync) that only a GPU runs; on CPU only the dispatch rules are checked."""
 
 from __future__ import annotations
 
@@ -9,6 +10,10 @@ import torch
 from blockspec.kernels import quant_gemv as qg
 from blockspec.kernels import quant_linear as ql
 from blockspec.kernels._triton import HAVE_TRITON
+from blockspec.kernels.moe_grouped import moe_experts, quant_operand
+from blockspec.models.layers.quant_linear import QuantExperts
+from tests.kernels.test_moe_grouped import random_routing
+from tests.kernels.test_moe_grouped_quant import fill_random, reference
 from tests.kernels.test_quant_linear import make_layer
 
 gpu = pytest.mark.skipif(not (HAVE_TRITON and torch.cuda.is_available()), reason="needs a CUDA GPU")
@@ -91,3 +96,69 @@ def test_gemv_replays_in_a_cuda_graph() -> None:
     torch.cuda.synchronize()
     torch.testing.assert_close(out, ql.quant_linear(x, layer), rtol=0, atol=0)
     assert not torch.equal(out, eager)
+
+
+def nvfp4_experts(e: int, h: int, i: int, device: str) -> QuantExperts:
+    return fill_random(QuantExperts("nvfp4", e, h, i, 16, 16, symmetric=True, dtype=torch.bfloat16), seed=e + h).to(
+        device)
+
+
+def test_moe_dispatch_rule() -> None:
+    experts = nvfp4_experts(4, 256, 128, "cpu")
+    gu, d = quant_operand(experts.gate_up_proj, torch.bfloat16), quant_operand(experts.down_proj, torch.bfloat16)
+    x = torch.randn(1, 256, dtype=torch.bfloat16)
+    assert not qg.moe_applies(x, gu, d, False, False, False)  # CPU: the grouped kernels / reference
+    assert qg._moe_spans(256) == 2 and qg._moe_spans(512) == 4 and qg._moe_spans(128) == 1
+
+
+@gpu
+@pytest.mark.parametrize("e,h,i,k", [(16, 256, 128, 8), (64, 2048, 512, 8), (8, 384, 256, 2)])
+def test_moe_one_token_matches_the_reference(e: int, h: int, i: int, k: int, monkeypatch) -> None:
+    experts = nvfp4_experts(e, h, i, "cuda")
+    weights, ids = random_routing(1, e, k, torch.bfloat16, seed=i)
+    x = torch.randn(1, h, dtype=torch.bfloat16, device="cuda")
+    calls = []
+    real = qg.nvfp4_moe
+    monkeypatch.setattr(qg, "nvfp4_moe", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    got = moe_experts(x, experts.gate_up_proj, experts.down_proj, weights, ids)
+    assert len(calls) == 2  # gate|up and down on the GEMV
+    want = reference(experts, x, weights, ids)
+    assert rel_err(got, want) < 1e-2
+    res = torch.randn_like(x)
+    got_res = moe_experts(x, experts.gate_up_proj, experts.down_proj, weights, ids, residual=res)
+    assert rel_err(got_res, want + res) < 1e-2
+
+
+@gpu
+def test_moe_keeps_the_grouped_kernels_where_the_gemv_does_not_apply(monkeypatch) -> None:
+    calls = []
+    real = qg.nvfp4_moe
+    monkeypatch.setattr(qg, "nvfp4_moe", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    experts = nvfp4_experts(8, 256, 96, "cuda")  # the down projection's K (96) is not whole spans
+    weights, ids = random_routing(2, 8, 2, torch.bfloat16, seed=1)
+    x = torch.randn(2, 256, dtype=torch.bfloat16, device="cuda")  # and two tokens
+    for t in (1, 2):
+        got = moe_experts(x[:t], experts.gate_up_proj, experts.down_proj, weights[:t], ids[:t])
+        assert rel_err(got, reference(experts, x[:t], weights[:t], ids[:t])) < 1e-2
+    assert not calls
+
+
+@gpu
+def test_moe_gemv_replays_in_a_cuda_graph() -> None:
+    experts = nvfp4_experts(16, 256, 128, "cuda")
+    weights, ids = random_routing(1, 16, 4, torch.bfloat16, seed=2)
+    x = torch.randn(1, 256, dtype=torch.bfloat16, device="cuda")
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        moe_experts(x, experts.gate_up_proj, experts.down_proj, weights, ids)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = moe_experts(x, experts.gate_up_proj, experts.down_proj, weights, ids)
+    new_w, new_ids = random_routing(1, 16, 4, torch.bfloat16, seed=3)
+    weights.copy_(new_w)
+    ids.copy_(new_ids)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert rel_err(out, reference(experts, x, weights, ids)) < 1e-2
