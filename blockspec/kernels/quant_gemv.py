@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from blockspec.kernels._triton import HAVE_TRITON, INTERPRET, pdl
-from blockspec.kernels.quant_tiles import FP4_GLOBAL_BIAS
+from blockspec.kernels.quant_tiles import E2M1_REGS, FP4_GLOBAL_BIAS, e2m1_decode_ptx
 
 NUM_SMS = 132  # H100 / H200
 SPAN_BYTES = 64  # weight bytes a row per mma step group: 4 lanes x 16
@@ -62,30 +62,10 @@ def launch_config(meta) -> GemvConfig | None:
     return cfg
 
 
-# quant_tiles' E2M1 decode (_E2M1_ASM) of the 4 bytes in $16 with the scale pair $21 into t0..t3 (pairs of
-# bytes 0..3), then the two mma steps into ($0..$3, from $8..$11) and ($4..$7, from $12..$15), A = $17..$20
-_E2M1_MMA = """{
-.reg .b32 lo, hi, t<4>, nz;
-mov.b32 nz, 0x80008000;
-and.b32 lo, $16, 0x0F0F0F0F;
-shr.b32 hi, $16, 4;
-and.b32 hi, hi, 0x0F0F0F0F;
-prmt.b32 t0, lo, hi, 0x8480;
-prmt.b32 t1, lo, hi, 0x8581;
-prmt.b32 t2, lo, hi, 0x8682;
-prmt.b32 t3, lo, hi, 0x8783;
-mul.lo.u32 t0, t0, 0x1040;
-mul.lo.u32 t1, t1, 0x1040;
-mul.lo.u32 t2, t2, 0x1040;
-mul.lo.u32 t3, t3, 0x1040;
-and.b32 t0, t0, 0x81C081C0;
-and.b32 t1, t1, 0x81C081C0;
-and.b32 t2, t2, 0x81C081C0;
-and.b32 t3, t3, 0x81C081C0;
-fma.rn.bf16x2 t0, t0, $21, nz;
-fma.rn.bf16x2 t1, t1, $21, nz;
-fma.rn.bf16x2 t2, t2, $21, nz;
-fma.rn.bf16x2 t3, t3, $21, nz;
+# quant_tiles' E2M1 decode of the 4 bytes in $16 into t0..t3, scaled by the pair $21 (pairs of bytes 0..3), then
+# the two mma steps into ($0..$3, from $8..$11) and ($4..$7, from $12..$15), A = $17..$20
+_E2M1_MMA = "{\n" + E2M1_REGS + e2m1_decode_ptx("$16") + "".join(
+    f"fma.rn.bf16x2 t{i}, t{i}, $21, nz;\n" for i in range(4)) + """\
 mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0, $1, $2, $3},
     {$17, $18, $19, $20}, {t0, t2}, {$8, $9, $10, $11};
 mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$4, $5, $6, $7},
@@ -93,12 +73,14 @@ mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$4, $5, $6, $7},
 }"""
 
 
-def applies(x: torch.Tensor, layer, meta, residual, norm_weight, gated: bool) -> bool:
-    """The GEMV's case: one bf16 row on a CUDA GPU, an NVFP4 layer of a width it measured faster on
-    (`launch_config`), no bias and no fold (quant_linear's kernel keeps those)."""
-    return (HAVE_TRITON and not INTERPRET and x.is_cuda and x.dtype == torch.bfloat16 and x.shape[0] == 1
-            and meta.scheme == "nvfp4" and launch_config(meta) is not None and layer.bias is None
-            and residual is None and norm_weight is None and not gated)
+def applies(x: torch.Tensor, layer, meta, residual, norm_weight, gated: bool) -> GemvConfig | None:
+    """The GEMV's launch where it takes the call, else None: one bf16 row on a CUDA GPU, an NVFP4 layer of a
+    width it measured faster on (`launch_config`), no bias and no fold (quant_linear's kernel keeps those)."""
+    if not (HAVE_TRITON and not INTERPRET and x.is_cuda and x.dtype == torch.bfloat16 and x.shape[0] == 1
+            and meta.scheme == "nvfp4" and layer.bias is None and residual is None and norm_weight is None
+            and not gated):
+        return None
+    return launch_config(meta)
 
 
 if HAVE_TRITON:
@@ -121,6 +103,15 @@ if HAVE_TRITON:
             _E2M1_MMA_C, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r",
             [acc1, acc2, w, xp, s2], dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
         return acc1, acc2
+
+    @triton.jit
+    def _c_sums(acc1, acc2, BN: tl.constexpr):
+        """The accumulators -> C [BN, t, c] of each lane (column 2 t + c of its 8-column block): element 4 i + c of
+        a lane's 16 is C register c of its i-th group of 4 bytes; row g (c 0, 1) of acc1 and row g + 8 (c 2, 3)
+        of acc2 hold the products, and the 4 groups are summed."""
+        lo1, hi1 = tl.split(tl.permute(tl.reshape(acc1, [BN, 4, 4, 2, 2]), [0, 1, 2, 4, 3]))
+        lo2, hi2 = tl.split(tl.permute(tl.reshape(acc2, [BN, 4, 4, 2, 2]), [0, 1, 2, 4, 3]))
+        return tl.sum(lo1 + hi2, axis=2)
 
     @triton.jit
     def _wide_span(acc1, acc2, QW, x32, S, rows64, n_mask, b0, KB: tl.constexpr, NG: tl.constexpr,
@@ -156,11 +147,7 @@ if HAVE_TRITON:
         for b0 in range(0, KB, 64 * SPANS):
             for u in tl.static_range(SPANS):
                 acc1, acc2 = _wide_span(acc1, acc2, QW, x32, S, rows64, n_mask, b0 + 64 * u, KB, NG, BN)
-        # element 4 i + c of a lane's 16 is C register c of its i-th group of 4 bytes: row g (c 0, 1) of acc1
-        # and row g + 8 (c 2, 3) of acc2 hold the products; the 4 groups are summed
-        lo1, hi1 = tl.split(tl.permute(tl.reshape(acc1, [BN, 4, 4, 2, 2]), [0, 1, 2, 4, 3]))
-        lo2, hi2 = tl.split(tl.permute(tl.reshape(acc2, [BN, 4, 4, 2, 2]), [0, 1, 2, 4, 3]))
-        y = tl.sum(lo1 + hi2, axis=2) * _FP4_BIAS  # [BN, t, c]: weight row 2 t + c of the 8
+        y = _c_sums(acc1, acc2, BN) * _FP4_BIAS  # [BN, t, c]: weight row 2 t + c of the 8
         if HAS_GS:
             y = y * tl.load(GS)
         release_dependents(PDL)
@@ -216,11 +203,7 @@ if HAVE_TRITON:
                 nw, nxp, nsa, nsb = _span_loads(QW, x32, S, wrow, part, n_mask, b0 + 64 * (u + 1), KB, NG, BN, P)
                 acc1, acc2 = _span_mma(acc1, acc2, w, xp, sa, sb, BN)
                 w, xp, sa, sb = nw, nxp, nsa, nsb
-        # element 4 i + c of a lane's 16 is C register c of its i-th group of 4 bytes: row g (c 0, 1) of acc1
-        # and row g + 8 (c 2, 3) of acc2 hold the products; the 4 groups are summed
-        lo1, hi1 = tl.split(tl.permute(tl.reshape(acc1, [BN, 4, 4, 2, 2]), [0, 1, 2, 4, 3]))
-        lo2, hi2 = tl.split(tl.permute(tl.reshape(acc2, [BN, 4, 4, 2, 2]), [0, 1, 2, 4, 3]))
-        y = tl.sum(lo1 + hi2, axis=2)  # [BN, t, e]: C[g][n] with g = c % 8 and n = 2 t + e of c's 8-column block
+        y = _c_sums(acc1, acc2, BN)  # [BN, t, e]: C[g][n] with g = c % 8 and n = 2 t + e of c's 8-column block
         # C[g][n] used x of part g % P: right where that is n's part, n % P; keep g = n % P, sum n's P parts
         y = tl.reshape(y, [BN // 8, 8, 8])  # [block, g, n]
         gi = tl.arange(0, 8)[None, :, None]
@@ -234,10 +217,9 @@ if HAVE_TRITON:
         tl.store(Y + out, y.to(Y.dtype.element_ty), mask=out < N)
 
 
-def nvfp4_gemv(x: torch.Tensor, layer, meta, cfg: GemvConfig | None = None) -> torch.Tensor:
-    """x [1, K] (bf16, contiguous) @ dequantize(layer).T -> [1, N]; the caller checked `applies` (or passes
-    its own cfg: bench/quant_gemv.py)."""
-    cfg = cfg or launch_config(meta)
+def nvfp4_gemv(x: torch.Tensor, layer, meta, cfg: GemvConfig) -> torch.Tensor:
+    """x [1, K] (bf16, contiguous) @ dequantize(layer).T -> [1, N] with the launch `applies` gave (or a swept
+    one: bench/quant_gemv.py)."""
     y = torch.empty(1, meta.n, dtype=x.dtype, device=x.device)
     on = pdl(x)
     args = (x, layer.qweight, layer.scales.view(torch.uint8), layer.global_scale if meta.has_gs else x, y, meta.n)
@@ -303,9 +285,7 @@ if HAVE_TRITON:
         for b0 in range(0, KB, 64 * SPANS):
             for u in tl.static_range(SPANS):
                 acc1, acc2 = _wide_span(acc1, acc2, qw, x32, s, rows64, n_mask, b0 + 64 * u, KB, NG, BN)
-        lo1, hi1 = tl.split(tl.permute(tl.reshape(acc1, [BN, 4, 4, 2, 2]), [0, 1, 2, 4, 3]))
-        lo2, hi2 = tl.split(tl.permute(tl.reshape(acc2, [BN, 4, 4, 2, 2]), [0, 1, 2, 4, 3]))
-        y = tl.sum(lo1 + hi2, axis=2) * _FP4_BIAS  # [BN, t, c]: tile column 2 t + c of the 8 (every lane right)
+        y = _c_sums(acc1, acc2, BN) * _FP4_BIAS  # [BN, t, c]: tile column 2 t + c of the 8 (every lane right)
         if HAS_GS:
             y = y * tl.load(GS + e)
         dtype = OUT.dtype.element_ty
@@ -333,12 +313,11 @@ def nvfp4_moe(x: torch.Tensor, ids: torch.Tensor, w, gated: bool) -> torch.Tenso
     n_out = w.n // 2 if gated else w.n
     out = torch.empty(slots, n_out, dtype=x.dtype, device=x.device)
     ids = ids.reshape(-1)
-    bn = 8 * WIDE.warps
     on = pdl(x)
-    _moe_kernel[(slots, triton.cdiv(w.n, bn))](
+    _moe_kernel[(slots, triton.cdiv(w.n, WIDE.block))](
         x, ids if ids.is_contiguous() else ids.contiguous(), w.qweight, w.scales,
         w.global_scale if w.global_scale is not None else w.scales, out, N_W=w.n, K=w.k,
         W_STRIDE=w.strides[0], S_STRIDE=w.strides[1], HAS_GS=w.global_scale is not None, GATED=gated,
-        X_PER_SLOT=not gated, BN=bn, SPANS=_moe_spans(w.k), PDL=on, num_warps=WIDE.warps, num_stages=1,
+        X_PER_SLOT=not gated, BN=WIDE.block, SPANS=_moe_spans(w.k), PDL=on, num_warps=WIDE.warps, num_stages=1,
         launch_pdl=on)
     return out

@@ -701,8 +701,9 @@ def quant_linear(x: torch.Tensor, layer, *, residual: torch.Tensor | None = None
         return residual if residual is not None else x.new_empty(*lead, n_out)
     if norm_weight is not None and m > 16:
         x2, norm_weight = rms_norm(x2, norm_weight, eps)[0], None
-    if quant_gemv.applies(x2, layer, meta, res2, norm_weight, gated):  # one row, a wide NVFP4 layer
-        y = quant_gemv.nvfp4_gemv(x2, layer, meta)
+    gemv = quant_gemv.applies(x2, layer, meta, res2, norm_weight, gated)  # one row of an NVFP4 layer
+    if gemv is not None:
+        y = quant_gemv.nvfp4_gemv(x2, layer, meta, gemv)
     elif m < PREFILL_DEQUANT_MIN_M:
         y = _gemm_triton(x2, layer, meta, res2, norm_weight=norm_weight, eps=eps, gated=gated)
     elif gated:

@@ -50,29 +50,22 @@ fma.rn.TY $3, t3, $12, nz;
 # bit 15: the bf16 number e2m1 * 2^-126 (e = 0 lands on the subnormal m * 0.5 * 2^-126, e > 0 on
 # 2^(e-127) * (1 + m/2)). The scale operand carries 2^100 (s' = s * 2^100, exact), so one multiply gives
 # w * 2^-26, a normal bf16 for every code and e4m3 scale; the epilogue multiplies by 2^26 * global_scale.
-_E2M1_ASM = """{
-.reg .b32 lo, hi, t<4>, nz;
-mov.b32 nz, 0x80008000;
-and.b32 lo, $4, 0x0F0F0F0F;
-shr.b32 hi, $4, 4;
-and.b32 hi, hi, 0x0F0F0F0F;
-prmt.b32 t0, lo, hi, 0x8480;
-prmt.b32 t1, lo, hi, 0x8581;
-prmt.b32 t2, lo, hi, 0x8682;
-prmt.b32 t3, lo, hi, 0x8783;
-mul.lo.u32 t0, t0, 0x1040;
-mul.lo.u32 t1, t1, 0x1040;
-mul.lo.u32 t2, t2, 0x1040;
-mul.lo.u32 t3, t3, 0x1040;
-and.b32 t0, t0, 0x81C081C0;
-and.b32 t1, t1, 0x81C081C0;
-and.b32 t2, t2, 0x81C081C0;
-and.b32 t3, t3, 0x81C081C0;
-fma.rn.bf16x2 $0, t0, $5, nz;
-fma.rn.bf16x2 $1, t1, $6, nz;
-fma.rn.bf16x2 $2, t2, $7, nz;
-fma.rn.bf16x2 $3, t3, $8, nz;
-}"""
+E2M1_REGS = ".reg .b32 lo, hi, t<4>, nz;\n"
+
+
+def e2m1_decode_ptx(src: str) -> str:
+    """PTX lines decoding the 4 bytes in register `src` into t0..t3 (declared by E2M1_REGS): t_i holds byte i's
+    (low, high) E2M1 codes as the bf16 pair code * 2^-126, before any scale (nz: the -0 pair for the scaling fma).
+    Shared by _E2M1_ASM and kernels/quant_gemv.py's mma GEMV."""
+    return (f"mov.b32 nz, 0x80008000;\nand.b32 lo, {src}, 0x0F0F0F0F;\nshr.b32 hi, {src}, 4;\n"
+            "and.b32 hi, hi, 0x0F0F0F0F;\n"
+            + "".join(f"prmt.b32 t{i}, lo, hi, 0x8{i + 4}8{i};\n" for i in range(4))
+            + "".join(f"mul.lo.u32 t{i}, t{i}, 0x1040;\n" for i in range(4))
+            + "".join(f"and.b32 t{i}, t{i}, 0x81C081C0;\n" for i in range(4)))
+
+
+_E2M1_ASM = "{\n" + E2M1_REGS + e2m1_decode_ptx("$4") + "".join(
+    f"fma.rn.bf16x2 ${i}, t{i}, ${i + 5}, nz;\n" for i in range(4)) + "}"
 INT4_ASM_BF16 = _INT4_ASM.replace("MAGIC", "0x43004300").replace("ONE", "0x3F803F80").replace("TY", "bf16x2")
 INT4_ASM_FP16 = _INT4_ASM.replace("MAGIC", "0x64006400").replace("ONE", "0x3C003C00").replace("TY", "f16x2")
 E2M1_ASM_BF16 = _E2M1_ASM

@@ -49,7 +49,7 @@ def test_gemv_matches_the_reference(n: int, k: int, global_scale: bool) -> None:
     meta = ql.quant_meta(layer)
     x = torch.randn(1, k, dtype=torch.bfloat16, device="cuda")
     assert qg.applies(x, layer, meta, None, None, False)
-    got = qg.nvfp4_gemv(x, layer, meta)
+    got = qg.nvfp4_gemv(x, layer, meta, qg.launch_config(meta))
     for cfg in (qg.WIDE, qg.NARROW, qg.GemvConfig(8, 2, 2)):  # every K split, whatever the dispatch picks
         if k % (128 * cfg.spans * cfg.parts) == 0:
             assert rel_err(qg.nvfp4_gemv(x, layer, meta, cfg), ql.quant_linear_ref(x, layer)) < 1e-2, cfg
