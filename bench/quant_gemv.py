@@ -1,10 +1,12 @@
-"""The one-row NVFP4 mma GEMV (blockspec/kernels/quant_gemv.py) against quant_linear's one-row dot path on the
-Qwen3-8B projection shapes (issue 14), and where the dispatch draws its lines (quant_gemv.launch_config). GPU only.
-Timings as bench/quant_gemm.py takes them (CUDA-graph replays, weights rotated past the L2, % of the copy
-bandwidth measured in the same run). Prints a table last; JSON to $OUT (else bench/results/).
+"""The NVFP4 mma kernels (blockspec/kernels/quant_gemv.py: the one-row GEMV, the 2-16-row kernel) against
+quant_linear's dot path for the same rows on the Qwen3-8B projection shapes (issue 14), and where the dispatch
+draws its lines (quant_gemv.launch_config). GPU only. Timings as bench/quant_gemm.py takes them (CUDA-graph
+replays, weights rotated past the L2, % of the copy bandwidth measured in the same run). Prints a table last;
+JSON to $OUT (else bench/results/).
 
-  python bench/quant_gemv.py
-  python bench/quant_gemv.py --sweep      # + launch configs (warps, spans a step, K parts) per shape
+  python bench/quant_gemv.py                  # one row
+  python bench/quant_gemv.py --rows 1,8,16    # + verify blocks
+  python bench/quant_gemv.py --sweep          # + launch configs (warps, spans a step, K parts) per shape
 """
 
 from __future__ import annotations
@@ -33,17 +35,20 @@ def gemv_fn(x, layers, cfg: quant_gemv.GemvConfig | None = None):
     """One call a replay on the next weight of the rotation (cfg: the dispatch's, else forced)."""
     turn = itertools.cycle(layers)
     meta = ql.quant_meta(layers[0])
-    cfg = cfg or quant_gemv.launch_config(meta) or quant_gemv.WIDE
+    m = x.shape[0]
+    cfg = cfg or quant_gemv.launch_config(meta, m) or (quant_gemv.WIDE if m == 1 else quant_gemv.ROWS)
     return lambda: quant_gemv.nvfp4_gemv(x, next(turn), meta, cfg)
 
 
 SWEEP = [quant_gemv.GemvConfig(w, s, p) for w in (2, 4, 8, 16, 32) for s in (2, 4, 8) for p in (1, 2, 4, 8)
          if 64 * p < 32 * w or (w, p) == (2, 1)]  # x loaded in the lane layout (no barrier) + today's default
+SWEEP_ROWS = [quant_gemv.GemvConfig(w, s, p) for w in (4, 8, 16) for s in (1, 2, 4) for p in (1, 2, 4, 8)
+              if p <= w]
 
 
 def sweep(x, layer, layers, ref, k) -> dict:
     best = None
-    for cfg in SWEEP:
+    for cfg in SWEEP if x.shape[0] == 1 else SWEEP_ROWS:
         if k % (128 * cfg.spans * cfg.parts):
             continue
         err = qgm.rel_err(gemv_fn(x, [layer], cfg)(), ref)
@@ -61,6 +66,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--shapes", default=",".join(s[0] for s in SHAPES))
+    ap.add_argument("--rows", default="1", help="rows of x (comma-separated): 1 the GEMV, 2-16 the rows kernel")
     args = ap.parse_args()
     torch.manual_seed(0)
     bw = copy_bandwidth()
@@ -68,26 +74,29 @@ def main() -> None:
     for name, n, k in [s for s in SHAPES if s[0] in args.shapes.split(",")]:
         layer = qgm.random_layer("nvfp4", n, k)
         layers = qgm.rotation(layer)
-        x = torch.randn(1, k, dtype=torch.bfloat16, device="cuda")
-        ref = ql.quant_linear_ref(x, layer)
-        err = qgm.rel_err(gemv_fn(x, [layer])(), ref)
-        dot = qgm.bench(qgm.quant_fn(x, layers, "plain", None))
-        gemv = qgm.bench(gemv_fn(x, layers))
-        nbytes = qgm.bytes_read(layer)
-        rows.append(dict(shape=name, n=n, k=k, bytes=nbytes, dot_us=dot, gemv_us=gemv, rel_err=err,
-                         dot_pct=qgm.pct(nbytes, dot, bw), gemv_pct=qgm.pct(nbytes, gemv, bw),
-                         dispatched=quant_gemv.launch_config(ql.quant_meta(layer)) is not None))
-        if args.sweep:
-            rows[-1]["best"] = sweep(x, layer, layers, ref, k)
-        print(rows[-1], flush=True)
+        for m in map(int, args.rows.split(",")):
+            x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+            ref = ql.quant_linear_ref(x, layer)
+            err = qgm.rel_err(gemv_fn(x, [layer])(), ref)
+            dot = qgm.bench(qgm.quant_fn(x, layers, "plain", None))
+            gemv = qgm.bench(gemv_fn(x, layers))
+            nbytes = qgm.bytes_read(layer)
+            rows.append(dict(shape=name, n=n, k=k, m=m, bytes=nbytes, dot_us=dot, gemv_us=gemv, rel_err=err,
+                             dot_pct=qgm.pct(nbytes, dot, bw), gemv_pct=qgm.pct(nbytes, gemv, bw),
+                             dispatched=quant_gemv.launch_config(ql.quant_meta(layer), m) is not None))
+            if args.sweep:
+                rows[-1]["best"] = sweep(x, layer, layers, ref, k)
+            print(rows[-1], flush=True)
+        del layers
     out = Path(os.environ.get("OUT", "bench/results")) / "quant_gemv.json"
     out.write_text(json.dumps(dict(device=torch.cuda.get_device_name(), commit=os.environ.get("COMMIT", "?"),
-                                   copy_gbs=bw / 1e9, dtype="bfloat16", scheme="nvfp4", rows_of_x=1, rows=rows),
-                              indent=1))
-    print(f"{'shape':12} {'N':>6} {'K':>6} {'dot us':>7} {'%copy':>6} {'gemv us':>8} {'%copy':>6} {'err':>7}  taken")
+                                   copy_gbs=bw / 1e9, dtype="bfloat16", scheme="nvfp4", rows=rows), indent=1))
+    print(f"{'shape':12} {'N':>6} {'K':>6} {'M':>3} {'dot us':>7} {'%copy':>6} {'mma us':>8} {'%copy':>6} {'err':>7}"
+          "  taken")
     for r in rows:
-        print(f"{r['shape']:12} {r['n']:6} {r['k']:6} {r['dot_us']:7.1f} {r['dot_pct']:6.1f} {r['gemv_us']:8.1f} "
-              f"{r['gemv_pct']:6.1f} {r['rel_err']:7.1e}  {'gemv' if r['dispatched'] else 'dot'}"
+        print(f"{r['shape']:12} {r['n']:6} {r['k']:6} {r['m']:3} {r['dot_us']:7.1f} {r['dot_pct']:6.1f} "
+              f"{r['gemv_us']:8.1f} "
+              f"{r['gemv_pct']:6.1f} {r['rel_err']:7.1e}  {'mma' if r['dispatched'] else 'dot'}"
               + (f"  best {r['best']['us']:.1f} us ({qgm.pct(r['bytes'], r['best']['us'], bw):.1f}%): "
                  f"warps {r['best']['warps']} spans {r['best']['spans']} "
                  f"parts {r['best']['parts']}" if r.get("best") else ""))

@@ -42,7 +42,13 @@ class GemvConfig:
 
     @property
     def block(self) -> int:
+        """Tile rows a program: 8 a warp (the GEMV: weight rows x K parts)."""
         return 8 * self.warps
+
+    @property
+    def rows_block(self) -> int:
+        """Weight rows a program of the rows kernel: 16 a warp, over P parts."""
+        return 16 * self.warps // self.parts
 
 
 WIDE_ROWS = 16384  # from here one K part: many programs already (gate|up, LM heads)
@@ -51,13 +57,22 @@ WIDE = GemvConfig(warps=2, spans=4, parts=1)
 NARROW = GemvConfig(warps=16, spans=4, parts=4)
 
 
-def launch_config(meta) -> GemvConfig | None:
-    """The GEMV's launch for an NVFP4 layer, or None where quant_linear's dot path measured faster (H100,
-    bench/quant_gemv.py --sweep): one K part for >= WIDE_ROWS outputs; 4 parts over 16 warps for layers narrow
-    enough that their programs fit one wave (Qwen3-8B o_proj 10.2 -> 8.9 us, down 25.8 -> 21.7); between
-    the two (qkv: 15.6 against 11.6) the dot path."""
-    cfg = WIDE if meta.n >= WIDE_ROWS else NARROW if meta.n * NARROW.parts <= NARROW.block * NUM_SMS else None
-    if cfg is None or meta.k % (2 * SPAN_BYTES * cfg.spans * cfg.parts):
+MAX_ROWS = 16  # two blocks of 8 tokens: a k = 15 verify block
+# 2-16 rows: K in 4 parts over 8 warps (32 weight rows a program: Qwen3-8B's o / down fill one wave)
+ROWS = GemvConfig(warps=8, spans=2, parts=4)
+ROWS_WIDE = GemvConfig(warps=4, spans=2, parts=1)  # from WIDE_ROWS outputs
+
+
+def launch_config(meta, m: int = 1) -> GemvConfig | None:
+    """The launch for m rows of an NVFP4 layer, or None where quant_linear's dot path measured faster (H100,
+    bench/quant_gemv.py --sweep). One row: one K part for >= WIDE_ROWS outputs; 4 parts over 16 warps for
+    layers narrow enough that their programs fit one wave (Qwen3-8B o_proj 10.2 -> 8.9 us, down 25.8 -> 21.7);
+    between the two (qkv: 15.6 against 11.6) the dot path. 2 to MAX_ROWS rows: the rows kernel."""
+    if m > 1:
+        cfg = None if m > MAX_ROWS else ROWS_WIDE if meta.n >= WIDE_ROWS else ROWS
+    else:
+        cfg = WIDE if meta.n >= WIDE_ROWS else NARROW if meta.n * NARROW.parts <= NARROW.block * NUM_SMS else None
+    if cfg is None or meta.k % (2 * SPAN_BYTES * cfg.parts * (cfg.spans if m == 1 else 1)):
         return None
     return cfg
 
@@ -74,13 +89,14 @@ mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$4, $5, $6, $7},
 
 
 def applies(x: torch.Tensor, layer, meta, residual, norm_weight, gated: bool) -> GemvConfig | None:
-    """The GEMV's launch where it takes the call, else None: one bf16 row on a CUDA GPU, an NVFP4 layer of a
-    width it measured faster on (`launch_config`), no bias and no fold (quant_linear's kernel keeps those)."""
-    if not (HAVE_TRITON and not INTERPRET and x.is_cuda and x.dtype == torch.bfloat16 and x.shape[0] == 1
-            and meta.scheme == "nvfp4" and layer.bias is None and residual is None and norm_weight is None
-            and not gated):
+    """The launch where these kernels take the call, else None: 1 to MAX_ROWS bf16 rows on a CUDA GPU, an
+    NVFP4 layer of a width they measured faster on (`launch_config`), no bias and no norm or SwiGLU fold
+    (quant_linear's kernel keeps those; the residual add is folded here too)."""
+    if not (HAVE_TRITON and not INTERPRET and x.is_cuda and x.dtype == torch.bfloat16 and x.shape[0] >= 1
+            and meta.scheme == "nvfp4" and layer.bias is None and norm_weight is None and not gated
+            and (residual is None or residual.is_contiguous())):
         return None
-    return launch_config(meta)
+    return launch_config(meta, x.shape[0])
 
 
 if HAVE_TRITON:
@@ -93,15 +109,20 @@ if HAVE_TRITON:
     _FP4_BIAS = tl.constexpr(FP4_GLOBAL_BIAS)
 
     @triton.jit
-    def _span_mma(acc1, acc2, w, xp, sa, sb, BN: tl.constexpr):
-        """acc1, acc2 += the span's products (module docstring)."""
+    def _scale_pairs(sa, sb, BN: tl.constexpr):
+        """The e4m3 scales of each lane's two 8-byte groups ([BN, 4] each) -> s * 2^100 as a bf16 pair beside
+        every weight byte [BN, 64] int32 (exact: the fma that applies it leaves w * s * 2^-26)."""
         sf = tl.join(sa, sb).to(tl.float8e4nv, bitcast=True).to(tl.float32)  # [BN, 4, 2]
         top = (sf * 1.2676506002282294e30).to(tl.int32, bitcast=True) & -65536  # s * 2^100 as bf16, exact
         s2 = top | ((top >> 16) & 0xFFFF)
-        s2 = tl.reshape(tl.broadcast_to(s2[:, :, :, None], [BN, 4, 2, 8]), [BN, 64])
+        return tl.reshape(tl.broadcast_to(s2[:, :, :, None], [BN, 4, 2, 8]), [BN, 64])
+
+    @triton.jit
+    def _span_mma(acc1, acc2, w, xp, sa, sb, BN: tl.constexpr):
+        """acc1, acc2 += the span's products (module docstring)."""
         acc1, acc2 = tl.inline_asm_elementwise(
             _E2M1_MMA_C, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r",
-            [acc1, acc2, w, xp, s2], dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
+            [acc1, acc2, w, xp, _scale_pairs(sa, sb, BN)], dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
         return acc1, acc2
 
     @triton.jit
@@ -112,6 +133,14 @@ if HAVE_TRITON:
         lo1, hi1 = tl.split(tl.permute(tl.reshape(acc1, [BN, 4, 4, 2, 2]), [0, 1, 2, 4, 3]))
         lo2, hi2 = tl.split(tl.permute(tl.reshape(acc2, [BN, 4, 4, 2, 2]), [0, 1, 2, 4, 3]))
         return tl.sum(lo1 + hi2, axis=2)
+
+    @triton.jit
+    def _with_residual(y, res_ptr, mask, HAS_RES: tl.constexpr):
+        """y, or (HAS_RES) the residual at res_ptr plus y rounded as a separate in-place add rounds (y is
+        already in the output dtype); the caller stores it back there."""
+        if HAS_RES:
+            y = (tl.load(res_ptr, mask=mask, other=0.0).to(tl.float32) + y.to(tl.float32)).to(y.dtype)
+        return y
 
     @triton.jit
     def _wide_span(acc1, acc2, QW, x32, S, rows64, n_mask, b0, KB: tl.constexpr, NG: tl.constexpr,
@@ -131,7 +160,7 @@ if HAVE_TRITON:
 
     @triton.jit
     def _wide_kernel(X, QW, S, GS, Y, N, K: tl.constexpr, HAS_GS: tl.constexpr, BN: tl.constexpr,
-                     SPANS: tl.constexpr, PDL: tl.constexpr = False):
+                     SPANS: tl.constexpr, HAS_RES: tl.constexpr = False, PDL: tl.constexpr = False):
         """One K part (wide layers). Kept as first measured: the parts kernel at P = 1 (its loads written the
         same) compiled to another schedule, ~20% slower on gate|up (bench/quant_gemv.py, H100)."""
         pid = tl.program_id(0)
@@ -153,7 +182,8 @@ if HAVE_TRITON:
         release_dependents(PDL)
         r = tl.arange(0, BN)[:, None, None]
         out = pid * BN + (r // 8) * 8 + 2 * tl.arange(0, 4)[None, :, None] + tl.arange(0, 2)[None, None, :]
-        tl.store(Y + out, y.to(Y.dtype.element_ty), mask=((r % 8) == 0) & (out < N))  # lanes g = 0 store
+        keep = ((r % 8) == 0) & (out < N)  # lanes g = 0 store
+        tl.store(Y + out, _with_residual(y.to(Y.dtype.element_ty), Y + out, keep, HAS_RES), mask=keep)
 
     @triton.jit
     def _span_loads(QW, x32, S, wrow, part, n_mask, b0, KB: tl.constexpr, NG: tl.constexpr, BN: tl.constexpr,
@@ -181,7 +211,7 @@ if HAVE_TRITON:
 
     @triton.jit
     def _parts_kernel(X, QW, S, GS, Y, N, K: tl.constexpr, HAS_GS: tl.constexpr, BN: tl.constexpr,
-                      SPANS: tl.constexpr, P: tl.constexpr, PDL: tl.constexpr = False):
+                      SPANS: tl.constexpr, P: tl.constexpr, HAS_RES: tl.constexpr = False, PDL: tl.constexpr = False):
         # BN tile columns = BN / P weight rows x P parts of K (column c: row c // P, part c % P); P divides 8,
         # so the 8 columns of a warp's mma hold whole rows and part(g) = g % P
         pid = tl.program_id(0)
@@ -214,23 +244,168 @@ if HAVE_TRITON:
             y = y * tl.load(GS)
         release_dependents(PDL)
         out = pid * (BN // P) + tl.arange(0, BN // 8)[:, None] * (8 // P) + tl.arange(0, 8 // P)[None, :]
-        tl.store(Y + out, y.to(Y.dtype.element_ty), mask=out < N)
+        tl.store(Y + out, _with_residual(y.to(Y.dtype.element_ty), Y + out, out < N, HAS_RES), mask=out < N)
 
 
-def nvfp4_gemv(x: torch.Tensor, layer, meta, cfg: GemvConfig) -> torch.Tensor:
-    """x [1, K] (bf16, contiguous) @ dequantize(layer).T -> [1, N] with the launch `applies` gave (or a swept
-    one: bench/quant_gemv.py)."""
-    y = torch.empty(1, meta.n, dtype=x.dtype, device=x.device)
+def nvfp4_gemv(x: torch.Tensor, layer, meta, cfg: GemvConfig, residual: torch.Tensor | None = None
+               ) -> torch.Tensor:
+    """x [M, K] (bf16, contiguous, M <= MAX_ROWS) @ dequantize(layer).T -> [M, N] with the launch `applies` gave
+    (or a swept one: bench/quant_gemv.py); with `residual` ([M, N], contiguous) the result is added into it in
+    place (rounded as a separate add) and returned. One row takes the GEMV, 2 to 16 the rows kernel."""
+    m = x.shape[0]
+    y = residual if residual is not None else torch.empty(m, meta.n, dtype=x.dtype, device=x.device)
     on = pdl(x)
-    args = (x, layer.qweight, layer.scales.view(torch.uint8), layer.global_scale if meta.has_gs else x, y, meta.n)
+    gs = layer.global_scale if meta.has_gs else x
+    common = dict(K=meta.k, HAS_GS=meta.has_gs, BN=cfg.block, SPANS=cfg.spans, HAS_RES=residual is not None, PDL=on,
+                  num_warps=cfg.warps, num_stages=1, launch_pdl=on)
+    if m > 1:
+        grid = (triton.cdiv(meta.n, cfg.rows_block),)
+        _rows_kernel[grid](x, layer.qweight, layer.scales.view(torch.uint8), gs, y, m, meta.n, P=cfg.parts,
+                           TWO=m > 8, **common)
+        return y
+    args = (x, layer.qweight, layer.scales.view(torch.uint8), gs, y, meta.n)
     grid = (triton.cdiv(meta.n * cfg.parts, cfg.block),)
     if cfg.parts == 1:
-        _wide_kernel[grid](*args, K=meta.k, HAS_GS=meta.has_gs, BN=cfg.block, SPANS=cfg.spans, PDL=on,
-                           num_warps=cfg.warps, num_stages=1, launch_pdl=on)
+        _wide_kernel[grid](*args, **common)
     else:
-        _parts_kernel[grid](*args, K=meta.k, HAS_GS=meta.has_gs, BN=cfg.block, SPANS=cfg.spans, P=cfg.parts, PDL=on,
-                            num_warps=cfg.warps, num_stages=1, launch_pdl=on)
+        _parts_kernel[grid](*args, P=cfg.parts, **common)
     return y
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 2 to 16 rows (a verify block, a few decode rows): the weights as the mma's A operand, the tokens as B
+
+
+def _rows_mma_ptx(blocks: int) -> str:
+    """The rows kernel's asm for `blocks` blocks of 8 tokens: decode the 4 bytes of weight row g ($wl) and of row
+    g + 8 ($wh), scale them, and two mmas a block into its C registers. Operands: C of block b $4b..$4b+3 (out),
+    then in: the C inputs (same order), wl and wh (4 bytes each), each block's 4 x pairs
+    (pair e beside byte e), the lo and hi scale pairs (4 registers each, the first read)."""
+    nacc = 4 * blocks
+    wl, wh = 2 * nacc, 2 * nacc + 1
+    xs = wh + 1
+    sl = xs + 4 * blocks
+    sh = sl + 4
+    mma = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
+    body = [E2M1_REGS, ".reg .b32 a<4>, b<4>;\n", e2m1_decode_ptx(f"${wl}")]
+    body += [f"fma.rn.bf16x2 a{i}, t{i}, ${sl}, nz;\n" for i in range(4)]
+    body += [e2m1_decode_ptx(f"${wh}")]
+    body += [f"fma.rn.bf16x2 b{i}, t{i}, ${sh}, nz;\n" for i in range(4)]
+    for blk in range(blocks):
+        d = ", ".join(f"${4 * blk + c}" for c in range(4))
+        c_in = ", ".join(f"${nacc + 4 * blk + c}" for c in range(4))
+        x = [f"${xs + 4 * blk + j}" for j in range(4)]
+        # k pairs (2t, 2t + 8) of the first mma are bytes (0, 1), of the second (2, 3): B is two adjacent x
+        # registers as loaded (a register pair, no moves)
+        body.append(f"{mma} {{{d}}}, {{a0, b0, a1, b1}}, {{{x[0]}, {x[1]}}}, {{{c_in}}};\n")
+        body.append(f"{mma} {{{d}}}, {{a2, b2, a3, b3}}, {{{x[2]}, {x[3]}}}, {{{d}}};\n")
+    return "{\n" + "".join(body) + "}"
+
+
+def _rows_constraints(blocks: int) -> str:
+    return ",".join(["=r"] * (4 * blocks) + ["r"] * (4 * blocks + 2 + 4 * blocks + 8))
+
+
+if HAVE_TRITON:
+    _ROWS_MMA1 = tl.constexpr(_rows_mma_ptx(1))
+    _ROWS_MMA2 = tl.constexpr(_rows_mma_ptx(2))
+    _ROWS_CONS1 = tl.constexpr(_rows_constraints(1))
+    _ROWS_CONS2 = tl.constexpr(_rows_constraints(2))
+
+    @triton.jit
+    def _rows_loads(QW, x32, S, lo_row, hi_row, part, tok, tok_b, b0, KB: tl.constexpr, NG: tl.constexpr,
+                    P: tl.constexpr, TWO: tl.constexpr):
+        """One 64-byte span (bytes b0 .. of each tile row's K part): the bytes of weight rows lo_row and hi_row
+        [BN, 64], the x pairs beside them of tokens tok and (TWO) tok_b, and the e4m3 scales of each lane's two
+        8-byte groups of both rows ([BN, 4] each, loaded [t, row] and transposed: module docstring). No masks (a
+        masked load zeroes its registers first: ~1 instruction a word): the caller clamps rows past N and tokens
+        past M to the last, whose results it does not store."""
+        KP: tl.constexpr = KB // P  # bytes a part
+        col = (part * KP + b0)[:, None] + tl.arange(0, 64)[None, :]  # byte of the row = x pair of the token
+        wl = tl.load(QW + lo_row[:, None] * KB + col)
+        wh = tl.load(QW + hi_row[:, None] * KB + col)
+        xa = tl.load(x32 + tok[:, None] * KB + col)
+        if TWO:
+            xb = tl.load(x32 + tok_b[:, None] * KB + col)
+        else:
+            xb = xa
+        g = b0 // 8 + 2 * tl.arange(0, 4)
+        spl = S + (lo_row * NG + part * (NG // P))[None, :] + g[:, None]
+        sph = S + (hi_row * NG + part * (NG // P))[None, :] + g[:, None]
+        sla = tl.trans(tl.load(spl))
+        slb = tl.trans(tl.load(spl + 1))
+        sha = tl.trans(tl.load(sph))
+        shb = tl.trans(tl.load(sph + 1))
+        return wl, wh, xa, xb, sla, slb, sha, shb
+
+    @triton.jit
+    def _rows_mma(acc_a, acc_b, wl, wh, xa, xb, sla, slb, sha, shb, BN: tl.constexpr, TWO: tl.constexpr):
+        """acc_a (tokens 0-7), acc_b (8-15, with TWO) [BN, 64] += the span's products: the asm takes 4
+        elements at a time, a weight word broadcast over them (the first register read) with its 4 x pairs."""
+        sl = _scale_pairs(sla, slb, BN)
+        sh = _scale_pairs(sha, shb, BN)
+        if TWO:
+            acc_a, acc_b = tl.inline_asm_elementwise(_ROWS_MMA2, _ROWS_CONS2, [acc_a, acc_b, wl, wh, xa, xb, sl, sh],
+                                                     dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
+        else:
+            acc_a = tl.inline_asm_elementwise(_ROWS_MMA1, _ROWS_CONS1, [acc_a, wl, wh, xa, sl, sh],
+                                              dtype=tl.float32, is_pure=True, pack=4)
+        return acc_a, acc_b
+
+    @triton.jit
+    def _rows_store(acc, Y, GS, pid, tok0, M, N, BN: tl.constexpr, P: tl.constexpr, HAS_GS: tl.constexpr,
+                    HAS_RES: tl.constexpr):
+        """One block's C registers -> y [M, N]: element (r, 16 t + 4 j + c) of acc is C register c of the lane's
+        j-th 4 bytes, i.e. weight row g + 8 (c // 2) of the tile row's group and token 2 t + c % 2; the 4 groups
+        and the P parts (warps) of a row are summed."""
+        RG: tl.constexpr = BN // 8 // P  # groups of 16 weight rows a program
+        y = tl.sum(tl.reshape(acc, [RG, P, 8, 4, 4, 2, 2]), axis=4)  # [group, part, g, t, hi, e]
+        y = tl.sum(y, axis=1) * _FP4_BIAS  # [group, g, t, hi, e]
+        if HAS_GS:
+            y = y * tl.load(GS)
+        gi = tl.arange(0, RG)[:, None, None, None, None]
+        g = tl.arange(0, 8)[None, :, None, None, None]
+        t = tl.arange(0, 4)[None, None, :, None, None]
+        hi = tl.arange(0, 2)[None, None, None, :, None]
+        e = tl.arange(0, 2)[None, None, None, None, :]
+        row = pid * (16 * RG) + 16 * gi + g + 8 * hi
+        tok = tok0 + 2 * t + e
+        ptr = Y + tok * N + row
+        keep = (row < N) & (tok < M)
+        tl.store(ptr, _with_residual(y.to(Y.dtype.element_ty), ptr, keep, HAS_RES), mask=keep)
+
+    @triton.jit
+    def _rows_kernel(X, QW, S, GS, Y, M, N, K: tl.constexpr, HAS_GS: tl.constexpr, BN: tl.constexpr,
+                     SPANS: tl.constexpr, P: tl.constexpr, TWO: tl.constexpr, HAS_RES: tl.constexpr = False,
+                     PDL: tl.constexpr = False):
+        # tile row r = 8 w + g (warp w, lane row g) reads K part w % P of the weight rows 16 (w // P) + g (lo) and
+        # + 8 (hi) of the program's, and x of token g (and g + 8)
+        pid = tl.program_id(0)
+        r = tl.arange(0, BN)
+        w = r // 8
+        g = r % 8
+        wrow = pid * (16 * (BN // 8 // P)) + (w // P) * 16 + g
+        # rows past N and tokens past M read the last ones: computed, never stored
+        lo_row = tl.minimum(wrow, N - 1).to(tl.int64)
+        hi_row = tl.minimum(wrow + 8, N - 1).to(tl.int64)
+        part = (w % P).to(tl.int64)
+        KB: tl.constexpr = K // 2
+        NG: tl.constexpr = K // 16
+        x32 = X.to(tl.pointer_type(tl.int32))
+        acc_a = tl.zeros([BN, 64], dtype=tl.float32)
+        acc_b = tl.zeros([BN, 64], dtype=tl.float32)
+        wait_for_inputs(PDL)
+        tok = tl.minimum(g, M - 1)
+        tok_b = tl.minimum(g + 8, M - 1)
+        for b0 in range(0, KB // P, 64 * SPANS):
+            for u in tl.static_range(SPANS):
+                wl, wh, xa, xb, sla, slb, sha, shb = _rows_loads(QW, x32, S, lo_row, hi_row, part, tok, tok_b,
+                                                                 b0 + 64 * u, KB, NG, P, TWO)
+                acc_a, acc_b = _rows_mma(acc_a, acc_b, wl, wh, xa, xb, sla, slb, sha, shb, BN, TWO)
+        release_dependents(PDL)
+        _rows_store(acc_a, Y, GS, pid, 0, M, N, BN, P, HAS_GS, HAS_RES)
+        if TWO:
+            _rows_store(acc_b, Y, GS, pid, 8, M, N, BN, P, HAS_GS, HAS_RES)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -262,6 +437,7 @@ if HAVE_TRITON:
         SiLU(gate) * up to OUT [slots, I], rounded as silu_mul_ref; else OUT [slots, N_W]."""
         slot = tl.program_id(0)
         blk = tl.program_id(1)
+        wait_for_inputs(PDL)  # before the expert id: the routing launch just before writes IDS
         e = tl.load(IDS + slot).to(tl.int64)
         cols = tl.arange(0, BN)
         if GATED:
@@ -274,7 +450,6 @@ if HAVE_TRITON:
             n_mask = rows < N_W
         KB: tl.constexpr = K // 2
         NG: tl.constexpr = K // 16
-        wait_for_inputs(PDL)
         x = X + slot * K if X_PER_SLOT else X
         x32 = x.to(tl.pointer_type(tl.int32))
         qw = QW + e * W_STRIDE
