@@ -58,21 +58,41 @@ NARROW = GemvConfig(warps=16, spans=4, parts=4)
 
 
 MAX_ROWS = 16  # two blocks of 8 tokens: a k = 15 verify block
-# 2-16 rows: K in 4 parts over 8 warps (32 weight rows a program: Qwen3-8B's o / down fill one wave)
-ROWS = GemvConfig(warps=8, spans=2, parts=4)
-ROWS_WIDE = GemvConfig(warps=4, spans=2, parts=1)  # from WIDE_ROWS outputs
+# 2 to MAX_ROWS rows (H100, bench/quant_gemv.py --rows 8,16 --sweep, quant_gemv_rows_h100_*.json): one K part
+# from WIDE_ROWS outputs (Qwen3-8B gate|up, 16 rows: 50.3 -> 42.0 us); narrower layers split K over 8 warps
+# (8 rows: o 9.7 -> 8.3, qkv 12.8 -> ~11.6, down 25.5 -> 19.0). At 9-16 rows every program of a narrow layer
+# reads all 16 rows of x (as much L2 traffic as the weight once K is split), so only long-K layers (down:
+# 30.2 -> 25.5) leave the dot path, which measured as fast or faster on qkv and o.
+ROWS_WIDE = GemvConfig(warps=4, spans=2, parts=1)
+ROWS_FEW = GemvConfig(warps=16, spans=4, parts=8)  # 2-8 rows
+ROWS_LONG_K = GemvConfig(warps=8, spans=2, parts=8)  # 9-16 rows, K >= 2 N
+
+
+def _fit_rows(cfg: GemvConfig, k: int) -> GemvConfig | None:
+    """cfg with its K parts and spans a step cut (halved) until they tile K: the rows kernel's loop steps over
+    whole spans of each part (64 bytes = 128 weights), nothing masked."""
+    parts = cfg.parts
+    while parts >= 1:
+        for spans in (cfg.spans, cfg.spans // 2, cfg.spans // 4, 1):
+            if spans >= 1 and k % (2 * SPAN_BYTES * parts * spans) == 0:
+                return GemvConfig(cfg.warps, spans, parts)
+        parts //= 2
+    return None
 
 
 def launch_config(meta, m: int = 1) -> GemvConfig | None:
     """The launch for m rows of an NVFP4 layer, or None where quant_linear's dot path measured faster (H100,
     bench/quant_gemv.py --sweep). One row: one K part for >= WIDE_ROWS outputs; 4 parts over 16 warps for
     layers narrow enough that their programs fit one wave (Qwen3-8B o_proj 10.2 -> 8.9 us, down 25.8 -> 21.7);
-    between the two (qkv: 15.6 against 11.6) the dot path. 2 to MAX_ROWS rows: the rows kernel."""
+    between the two (qkv: 15.6 against 11.6) the dot path. 2 to MAX_ROWS rows: the rows kernel (above)."""
     if m > 1:
-        cfg = None if m > MAX_ROWS else ROWS_WIDE if meta.n >= WIDE_ROWS else ROWS
-    else:
-        cfg = WIDE if meta.n >= WIDE_ROWS else NARROW if meta.n * NARROW.parts <= NARROW.block * NUM_SMS else None
-    if cfg is None or meta.k % (2 * SPAN_BYTES * cfg.parts * (cfg.spans if m == 1 else 1)):
+        if m > MAX_ROWS:
+            return None
+        cfg = ROWS_WIDE if meta.n >= WIDE_ROWS else ROWS_FEW if m <= 8 else \
+            ROWS_LONG_K if meta.k >= 2 * meta.n else None
+        return None if cfg is None else _fit_rows(cfg, meta.k)
+    cfg = WIDE if meta.n >= WIDE_ROWS else NARROW if meta.n * NARROW.parts <= NARROW.block * NUM_SMS else None
+    if cfg is None or meta.k % (2 * SPAN_BYTES * cfg.spans * cfg.parts):
         return None
     return cfg
 
@@ -250,8 +270,9 @@ if HAVE_TRITON:
 def nvfp4_gemv(x: torch.Tensor, layer, meta, cfg: GemvConfig, residual: torch.Tensor | None = None
                ) -> torch.Tensor:
     """x [M, K] (bf16, contiguous, M <= MAX_ROWS) @ dequantize(layer).T -> [M, N] with the launch `applies` gave
-    (or a swept one: bench/quant_gemv.py); with `residual` ([M, N], contiguous) the result is added into it in
-    place (rounded as a separate add) and returned. One row takes the GEMV, 2 to 16 the rows kernel."""
+    (or a swept one: bench/quant_gemv.py; the rows kernel needs K % (128 parts spans) == 0); with `residual`
+    ([M, N], contiguous) the result is added into it in place (rounded as a separate add) and returned. One row
+    takes the GEMV, 2 to 16 the rows kernel."""
     m = x.shape[0]
     y = residual if residual is not None else torch.empty(m, meta.n, dtype=x.dtype, device=x.device)
     on = pdl(x)

@@ -48,12 +48,18 @@ def test_dispatch_rule_keeps_cpu_narrow_and_folded_layers_off_the_gemv() -> None
 
 
 def test_rows_dispatch_rule() -> None:
-    meta = ql.quant_meta(make_layer("nvfp4", 6144, 4096, torch.bfloat16))
-    assert qg.launch_config(meta, 2) == qg.launch_config(meta, 16) == qg.ROWS  # qkv too: one launch a block
-    assert qg.launch_config(meta, 17) is None  # more rows: quant_linear's tiles
-    assert qg.launch_config(ql.quant_meta(make_layer("nvfp4", qg.WIDE_ROWS, 512, torch.bfloat16)), 9) == \
-        qg.ROWS_WIDE
-    assert qg.launch_config(ql.quant_meta(make_layer("nvfp4", 4096, 256, torch.bfloat16)), 9) is None  # K short
+    def cfg(n: int, k: int, m: int) -> qg.GemvConfig | None:
+        return qg.launch_config(ql.quant_meta(make_layer("nvfp4", n, k, torch.bfloat16)), m)
+
+    assert cfg(6144, 4096, 2) == cfg(6144, 4096, 8) == qg.ROWS_FEW  # qkv: a k <= 7 verify block, small batches
+    assert cfg(6144, 4096, 9) is None and cfg(4096, 4096, 16) is None  # 9-16 rows of narrow layers: dot tiles
+    assert cfg(4096, 12288, 16) == qg.ROWS_LONG_K  # down
+    assert cfg(qg.WIDE_ROWS, 512, 16) == cfg(qg.WIDE_ROWS, 512, 3) == qg.ROWS_WIDE
+    assert cfg(4096, 4096, 17) is None  # more rows: quant_linear's tiles
+    # K that does not tile into the config's parts x spans: both cut until it does (27B: K = 5120)
+    assert cfg(4096, 5120, 4) == qg.GemvConfig(16, 1, 8) and cfg(5120, 17408, 16) == qg.GemvConfig(8, 1, 8)
+    assert cfg(4096, 256, 2) == qg.GemvConfig(16, 1, 2)
+    assert cfg(4096, 192, 2) is None  # not whole 128-weight spans
 
 
 @gpu
@@ -81,25 +87,28 @@ def test_gemv_matches_the_reference(n: int, k: int, global_scale: bool) -> None:
                                               (6144, 4096, False), (4096, 12288, True), (40, 512, True)])
 def test_rows_match_the_reference(m: int, n: int, k: int, global_scale: bool) -> None:
     """2-16 rows, every token block and row group edge: N not a multiple of 16 (a group of live lo rows and
-    dead hi rows), tokens not a multiple of 8, every config's K split."""
+    dead hi rows), tokens not a multiple of 8, the configs' K splits whatever the dispatch picks."""
     layer = make_layer("nvfp4", n, k, torch.bfloat16, global_scale=global_scale, seed=n + k + m).to("cuda")
     meta = ql.quant_meta(layer)
     x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
-    cfg = qg.applies(x, layer, meta, None, None, False)
-    assert cfg is not None
     want = exact(x, layer)
-    for c in (cfg, qg.ROWS, qg.ROWS_WIDE, qg.GemvConfig(16, 1, 8), qg.GemvConfig(8, 4, 2)):
-        if k % (128 * c.parts * c.spans) == 0:
-            got = qg.nvfp4_gemv(x, layer, meta, c)
-            assert got.shape == (m, n)
-            assert rel_err(got, want) < 3e-3, c
-            assert rel_err(got[-1:], want[-1:]) < 3e-3, c  # the last token: its block's edge
-            assert rel_err(got[:, -8:], want[:, -8:]) < 3e-3, c  # the last rows: their group's edge
-    torch.testing.assert_close(ql.quant_linear(x, layer), qg.nvfp4_gemv(x, layer, meta, cfg), rtol=0, atol=0)
+    for c in (qg.ROWS_FEW, qg.ROWS_LONG_K, qg.ROWS_WIDE, qg.GemvConfig(4, 4, 4), qg.GemvConfig(8, 4, 2)):
+        c = qg._fit_rows(c, k)
+        got = qg.nvfp4_gemv(x, layer, meta, c)
+        assert got.shape == (m, n)
+        assert rel_err(got, want) < 3e-3, c
+        assert rel_err(got[-1:], want[-1:]) < 3e-3, c  # the last token: its block's edge
+        assert rel_err(got[:, -8:], want[:, -8:]) < 3e-3, c  # the last rows: their group's edge
+    cfg = qg.applies(x, layer, meta, None, None, False)
+    if cfg is not None:
+        torch.testing.assert_close(ql.quant_linear(x, layer), qg.nvfp4_gemv(x, layer, meta, cfg), rtol=0, atol=0)
+    else:  # the dot path
+        assert rel_err(ql.quant_linear(x, layer), want) < 3e-3
 
 
 @gpu
-@pytest.mark.parametrize("m,n,k", [(1, qg.WIDE_ROWS, 512), (1, 4096, 4096), (3, 4096, 4096), (16, 6144, 4096)])
+@pytest.mark.parametrize("m,n,k", [(1, qg.WIDE_ROWS, 512), (1, 4096, 4096), (3, 4096, 4096), (16, 4096, 12288),
+                                   (16, qg.WIDE_ROWS, 512)])
 def test_residual_is_added_in_place_as_a_separate_add_rounds(m: int, n: int, k: int) -> None:
     layer = make_layer("nvfp4", n, k, torch.bfloat16, seed=k + m).to("cuda")
     meta = ql.quant_meta(layer)
