@@ -14,20 +14,16 @@ blocks forward to their last accepted token.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import nn
 
 from blockspec.kernels.rms_norm import rms_norm_ref
 from blockspec.kernels.rotary import NORM_ZERO_CENTERED, rope_heads
-from blockspec.kernels.skinny_linear import skinny_linear, skinny_supported
 from blockspec.models import deterministic
 from blockspec.models.layers.attention import PagedAttention, current_metadata
 from blockspec.models.layers.gated_deltanet import GatedDeltaNet
-from blockspec.models.layers.linear import FusedLinear, Linear, fused_swiglu_residual
+from blockspec.models.layers.linear import FusedLinear, Linear, folded_linear, folds, fused_swiglu_residual
 from blockspec.models.layers.moe import load_expert_weight
-from blockspec.models.layers.quant_linear import QuantLinear
 from blockspec.models.layers.recurrent_state import (
     SLOTS_PER_SEQUENCE,
     DecodeStateMetadata,
@@ -99,8 +95,7 @@ class GatedAttention(nn.Module):
         """Decode rows on the GPU: h += o_proj(attention(norm(h))) with the norm folded into the q|k|v GEMM,
         q/k norms, partial rotary and the K/V cache write in one kernel, the add in o_proj's GEMM."""
         nq, nk, d = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = skinny_linear(h, self.qkv_proj.weight, self.qkv_proj.bias, norm_weight=norm.kernel_weight(),
-                            eps=norm.eps)
+        qkv = folded_linear(h, self.qkv_proj, norm)
         cache = self.attn.cache_for_store()
         rope_heads(qkv, positions, self.rotary.cos, self.rotary.sin, nq, nk, d, 2 * d, 2 * nq * d,
                    (2 * nq + nk) * d, NORM_ZERO_CENTERED, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
@@ -109,7 +104,7 @@ class GatedAttention(nn.Module):
         # q and the gate stay views of the projection: the paged kernel reads q by strides and gates its output
         # in the merge launch (the copy, sigmoid and product were three launches a layer of their own)
         out = self.attn(q, k, v, stored=cache is not None, gate=gate)
-        return skinny_linear(out, self.o_proj.weight, self.o_proj.bias, residual=h)
+        return folded_linear(out, self.o_proj, residual=h)
 
 
 class HybridDecoderLayer(nn.Module):
@@ -159,24 +154,19 @@ class HybridDecoderLayer(nn.Module):
         return deterministic.moe_residual(h, self.post_attention_layernorm, self.mlp)
 
     def _fused(self, h: torch.Tensor, mixer: nn.Module) -> bool:
+        """A uniform decode / verify step (the metadata the fused paths read) whose projections all run on their
+        kernels for these rows: plain ones through skinny_linear, quantized ones through quant_linear
+        (layers.linear.folded_linear; checkpoints often leave some of a layer's projections unquantized)."""
         meta = current_metadata()
-        if getattr(meta, "decode", None) is None or self._quantized:
+        if getattr(meta, "decode", None) is None:
             return False
         if self.linear_attn is not None and getattr(meta, "state_decode", None) is None:
             return False
-        weight = mixer.in_proj_qkvz.weight if self.linear_attn is not None else mixer.qkv_proj.weight
-        return skinny_supported(h, weight)
-
-    @functools.cached_property
-    def _quantized(self) -> bool:
-        """Whether a projection is quantized (QuantLinear: no bf16 `weight`), which keeps the module path for
-        now; fixed once the loader has swapped the modules in, before the first forward."""
-        mixer = self.linear_attn if self.linear_attn is not None else self.self_attn
         projections = ([mixer.in_proj_qkvz, mixer.in_proj_ba, mixer.out_proj] if self.linear_attn is not None
                        else [mixer.qkv_proj, mixer.o_proj])
         if isinstance(self.mlp, LlamaMLP):
             projections += [self.mlp.gate_up_proj, self.mlp.down_proj]
-        return any(isinstance(p, QuantLinear) for p in projections)
+        return all(folds(h, p) for p in projections)
 
 
 class HybridModel(nn.Module):

@@ -3,7 +3,9 @@
 GPU only (skips without CUDA). Tiny random qwen3_5, qwen3_5_moe, qwen3_next and qwen3_moe checkpoints:
 - bf16: greedy output with CUDA graphs (pipelined, chained steps) equals `--enforce-eager` (the same
   decode step run without capture) token for token, for k = 0 and k = 7 with a random DFlash drafter;
-- fp32: the graph path equals the general path (ragged spans, reference recurrence) token for token.
+- fp32: the graph path equals the general path (ragged spans, reference recurrence) token for token;
+- the same two checks for NVFP4 (compressed-tensors) hybrids, whose decode steps take the fused path with the
+  quantized projections on quant_linear's kernels (layers.linear.folded_linear).
 """
 
 from __future__ import annotations
@@ -60,5 +62,31 @@ def test_graphs_equal_eager_bf16(checkpoints, family, k):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_graphs_equal_general_path_fp32(checkpoints, family):
     target, drafter = checkpoints[family]
+    assert generate(target, drafter, 7, "float32", eager=False) == generate(target, drafter, 7, "float32",
+                                                                            eager=True, general=True)
+
+
+QUANTIZED = ("qwen3_5", "qwen3_next")  # a dense and an MoE hybrid
+
+
+@pytest.fixture(scope="module")
+def quantized(checkpoints, tmp_path_factory) -> dict:
+    pytest.importorskip("compressed_tensors")
+    from tests.loader.quant_helpers import write_ct_checkpoint
+
+    root = tmp_path_factory.mktemp("graphs_gpu_nvfp4")
+    return {f: (write_ct_checkpoint(checkpoints[f][0], root / f, "nvfp4")[0], checkpoints[f][1]) for f in QUANTIZED}
+
+
+@pytest.mark.parametrize("family", QUANTIZED)
+def test_quantized_hybrid_graphs_equal_eager_bf16(quantized, family):
+    target, drafter = quantized[family]
+    assert generate(target, drafter, 7, "bfloat16", eager=False) == generate(target, drafter, 7, "bfloat16",
+                                                                             eager=True)
+
+
+@pytest.mark.parametrize("family", QUANTIZED)
+def test_quantized_hybrid_graphs_equal_general_path_fp32(quantized, family):
+    target, drafter = quantized[family]
     assert generate(target, drafter, 7, "float32", eager=False) == generate(target, drafter, 7, "float32",
                                                                             eager=True, general=True)

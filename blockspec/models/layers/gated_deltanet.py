@@ -35,10 +35,11 @@ from torch import nn
 from blockspec.errors import ConfigError
 from blockspec.kernels.deterministic_gated_deltanet import conv_windows
 from blockspec.kernels.gated_deltanet import causal_conv_update, gated_rms_norm, gdn_recurrent
-from blockspec.kernels.skinny_linear import skinny_linear, skinny_linear_pair
+from blockspec.kernels.rms_norm import rms_norm
+from blockspec.kernels.skinny_linear import skinny_linear_pair
 from blockspec.models.layers import delta_rule, delta_rule_fla, deterministic_deltanet
 from blockspec.models.layers.attention import current_metadata
-from blockspec.models.layers.linear import FusedLinear, Linear
+from blockspec.models.layers.linear import FusedLinear, Linear, folded_linear
 from blockspec.models.layers.recurrent_state import DecodeStateMetadata, LayerState, StateMetadata
 from blockspec.models.model_config import ModelConfig
 
@@ -199,8 +200,12 @@ class GatedDeltaNet(nn.Module):
         GEMMs (one launch for both) and the residual add into the output GEMM (the decoder layer's fast path)."""
         sd = current_metadata().state_decode
         w, eps = norm.kernel_weight(), norm.eps
-        qkvz, ba = skinny_linear_pair(h, self.in_proj_qkvz.weight, self.in_proj_ba.weight, norm_weight=w, eps=eps)
-        return skinny_linear(self._decode_core(qkvz, ba, sd), self.out_proj.weight, residual=h)
+        if isinstance(self.in_proj_qkvz, nn.Linear) and isinstance(self.in_proj_ba, nn.Linear):
+            qkvz, ba = skinny_linear_pair(h, self.in_proj_qkvz.weight, self.in_proj_ba.weight, norm_weight=w, eps=eps)
+        else:  # a quantized input projection: the norm once, then each projection on its own kernel
+            x = rms_norm(h, w, eps)[0]
+            qkvz, ba = folded_linear(x, self.in_proj_qkvz), folded_linear(x, self.in_proj_ba)
+        return folded_linear(self._decode_core(qkvz, ba, sd), self.out_proj, residual=h)
 
     def _decode_core(self, qkvz: torch.Tensor, ba: torch.Tensor, sd: DecodeStateMetadata) -> torch.Tensor:
         """Projected rows -> the gated, normed mixer output [T, value_dim] (before out_proj)."""

@@ -11,7 +11,10 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from blockspec.kernels.skinny_linear import linear, skinny_linear
+from blockspec.kernels._triton import use_triton
+from blockspec.kernels.activation import silu_mul
+from blockspec.kernels.rms_norm import rms_norm
+from blockspec.kernels.skinny_linear import linear, skinny_linear, skinny_supported
 
 # checkpoint projection name -> (fused module name, shard index)
 FUSED_SHARDS = {
@@ -40,19 +43,43 @@ class FusedLinear(Linear):
         return sum(self.shard_sizes[:index])
 
 
-# Decode-path residual sub-blocks (<= 16 rows on GPU), shared by the target's and the drafter's layers:
-# each updates the residual stream h in place with two skinny GEMMs, the norm folded into the first.
+# Decode-path residual sub-blocks (<= 16 rows on GPU), shared by the target's and the drafter's layers: each updates
+# the residual stream h in place with two GEMMs, the norm folded into the first. A projection is a plain Linear or
+# a quantized one (models/layers/quant_linear.QuantLinear), each through its own kernels (`folded_linear`).
 
-def fused_attention_residual(h: torch.Tensor, norm: nn.Module, qkv_proj: nn.Linear, o_proj: nn.Linear,
+def folded_linear(x: torch.Tensor, proj: nn.Module, norm: nn.Module | None = None, *, gated: bool = False,
+                  residual: torch.Tensor | None = None) -> torch.Tensor:
+    """proj(norm(x)), SwiGLU over its [gate; up] halves where gated, added in place into `residual` where given
+    (and returned). A plain projection: one skinny_linear launch with all of it folded in. A quantized one: the
+    norm and SwiGLU as kernels of their own around quant_linear, the residual add in its GEMM, which is what
+    measured fastest (bench/quant_gemm.py --folds, H200: folding the norm lost at 1 and 16 rows, SwiGLU lost for
+    NVFP4, the residual add won), and leaves its 1-16-row NVFP4 kernels free to take the call."""
+    if isinstance(proj, nn.Linear):
+        nw, eps = (norm.kernel_weight(), norm.eps) if norm is not None else (None, 0.0)
+        return skinny_linear(x, proj.weight, proj.bias, norm_weight=nw, eps=eps, gated=gated, residual=residual)
+    if norm is not None:
+        x = rms_norm(x, norm.kernel_weight(), norm.eps)[0]
+    if residual is not None and not gated:
+        return proj.forward_residual(x, residual)
+    y = silu_mul(proj(x)) if gated else proj(x)
+    return y if residual is None else residual.add_(y)
+
+
+def folds(x: torch.Tensor, proj: nn.Module) -> bool:
+    """Whether folded_linear runs proj on its kernels for rows like x's (a layer asks with its residual stream for
+    all of its projections, whatever their input widths)."""
+    if isinstance(proj, nn.Linear):
+        return skinny_supported(x, proj.weight)
+    return use_triton(x) and x.dim() == 2 and 1 <= x.shape[0] <= 16 and x.is_contiguous()
+
+
+def fused_attention_residual(h: torch.Tensor, norm: nn.Module, qkv_proj: nn.Module, o_proj: nn.Module,
                              attend: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """h += o_proj(attend(qkv_proj(norm(h)))); `attend` maps the fused q|k|v rows to attention output."""
-    qkv = skinny_linear(h, qkv_proj.weight, qkv_proj.bias, norm_weight=norm.kernel_weight(), eps=norm.eps)
-    return skinny_linear(attend(qkv), o_proj.weight, o_proj.bias, residual=h)
+    return folded_linear(attend(folded_linear(h, qkv_proj, norm)), o_proj, residual=h)
 
 
-def fused_swiglu_residual(h: torch.Tensor, norm: nn.Module, gate_up_proj: nn.Linear,
-                          down_proj: nn.Linear) -> torch.Tensor:
+def fused_swiglu_residual(h: torch.Tensor, norm: nn.Module, gate_up_proj: nn.Module,
+                          down_proj: nn.Module) -> torch.Tensor:
     """h += down_proj(silu(gate) * up) with [gate; up] = gate_up_proj(norm(h))."""
-    act = skinny_linear(h, gate_up_proj.weight, gate_up_proj.bias, norm_weight=norm.kernel_weight(), eps=norm.eps,
-                        gated=True)
-    return skinny_linear(act, down_proj.weight, down_proj.bias, residual=h)
+    return folded_linear(folded_linear(h, gate_up_proj, norm, gated=True), down_proj, residual=h)
