@@ -1,4 +1,4 @@
-"""One decode row through an NVFP4 layer on tensor cores, the weights never leaving registers.
+"""1-16 decode / verify rows through an NVFP4 layer on tensor cores, the weights never leaving registers.
 
 quant_linear's one-row paths dequantize a tile and either reduce it with float32 multiplies or hand it to
 `tl.dot`, which stages it through shared memory into the mma operand layout. Here each lane loads 16 bytes of
@@ -14,6 +14,11 @@ C register c of lane (g, t) then holds the dot product of weight row 2 t + c (of
 Narrow layers have too few rows for enough warps, so a row's K can be split over P of the warp's 8 mma
 columns (column c: row c // P, K part c % P), each A row g then carrying x of part g % P: C[g][n] is right where
 g % P == n % P, and the P parts of a row are summed after the loop.
+
+2 to 16 rows (`_rows_kernel`) turn the mma around: the weights are the A operand (a lane decodes 4 bytes of
+weight row g and 4 of row g + 8 of a 16-row group), the tokens the B operand (the x pairs of token g, and of
+g + 8 for a second block of 8 tokens, beside those bytes), so each x register serves two weight rows and every
+C register is one (row, token) sum. K is split over the program's warps and summed once at the end.
 
 The E2M1 decode is quant_tiles' PTX (w * scale * 2^-26 as bf16 pairs, exact), the 2^26 and the global scale
 are applied to the float32 sums. Measured on an H100 (bench/quant_gemv.py, bench/results/quant_gemv_h100_*.json,
