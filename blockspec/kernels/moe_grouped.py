@@ -428,10 +428,11 @@ if HAVE_TRITON:
             m0 += BLOCK_M
 
     @triton.jit
-    def _combine_kernel(Y, WTS, SWTS, RES, OUT, H: tl.constexpr, TOP_K: tl.constexpr, SLOTS: tl.constexpr,
-                        SHARED: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_H: tl.constexpr,
+    def _combine_kernel(Y, WTS, SWTS, SOUT, RES, OUT, H: tl.constexpr, TOP_K: tl.constexpr, SLOTS: tl.constexpr,
+                        SHARED: tl.constexpr, HAS_SOUT: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_H: tl.constexpr,
                         PDL: tl.constexpr = False):
-        # out[t] = sum over the token's slots, in slot order, of weight * pair row: float32, no atomics.
+        # out[t] = sum over the token's slots, in slot order, of weight * pair row: float32, no atomics; the
+        # shared expert last, from its slot (SHARED) or its own output rows SOUT [T, H] (HAS_SOUT).
         # HAS_RES: out[t] = res[t] + that sum, rounded as the separate add rounds (the sum first).
         wait_for_inputs(PDL)
         t = tl.program_id(0).to(tl.int64)
@@ -444,6 +445,9 @@ if HAVE_TRITON:
         if SHARED:
             w = tl.load(SWTS + t).to(tl.float32)
             acc += w * tl.load(Y + (t * SLOTS + TOP_K) * H + offs, mask=mask, other=0.0).to(tl.float32)
+        if HAS_SOUT:
+            w = tl.load(SWTS + t).to(tl.float32)
+            acc += w * tl.load(SOUT + t * H + offs, mask=mask, other=0.0).to(tl.float32)
         out = acc.to(OUT.dtype.element_ty)
         if HAS_RES:
             r = tl.load(RES + t * H + offs, mask=mask, other=0.0)
@@ -775,8 +779,8 @@ def moe_experts(x: torch.Tensor, gate_up, down, weights: torch.Tensor, ids: torc
                 shared: SharedWeights | None = None, shared_weight: torch.Tensor | None = None,
                 configs: tuple[GemmConfig, GemmConfig] | None = None, layout: Layout | None = None,
                 residual: torch.Tensor | None = None, gate_up_bias: torch.Tensor | None = None,
-                down_bias: torch.Tensor | None = None, limit: float | None = None, alpha: float = 1.702
-                ) -> torch.Tensor:
+                down_bias: torch.Tensor | None = None, limit: float | None = None, alpha: float = 1.702,
+                shared_out: torch.Tensor | None = None) -> torch.Tensor:
     """Routed experts (+ the folded shared expert), as layers.moe.experts_reference (+ shared_weight * shared(x)),
     plus `residual` ([T, H], x's dtype) when given (the add folded into the combine launch).
 
@@ -786,7 +790,8 @@ def moe_experts(x: torch.Tensor, gate_up, down, weights: torch.Tensor, ids: torc
     gate_up_bias [E, 2I] / down_bias [E, H] (x's dtype) are added to the projections; `limit` (not None)
     makes the activation GPT-OSS's clamped SwiGLU with `alpha` (layers.moe.GatedActivation), else SiLU(gate)
     * up. Four launches: align, gate_up, down, combine (three when `layout` comes from `moe_route_align`).
-    `configs` overrides the (gate_up, down) launch configs.
+    `configs` overrides the (gate_up, down) launch configs. `shared_out` ([T, H], x's dtype): a shared expert's
+    output computed outside (one that does not fold: quantized), added with shared_weight in the combine launch.
     """
     t, h = x.shape
     if not isinstance(gate_up, torch.Tensor):
@@ -799,6 +804,8 @@ def moe_experts(x: torch.Tensor, gate_up, down, weights: torch.Tensor, ids: torc
     i = two_i // 2
     k = ids.shape[1]
     has_shared = shared is not None
+    if shared_out is not None and (has_shared or shared_weight is None):
+        raise ValueError("shared_out takes shared_weight, and excludes a folded shared expert")
     slots = k + int(has_shared)
     x = x if x.is_contiguous() else x.contiguous()
     weights = weights if weights.is_contiguous() else weights.contiguous()
@@ -808,7 +815,7 @@ def moe_experts(x: torch.Tensor, gate_up, down, weights: torch.Tensor, ids: torc
                                                   gate_up_bias is not None or down_bias is not None, limit is not None):
         act = quant_gemv.nvfp4_moe(x, ids, gate_up, gated=True)  # one token, NVFP4: no alignment needed
         y = quant_gemv.nvfp4_moe(act, ids, down, gated=False)
-        return _combine(x, y, weights, shared_weight, residual, k, slots, False)
+        return _combine(x, y, weights, shared_weight, residual, k, slots, False, shared_out)
     if layout is None:
         layout = moe_align(ids, e, has_shared)
     if configs is None:
@@ -820,21 +827,25 @@ def moe_experts(x: torch.Tensor, gate_up, down, weights: torch.Tensor, ids: torc
                   act, layout, slots, e, True, configs[0], gate_up_bias, limit, alpha)
     _grouped_gemm(act, down, None, shared.down if has_shared else None, None, y, layout, slots, e, False,
                   configs[1], down_bias)
-    return _combine(x, y, weights, shared_weight, residual, k, slots, has_shared)
+    return _combine(x, y, weights, shared_weight, residual, k, slots, has_shared, shared_out)
 
 
 def _combine(x: torch.Tensor, y: torch.Tensor, weights: torch.Tensor, shared_weight: torch.Tensor | None,
-             residual: torch.Tensor | None, k: int, slots: int, has_shared: bool) -> torch.Tensor:
-    """Each token's slots of y [T * slots, H] summed with their routing weights (+ the residual): one launch."""
+             residual: torch.Tensor | None, k: int, slots: int, has_shared: bool,
+             shared_out: torch.Tensor | None = None) -> torch.Tensor:
+    """Each token's slots of y [T * slots, H] summed with their routing weights (+ shared_weight times the shared
+    expert's slot, or its rows `shared_out`) (+ the residual): one launch."""
     t, h = x.shape
     out = torch.empty_like(x)
     has_res = residual is not None
-    if has_res and (residual.shape != x.shape or residual.dtype != x.dtype or not residual.is_contiguous()):
-        raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} does not match x "
-                         f"{tuple(x.shape)} {x.dtype}")
+    for name, extra in (("residual", residual), ("shared_out", shared_out)):
+        if extra is not None and (extra.shape != x.shape or extra.dtype != x.dtype or not extra.is_contiguous()):
+            raise ValueError(f"{name} {tuple(extra.shape)} {extra.dtype} does not match x {tuple(x.shape)} {x.dtype}")
     block_h = min(512, _next_pow2(h))
     on = pdl(x)
+    has_sout = shared_out is not None
     _combine_kernel[(t, _cdiv(h, block_h))](
-        y, weights, shared_weight if has_shared else weights, residual if has_res else y, out, H=h, TOP_K=k,
-        SLOTS=slots, SHARED=has_shared, HAS_RES=has_res, BLOCK_H=block_h, PDL=on, num_warps=4, launch_pdl=on)
+        y, weights, shared_weight if has_shared or has_sout else weights, shared_out if has_sout else y,
+        residual if has_res else y, out, H=h, TOP_K=k, SLOTS=slots, SHARED=has_shared, HAS_SOUT=has_sout,
+        HAS_RES=has_res, BLOCK_H=block_h, PDL=on, num_warps=4, launch_pdl=on)
     return out

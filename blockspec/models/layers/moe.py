@@ -330,6 +330,10 @@ class SparseMoeBlock(nn.Module):
         if logits is None:
             logits = skinny_linear(x, gate.weight, gate.bias) if isinstance(gate, Linear) else gate(x)  # or quantized
         shared = self._folded_shared()
+        separate = self.shared_expert is not None and shared is None  # quantized or differently sized: beside
+        # where its gate is a plain linear: the gate from the routing kernel (no top-k, the layout left without the
+        # shared slot) and the output added in the combine launch
+        beside = separate and isinstance(self.shared_expert_gate, Linear) and self.shared_expert_gate.bias is None
         shared_gate = self.shared_expert_gate.weight if shared is not None else None
         layout = None
         if self.route_override is None:
@@ -337,14 +341,18 @@ class SparseMoeBlock(nn.Module):
         else:
             weights, ids = self.route_override(logits)
             shared_w = moe_route(logits, self.top_k, self.renormalize, x, shared_gate, topk=False)[2]
+        if beside:
+            shared_w = moe_route(logits, self.top_k, self.renormalize, x, self.shared_expert_gate.weight,
+                                 topk=False)[2]
         if self.record_routing:
             self._record(ids)
-        separate = self.shared_expert is not None and shared is None  # a differently sized one: its own path
         ex = self.experts  # Experts, or QuantExperts (the kernels dequantize its layouts in registers)
+        alone = separate and not beside  # the shared expert's whole path in module ops
         out = moe_experts(x, ex.gate_up_proj, ex.down_proj, weights, ids, shared, shared_w, layout=layout,
-                          residual=None if separate else residual, gate_up_bias=ex.gate_up_proj_bias,
-                          down_bias=ex.down_proj_bias, limit=ex.activation.limit, alpha=ex.activation.alpha)
-        if separate:
+                          residual=None if alone else residual, gate_up_bias=ex.gate_up_proj_bias,
+                          down_bias=ex.down_proj_bias, limit=ex.activation.limit, alpha=ex.activation.alpha,
+                          shared_out=self.shared_expert(x) if beside else None)
+        if alone:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
             if residual is not None:
                 out = residual + out
