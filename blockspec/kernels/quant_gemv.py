@@ -279,6 +279,8 @@ def nvfp4_gemv(x: torch.Tensor, layer, meta, cfg: GemvConfig, residual: torch.Te
     ([M, N], contiguous) the result is added into it in place (rounded as a separate add) and returned. One row
     takes the GEMV, 2 to 16 the rows kernel."""
     m = x.shape[0]
+    if not 1 <= m <= MAX_ROWS or meta.k % (2 * SPAN_BYTES * cfg.parts * cfg.spans):
+        raise ValueError(f"{m} rows of K = {meta.k} do not fit the mma kernels with {cfg}")
     y = residual if residual is not None else torch.empty(m, meta.n, dtype=x.dtype, device=x.device)
     on = pdl(x)
     gs = layer.global_scale if meta.has_gs else x

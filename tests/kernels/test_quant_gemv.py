@@ -254,3 +254,13 @@ def test_moe_gemv_reads_routing_written_by_the_launch_before_it() -> None:
         graph.replay()
         torch.cuda.synchronize()
         assert rel_err(out, reference(experts, x, weights, ids)) < 1e-2
+
+
+def test_launches_that_do_not_tile_k_are_refused() -> None:
+    """A config whose K parts x spans do not tile K would read across parts: refused before any launch."""
+    layer = make_layer("nvfp4", 64, 1024, torch.bfloat16)
+    meta = ql.quant_meta(layer)
+    with pytest.raises(ValueError, match="do not fit"):
+        qg.nvfp4_gemv(torch.randn(2, 1024, dtype=torch.bfloat16), layer, meta, qg.GemvConfig(16, 4, 8))
+    with pytest.raises(ValueError, match="do not fit"):
+        qg.nvfp4_gemv(torch.randn(17, 1024, dtype=torch.bfloat16), layer, meta, qg.ROWS_WIDE)
