@@ -159,7 +159,7 @@ def cases() -> list[tuple[str, tuple, dict]]:
                  ptx_has=pdl_ptx + ("mma.sync.aligned.m16n8k16",))))
     rows = {**gemv, "M": "i32"}
     for k, two, cfg, res in ((4096, False, qv.ROWS_FEW, False), (12288, True, qv.ROWS_LONG_K, True),
-                             (4096, True, qv.ROWS_WIDE, True), (5120, False, qv._fit_rows(qv.ROWS_FEW, 5120), False)):
+                             (4096, True, qv.ROWS_WIDE, True), (5120, False, qv._fit_k(qv.ROWS_FEW, 5120), False)):
         out.append((f"quant_gemv rows K={k} TWO={two} HAS_RES={res} {cfg}", (qv._rows_kernel, rows, dict(
             K=k, HAS_GS=True, BN=cfg.block, SPANS=cfg.spans, P=cfg.parts, TWO=two, HAS_RES=res, PDL=True)),
             dict(div16=("X", "QW", "S", "Y"), num_warps=cfg.warps, num_stages=1, no_spill=True,

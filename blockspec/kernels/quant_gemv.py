@@ -73,14 +73,19 @@ ROWS_FEW = GemvConfig(warps=16, spans=4, parts=8)  # 2-8 rows
 ROWS_LONG_K = GemvConfig(warps=8, spans=2, parts=8)  # 9-16 rows, K >= 2 N
 
 
-def _fit_rows(cfg: GemvConfig, k: int) -> GemvConfig | None:
-    """cfg with its K parts and spans a step cut (halved) until they tile K: the rows kernel's loop steps over
-    whole spans of each part (64 bytes = 128 weights), nothing masked."""
+def _tiles_k(cfg: GemvConfig, k: int) -> bool:
+    """Whether cfg's loop steps over whole spans of each K part (64 bytes = 128 weights), nothing masked."""
+    return k % (2 * SPAN_BYTES * cfg.parts * cfg.spans) == 0
+
+
+def _fit_k(cfg: GemvConfig, k: int) -> GemvConfig | None:
+    """cfg with its K parts and spans a step cut (halved) until they tile K (`_tiles_k`), or None."""
     parts = cfg.parts
     while parts >= 1:
         for spans in (cfg.spans, cfg.spans // 2, cfg.spans // 4, 1):
-            if spans >= 1 and k % (2 * SPAN_BYTES * parts * spans) == 0:
-                return GemvConfig(cfg.warps, spans, parts)
+            fitted = GemvConfig(cfg.warps, max(spans, 1), parts)
+            if _tiles_k(fitted, k):
+                return fitted
         parts //= 2
     return None
 
@@ -95,11 +100,9 @@ def launch_config(meta, m: int = 1) -> GemvConfig | None:
             return None
         cfg = ROWS_WIDE if meta.n >= WIDE_ROWS else ROWS_FEW if m <= 8 else \
             ROWS_LONG_K if meta.k >= 2 * meta.n else None
-        return None if cfg is None else _fit_rows(cfg, meta.k)
+        return None if cfg is None else _fit_k(cfg, meta.k)
     cfg = WIDE if meta.n >= WIDE_ROWS else NARROW if meta.n * NARROW.parts <= NARROW.block * NUM_SMS else None
-    if cfg is None or meta.k % (2 * SPAN_BYTES * cfg.spans * cfg.parts):
-        return None
-    return cfg
+    return cfg if cfg is not None and _tiles_k(cfg, meta.k) else None
 
 
 # quant_tiles' E2M1 decode of the 4 bytes in $16 into t0..t3, scaled by the pair $21 (pairs of bytes 0..3), then
@@ -279,7 +282,7 @@ def nvfp4_gemv(x: torch.Tensor, layer, meta, cfg: GemvConfig, residual: torch.Te
     ([M, N], contiguous) the result is added into it in place (rounded as a separate add) and returned. One row
     takes the GEMV, 2 to 16 the rows kernel."""
     m = x.shape[0]
-    if not 1 <= m <= MAX_ROWS or meta.k % (2 * SPAN_BYTES * cfg.parts * cfg.spans):
+    if not 1 <= m <= MAX_ROWS or not _tiles_k(cfg, meta.k):
         raise ValueError(f"{m} rows of K = {meta.k} do not fit the mma kernels with {cfg}")
     y = residual if residual is not None else torch.empty(m, meta.n, dtype=x.dtype, device=x.device)
     on = pdl(x)
@@ -451,7 +454,8 @@ def moe_applies(x: torch.Tensor, gate_up, down, shared: bool, biases: bool, clam
 
 
 def _moe_spans(k: int) -> int:
-    return next(s for s in (4, 2, 1) if k % (2 * SPAN_BYTES * s) == 0)
+    """The wide kernel's spans a step for experts of width K (moe_applies: K whole spans)."""
+    return _fit_k(WIDE, k).spans
 
 
 if HAVE_TRITON:

@@ -93,7 +93,7 @@ def test_rows_match_the_reference(m: int, n: int, k: int, global_scale: bool) ->
     x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
     want = exact(x, layer)
     for c in (qg.ROWS_FEW, qg.ROWS_LONG_K, qg.ROWS_WIDE, qg.GemvConfig(4, 4, 4), qg.GemvConfig(8, 4, 2)):
-        c = qg._fit_rows(c, k)
+        c = qg._fit_k(c, k)
         got = qg.nvfp4_gemv(x, layer, meta, c)
         assert got.shape == (m, n)
         assert rel_err(got, want) < 3e-3, c

@@ -51,19 +51,29 @@ def generate(target, drafter, k: int, dtype: str, eager: bool, general: bool = F
     return [o.token_ids for o in outs]
 
 
+def graphs_and_eager_bf16(target, drafter, k: int) -> tuple[list[list[int]], list[list[int]]]:
+    """Greedy tokens with CUDA graphs and with --enforce-eager (the same decode step uncaptured), in bf16."""
+    return (generate(target, drafter, k, "bfloat16", eager=False),
+            generate(target, drafter, k, "bfloat16", eager=True))
+
+
+def graphs_and_general_fp32(target, drafter) -> tuple[list[list[int]], list[list[int]]]:
+    """Greedy tokens (k = 7) with CUDA graphs and on the general path, in float32."""
+    return (generate(target, drafter, 7, "float32", eager=False),
+            generate(target, drafter, 7, "float32", eager=True, general=True))
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("k", [0, 7])
 def test_graphs_equal_eager_bf16(checkpoints, family, k):
-    target, drafter = checkpoints[family]
-    assert generate(target, drafter, k, "bfloat16", eager=False) == generate(target, drafter, k, "bfloat16",
-                                                                             eager=True)
+    graphs, eager = graphs_and_eager_bf16(*checkpoints[family], k)
+    assert graphs == eager
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_graphs_equal_general_path_fp32(checkpoints, family):
-    target, drafter = checkpoints[family]
-    assert generate(target, drafter, 7, "float32", eager=False) == generate(target, drafter, 7, "float32",
-                                                                            eager=True, general=True)
+    graphs, general = graphs_and_general_fp32(*checkpoints[family])
+    assert graphs == general
 
 
 QUANTIZED = ("qwen3_5", "qwen3_next")  # a dense and an MoE hybrid
@@ -80,13 +90,11 @@ def quantized(checkpoints, tmp_path_factory) -> dict:
 
 @pytest.mark.parametrize("family", QUANTIZED)
 def test_quantized_hybrid_graphs_equal_eager_bf16(quantized, family):
-    target, drafter = quantized[family]
-    assert generate(target, drafter, 7, "bfloat16", eager=False) == generate(target, drafter, 7, "bfloat16",
-                                                                             eager=True)
+    graphs, eager = graphs_and_eager_bf16(*quantized[family], 7)
+    assert graphs == eager
 
 
 @pytest.mark.parametrize("family", QUANTIZED)
 def test_quantized_hybrid_graphs_equal_general_path_fp32(quantized, family):
-    target, drafter = quantized[family]
-    assert generate(target, drafter, 7, "float32", eager=False) == generate(target, drafter, 7, "float32",
-                                                                            eager=True, general=True)
+    graphs, general = graphs_and_general_fp32(*quantized[family])
+    assert graphs == general
