@@ -97,12 +97,22 @@ def quantize_block(block: SparseMoeBlock, shape: dict, scheme: str) -> SparseMoe
     return block.eval()
 
 
-def routing_draws(t: int, e: int, k: int, n: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """n uniform random routings: k distinct experts per token, weights summing to one."""
+def routing_draws(t: int, e: int, k: int, n: int, seed: int, pool: int | None = None
+                  ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """n uniform random routings: k distinct experts per token, weights summing to one. With `pool`, each draw's
+    tokens pick from one random set of `pool` experts: a block touching about as many experts as the engine's
+    verify blocks do (hybrid_gpu.py reports ~40 a layer for the 35B-A3B shape, ~18 for Coder-30B), where the
+    grid is mostly idle programs and a fixed cost per launch shows that uniform routing hides."""
     g = torch.Generator(device=DEVICE).manual_seed(seed)
     out = []
     for _ in range(n):
-        ids = torch.rand(t, e, device=DEVICE, generator=g).argsort(dim=-1)[:, :k].contiguous()
+        if pool is None:
+            ids = torch.rand(t, e, device=DEVICE, generator=g).argsort(dim=-1)[:, :k].contiguous()
+        else:
+            if not k <= pool <= e:
+                raise SystemExit(f"--pool {pool}: needs top-k ({k}) <= pool <= experts ({e})")
+            chosen = torch.rand(e, device=DEVICE, generator=g).argsort()[:pool]
+            ids = chosen[torch.rand(t, pool, device=DEVICE, generator=g).argsort(dim=-1)[:, :k]].contiguous()
         w = torch.rand(t, k, device=DEVICE, generator=g) + 0.1
         out.append(((w / w.sum(-1, keepdim=True)).to(DTYPE), ids))
     return out
@@ -193,9 +203,10 @@ def weight_bytes(shape: dict, distinct: float, block: SparseMoeBlock | None = No
     return DTYPE.itemsize * (distinct * 3 * i * h + 3 * s * h) + router
 
 
-def run_block(block: SparseMoeBlock, shape: dict, t: int, reps: int, paths: list[str]) -> dict:
+def run_block(block: SparseMoeBlock, shape: dict, t: int, reps: int, paths: list[str], pool: int | None = None
+              ) -> dict:
     e, k, h = shape["experts"], shape["top_k"], shape["hidden"]
-    draws = routing_draws(t, e, k, CALLS, seed=t)
+    draws = routing_draws(t, e, k, CALLS, seed=t, pool=pool)
     distinct = statistics.mean(float(ids.unique().numel()) for _, ids in draws)
     nbytes = weight_bytes(shape, distinct, block)
     x = torch.randn(t, h, device=DEVICE, dtype=DTYPE)
@@ -258,10 +269,10 @@ SWEEP_DOT = [mg.GemmConfig(16, bn, bk, w, 3)
 SWEEP_ROW = [mg.GemmConfig(1, bn, bk, w, 3) for bn, bk, w in itertools.product((4, 8, 16, 32), (256, 512), (4, 8))]
 
 
-def sweep(block: SparseMoeBlock, shape: dict, t: int, reps: int) -> dict:
+def sweep(block: SparseMoeBlock, shape: dict, t: int, reps: int, pool: int | None = None) -> dict:
     """Each grouped GEMM alone, over launch configs, for one routing draw (graph replay of CALLS launches)."""
     e, k, h, i = shape["experts"], shape["top_k"], shape["hidden"], shape["inter"]
-    weights, ids = routing_draws(t, e, k, 1, seed=1000 + t)[0]
+    weights, ids = routing_draws(t, e, k, 1, seed=1000 + t, pool=pool)[0]
     shared = block._folded_shared()
     slots = k + int(shared is not None)
     x = torch.randn(t, h, device=DEVICE, dtype=DTYPE)
@@ -308,6 +319,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--sweep", action="store_true", help="also sweep the grouped GEMMs' launch configs (bf16)")
     ap.add_argument("--quant", choices=sorted(QUANT), help="experts and shared expert in this layout")
+    ap.add_argument("--pool", type=int, default=None,
+                    help="route each call's tokens among this many random experts (default: all, uniform)")
     ap.add_argument("--dry-run", action="store_true", help="CPU under TRITON_INTERPRET=1, a tiny shape")
     ap.add_argument("--out", default=None, help="directory for the JSON (else $OUT, else bench/results/)")
     args = ap.parse_args(argv)
@@ -339,10 +352,10 @@ def main(argv: list[str] | None = None) -> None:
             block = quantize_block(block, shape, quant)
         rows = []
         for t in tokens:
-            row = run_block(block, shape, t, reps, paths)
+            row = run_block(block, shape, t, reps, paths, args.pool)
             row["ideal_us"] = round(row["bytes"] / bw * 1e6, 2) if bw else None
             if args.sweep and not quant and t <= 256:
-                row["sweep"] = sweep(block, shape, t, max(10, reps // 3))
+                row["sweep"] = sweep(block, shape, t, max(10, reps // 3), args.pool)
             rows.append(row)
         results.append({"shape": key, **shape, "rows": rows})
         del block
@@ -350,10 +363,12 @@ def main(argv: list[str] | None = None) -> None:
             torch.cuda.empty_cache()
     out = {"device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu",
            "commit": os.environ.get("COMMIT", "?"), "torch": torch.__version__, "experts": quant or "bf16",
-           "copy_bandwidth_GBs": round(bw / 1e9, 1) if bw else None, "calls_per_graph": CALLS, "results": results}
+           "copy_bandwidth_GBs": round(bw / 1e9, 1) if bw else None, "calls_per_graph": CALLS, "pool": args.pool,
+           "results": results}
     out_dir = Path(args.out or os.environ.get("OUT") or Path(__file__).resolve().parent / "results")
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / (f"moe_kernels_{quant}.json" if quant else "moe_kernels.json")).write_text(json.dumps(out, indent=1))
+    name = "moe_kernels" + (f"_{quant}" if quant else "") + (f"_pool{args.pool}" if args.pool else "")
+    (out_dir / f"{name}.json").write_text(json.dumps(out, indent=1))
 
     cols = [p for p in paths if p != "fused_eager"] + (["fused_eager"] if "fused_eager" in paths else [])
     print(f"\nexperts {quant or 'bf16'}; us per MoE block (graph replay unless noted), effective GB/s")
