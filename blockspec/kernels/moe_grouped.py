@@ -818,6 +818,11 @@ def moe_experts(x: torch.Tensor, gate_up, down, weights: torch.Tensor, ids: torc
         return _combine(x, y, weights, shared_weight, residual, k, slots, False, shared_out)
     if layout is None:
         layout = moe_align(ids, e, has_shared)
+    if configs is None and quant_gemv.moe_rows_applies(x, gate_up, down, has_shared, gate_up_bias is not None
+                                                       or down_bias is not None, limit is not None):
+        act = quant_gemv.nvfp4_moe_rows(x, layout, gate_up, gated=True, slots=slots, tokens=t)  # a verify block
+        y = quant_gemv.nvfp4_moe_rows(act, layout, down, gated=False, slots=slots, tokens=t)
+        return _combine(x, y, weights, shared_weight, residual, k, slots, False, shared_out)
     if configs is None:
         configs = (gemm_config(t, i, h, layout.max_items, True, quantized=quantized),
                    gemm_config(t, h, i, layout.max_items, False, quantized=quantized))

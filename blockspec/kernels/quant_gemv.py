@@ -384,16 +384,35 @@ if HAVE_TRITON:
         return acc_a, acc_b
 
     @triton.jit
-    def _rows_store(acc, Y, GS, pid, tok0, M, N, BN: tl.constexpr, P: tl.constexpr, HAS_GS: tl.constexpr,
-                    HAS_RES: tl.constexpr):
-        """One block's C registers -> y [M, N]: element (r, 16 t + 4 j + c) of acc is C register c of the lane's
-        j-th 4 bytes, i.e. weight row g + 8 (c // 2) of the tile row's group and token 2 t + c % 2; the 4 groups
-        and the P parts (warps) of a row are summed."""
+    def _rows_span_loop(acc_a, acc_b, QW, x32, S, lo_row, hi_row, part, tok, tok_b, KB: tl.constexpr,
+                        NG: tl.constexpr, BN: tl.constexpr, SPANS: tl.constexpr, P: tl.constexpr, TWO: tl.constexpr):
+        """acc_a, acc_b += the products of the tile rows' K parts: every span of weight rows lo_row / hi_row
+        against x rows tok / tok_b (row indices into x32, KB words a row)."""
+        for b0 in range(0, KB // P, 64 * SPANS):
+            for u in tl.static_range(SPANS):
+                wl, wh, xa, xb, sla, slb, sha, shb = _rows_loads(QW, x32, S, lo_row, hi_row, part, tok, tok_b,
+                                                                 b0 + 64 * u, KB, NG, P, TWO)
+                acc_a, acc_b = _rows_mma(acc_a, acc_b, wl, wh, xa, xb, sla, slb, sha, shb, BN, TWO)
+        return acc_a, acc_b
+
+    @triton.jit
+    def _rows_sums(acc, GS, BN: tl.constexpr, P: tl.constexpr, HAS_GS: tl.constexpr):
+        """One block's C registers -> the sums [group, g, t, hi, e] of weight row g + 8 hi of the program's 16-row
+        group and token 2 t + e: element (r, 16 t + 4 j + c) of acc is C register c of the lane's j-th 4 bytes
+        (hi = c // 2, e = c % 2); the 4 groups of bytes and the P parts (warps) of a row are summed."""
         RG: tl.constexpr = BN // 8 // P  # groups of 16 weight rows a program
         y = tl.sum(tl.reshape(acc, [RG, P, 8, 4, 4, 2, 2]), axis=4)  # [group, part, g, t, hi, e]
-        y = tl.sum(y, axis=1) * _FP4_BIAS  # [group, g, t, hi, e]
+        y = tl.sum(y, axis=1) * _FP4_BIAS
         if HAS_GS:
             y = y * tl.load(GS)
+        return y
+
+    @triton.jit
+    def _rows_store(acc, Y, GS, pid, tok0, M, N, BN: tl.constexpr, P: tl.constexpr, HAS_GS: tl.constexpr,
+                    HAS_RES: tl.constexpr):
+        """One block's sums -> y [M, N] (tokens tok0 ..)."""
+        RG: tl.constexpr = BN // 8 // P
+        y = _rows_sums(acc, GS, BN, P, HAS_GS)  # [group, g, t, hi, e]
         gi = tl.arange(0, RG)[:, None, None, None, None]
         g = tl.arange(0, 8)[None, :, None, None, None]
         t = tl.arange(0, 4)[None, None, :, None, None]
@@ -428,11 +447,8 @@ if HAVE_TRITON:
         wait_for_inputs(PDL)
         tok = tl.minimum(g, M - 1)
         tok_b = tl.minimum(g + 8, M - 1)
-        for b0 in range(0, KB // P, 64 * SPANS):
-            for u in tl.static_range(SPANS):
-                wl, wh, xa, xb, sla, slb, sha, shb = _rows_loads(QW, x32, S, lo_row, hi_row, part, tok, tok_b,
-                                                                 b0 + 64 * u, KB, NG, P, TWO)
-                acc_a, acc_b = _rows_mma(acc_a, acc_b, wl, wh, xa, xb, sla, slb, sha, shb, BN, TWO)
+        acc_a, acc_b = _rows_span_loop(acc_a, acc_b, QW, x32, S, lo_row, hi_row, part, tok, tok_b, KB, NG, BN, SPANS,
+                                       P, TWO)
         release_dependents(PDL)
         _rows_store(acc_a, Y, GS, pid, 0, M, N, BN, P, HAS_GS, HAS_RES)
         if TWO:
@@ -527,4 +543,129 @@ def nvfp4_moe(x: torch.Tensor, ids: torch.Tensor, w, gated: bool) -> torch.Tenso
         W_STRIDE=w.strides[0], S_STRIDE=w.strides[1], HAS_GS=w.global_scale is not None, GATED=gated,
         X_PER_SLOT=not gated, BN=WIDE.block, SPANS=_moe_spans(w.k), PDL=on, num_warps=WIDE.warps, num_stages=1,
         launch_pdl=on)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 2 or more tokens through NVFP4 experts: the rows kernel over each work item of the grouped layout
+
+MOE_ROWS_MAX_TOKENS = 64  # a step of up to this many tokens (k + 1 = 16 at batch 4); past it the grouped dot path
+MOE_ROWS = GemvConfig(warps=4, spans=2, parts=1)  # 64 weight rows a program, one K part
+
+
+def moe_rows_applies(x: torch.Tensor, gate_up, down, shared: bool, biases: bool, clamped: bool) -> bool:
+    """2 to MOE_ROWS_MAX_TOKENS bf16 tokens on a CUDA GPU through NVFP4 experts whose widths the rows kernel tiles
+    (MOE_ROWS), with no folded shared expert, biases or clamped activation (the grouped kernels keep those)."""
+    return (HAVE_TRITON and not INTERPRET and x.is_cuda and x.dtype == torch.bfloat16
+            and 2 <= x.shape[0] <= MOE_ROWS_MAX_TOKENS and not (shared or biases or clamped)
+            and all(getattr(w, "meta", None) is not None and w.meta.scheme == "nvfp4" and w.fast
+                    and _fit_k(MOE_ROWS, w.k) is not None for w in (gate_up, down)))
+
+
+if HAVE_TRITON:
+    @triton.jit
+    def _moe_rows_kernel(X, QW, S, GS, OUT, SORTED, ITEM_EXPERT, ITEM_START, ITEM_COUNT, NUM_ITEMS,
+                         N_W: tl.constexpr, K: tl.constexpr, W_STRIDE: tl.constexpr, S_STRIDE: tl.constexpr,
+                         SLOTS: tl.constexpr, HAS_GS: tl.constexpr, GATED: tl.constexpr, BN: tl.constexpr,
+                         SPANS: tl.constexpr, P: tl.constexpr, TWO: tl.constexpr, PDL: tl.constexpr = False):
+        """Program (item, block): a work item of moe_grouped's layout (an expert and `count` of its pairs, at
+        `start` in SORTED) against 16 RG weight rows of that expert, 8 (16 with TWO) of its tokens at a time.
+        GATED (gate|up, N_W = 2I rows; x = X [T, K] read at each pair's token): a 16-row group holds the gate
+        rows of 8 outputs as its rows g and their up rows as g + 8, so a lane's C registers are one output's
+        gate and up, and SiLU(gate) * up (rounded as silu_mul_ref) goes to OUT [P, I] at the pair's sorted
+        place. Else (down: x = X [P, K], the activations in sorted order) OUT [P, N_W] at the pair's own row
+        (pair = token * SLOTS + slot), as the grouped kernels lay them out for the combine."""
+        item = tl.program_id(0)
+        blk = tl.program_id(1)
+        wait_for_inputs(PDL)  # before the layout: the routing launch just before writes it
+        if item >= tl.load(NUM_ITEMS):
+            return
+        e = tl.load(ITEM_EXPERT + item).to(tl.int64)
+        start = tl.load(ITEM_START + item)
+        count = tl.load(ITEM_COUNT + item)
+        RG: tl.constexpr = BN // 8 // P
+        r = tl.arange(0, BN)
+        w = r // 8
+        g = r % 8
+        grp = blk * RG + w // P  # the tile row's 16-row group
+        if GATED:
+            HALF: tl.constexpr = N_W // 2
+            lo_row = tl.minimum(grp * 8 + g, HALF - 1).to(tl.int64)  # gate row of output 8 grp + g
+            hi_row = lo_row + HALF  # its up row
+        else:
+            lo_row = tl.minimum(grp * 16 + g, N_W - 1).to(tl.int64)
+            hi_row = tl.minimum(grp * 16 + g + 8, N_W - 1).to(tl.int64)
+        part = (w % P).to(tl.int64)
+        KB: tl.constexpr = K // 2
+        NG: tl.constexpr = K // 16
+        x32 = X.to(tl.pointer_type(tl.int32))
+        qw = QW + e * W_STRIDE
+        s = S + e * S_STRIDE
+        gs = GS + e
+        STEP: tl.constexpr = 16 if TWO else 8
+        m0 = 0
+        while m0 < count:
+            last = start + count - 1  # tokens past the item's read its last pair: computed, never stored
+            pos_a = tl.minimum(start + m0 + g, last)
+            pos_b = tl.minimum(start + m0 + g + 8, last)
+            if GATED:
+                tok = (tl.load(SORTED + pos_a) // SLOTS).to(tl.int64)
+                tok_b = (tl.load(SORTED + pos_b) // SLOTS).to(tl.int64)
+            else:
+                tok = pos_a.to(tl.int64)
+                tok_b = pos_b.to(tl.int64)
+            acc_a = tl.zeros([BN, 64], dtype=tl.float32)
+            acc_b = tl.zeros([BN, 64], dtype=tl.float32)
+            acc_a, acc_b = _rows_span_loop(acc_a, acc_b, qw, x32, s, lo_row, hi_row, part, tok, tok_b, KB, NG, BN,
+                                           SPANS, P, TWO)
+            release_dependents(PDL)  # the first tile's store; later calls have no effect
+            _moe_rows_store(acc_a, OUT, gs, SORTED, start, count, m0, blk, N_W, BN, P, HAS_GS, GATED)
+            if TWO:
+                _moe_rows_store(acc_b, OUT, gs, SORTED, start, count, m0 + 8, blk, N_W, BN, P, HAS_GS, GATED)
+            m0 += STEP
+
+    @triton.jit
+    def _moe_rows_store(acc, OUT, GS, SORTED, start, count, j0, blk, N_W: tl.constexpr, BN: tl.constexpr,
+                        P: tl.constexpr, HAS_GS: tl.constexpr, GATED: tl.constexpr):
+        """One block of 8 tokens (the item's j0 ..): the sums to OUT as _moe_rows_kernel lays it out."""
+        RG: tl.constexpr = BN // 8 // P
+        dtype = OUT.dtype.element_ty
+        y = _rows_sums(acc, GS, BN, P, HAS_GS)  # [group, g, t, hi, e]: weight row g + 8 hi, token 2 t + e
+        if GATED:
+            HALF: tl.constexpr = N_W // 2
+            # the F.linear outputs of gate (hi 0) and up (hi 1), then silu_mul_ref's roundings
+            gate, up = tl.split(tl.permute(y.to(dtype).to(tl.float32), [0, 1, 2, 4, 3]))  # [group, g, t, e]
+            sg = (gate / (1.0 + tl.exp(-gate))).to(dtype)
+            act = (sg.to(tl.float32) * up).to(dtype)
+            gi = tl.arange(0, RG)[:, None, None, None]
+            col = (blk * RG + gi) * 8 + tl.arange(0, 8)[None, :, None, None]
+            j = j0 + 2 * tl.arange(0, 4)[None, None, :, None] + tl.arange(0, 2)[None, None, None, :]
+            keep = (j < count) & (col < HALF)
+            tl.store(OUT + (start + j).to(tl.int64) * HALF + col, act, mask=keep)
+        else:
+            gi = tl.arange(0, RG)[:, None, None, None, None]
+            row = (blk * RG + gi) * 16 + tl.arange(0, 8)[None, :, None, None, None] + \
+                8 * tl.arange(0, 2)[None, None, None, :, None]
+            j = j0 + 2 * tl.arange(0, 4)[None, None, :, None, None] + tl.arange(0, 2)[None, None, None, None, :]
+            live = j < count
+            pair = tl.load(SORTED + start + j, mask=live, other=0).to(tl.int64)
+            tl.store(OUT + pair * N_W + row, y.to(dtype), mask=live & (row < N_W))
+
+
+def nvfp4_moe_rows(x: torch.Tensor, layout, w, gated: bool, slots: int, tokens: int) -> torch.Tensor:
+    """The pairs of moe_grouped's `layout` through one stacked NVFP4 projection w (QuantOperand): gated, x [T, H]
+    -> SiLU(gate) * up [P, I] in sorted order; else x [P, I] (sorted order) -> [P, H] at each pair's row. P =
+    tokens * slots. The caller checked `moe_rows_applies`."""
+    cfg = _fit_k(MOE_ROWS, w.k)
+    n_out = w.n // 2 if gated else w.n
+    out = torch.empty(tokens * slots, n_out, dtype=x.dtype, device=x.device)
+    out_rows = n_out if gated else w.n  # gated: 8 outputs a 16-row group
+    per_block = cfg.rows_block // 2 if gated else cfg.rows_block
+    on = pdl(x)
+    _moe_rows_kernel[(layout.max_items, triton.cdiv(out_rows, per_block))](
+        x, w.qweight, w.scales, w.global_scale if w.global_scale is not None else w.scales, out,
+        layout.sorted_pairs, layout.item_expert, layout.item_start, layout.item_count, layout.num_items,
+        N_W=w.n, K=w.k, W_STRIDE=w.strides[0], S_STRIDE=w.strides[1], SLOTS=slots,
+        HAS_GS=w.global_scale is not None, GATED=gated, BN=cfg.block, SPANS=cfg.spans, P=cfg.parts,
+        TWO=tokens > 8, PDL=on, num_warps=cfg.warps, num_stages=1, launch_pdl=on)
     return out

@@ -166,6 +166,15 @@ def nvfp4_experts(e: int, h: int, i: int, device: str) -> QuantExperts:
         device)
 
 
+def count_calls(monkeypatch, *names: str) -> list:
+    """A list that gets an entry per call of any of quant_gemv's `names`."""
+    calls = []
+    for name in names:
+        real = getattr(qg, name)
+        monkeypatch.setattr(qg, name, lambda *a, real=real, **kw: calls.append(1) or real(*a, **kw))
+    return calls
+
+
 def test_moe_dispatch_rule() -> None:
     experts = nvfp4_experts(4, 256, 128, "cpu")
     gu, d = quant_operand(experts.gate_up_proj, torch.bfloat16), quant_operand(experts.down_proj, torch.bfloat16)
@@ -180,9 +189,7 @@ def test_moe_one_token_matches_the_reference(e: int, h: int, i: int, k: int, mon
     experts = nvfp4_experts(e, h, i, "cuda")
     weights, ids = random_routing(1, e, k, torch.bfloat16, seed=i)
     x = torch.randn(1, h, dtype=torch.bfloat16, device="cuda")
-    calls = []
-    real = qg.nvfp4_moe
-    monkeypatch.setattr(qg, "nvfp4_moe", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    calls = count_calls(monkeypatch, "nvfp4_moe")
     got = moe_experts(x, experts.gate_up_proj, experts.down_proj, weights, ids)
     assert len(calls) == 2  # gate|up and down on the GEMV
     want = reference(experts, x, weights, ids)
@@ -194,9 +201,7 @@ def test_moe_one_token_matches_the_reference(e: int, h: int, i: int, k: int, mon
 
 @gpu
 def test_moe_keeps_the_grouped_kernels_where_the_gemv_does_not_apply(monkeypatch) -> None:
-    calls = []
-    real = qg.nvfp4_moe
-    monkeypatch.setattr(qg, "nvfp4_moe", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    calls = count_calls(monkeypatch, "nvfp4_moe", "nvfp4_moe_rows")
     experts = nvfp4_experts(8, 256, 96, "cuda")  # the down projection's K (96) is not whole spans
     weights, ids = random_routing(2, 8, 2, torch.bfloat16, seed=1)
     x = torch.randn(2, 256, dtype=torch.bfloat16, device="cuda")  # and two tokens
@@ -247,6 +252,69 @@ def test_moe_gemv_reads_routing_written_by_the_launch_before_it() -> None:
     with torch.cuda.graph(graph):
         weights, ids, _ = moe_route(logits, k, True)
         out = moe_experts(x, experts.gate_up_proj, experts.down_proj, weights, ids)
+    for seed in range(8):
+        torch.manual_seed(seed)
+        logits.copy_(torch.randn_like(logits))
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert rel_err(out, reference(experts, x, weights, ids)) < 1e-2
+
+
+def test_moe_rows_dispatch_rule() -> None:
+    experts = nvfp4_experts(4, 256, 128, "cpu")
+    gu, d = quant_operand(experts.gate_up_proj, torch.bfloat16), quant_operand(experts.down_proj, torch.bfloat16)
+    x = torch.randn(16, 256, dtype=torch.bfloat16)
+    assert not qg.moe_rows_applies(x, gu, d, False, False, False)  # CPU: the grouped kernels / reference
+    assert qg._fit_k(qg.MOE_ROWS, 2048) == qg.MOE_ROWS and qg._fit_k(qg.MOE_ROWS, 128) == qg.GemvConfig(4, 1, 1)
+    assert qg._fit_k(qg.MOE_ROWS, 96) is None
+
+
+@gpu
+@pytest.mark.parametrize("t,e,h,i,k", [
+    (2, 16, 256, 128, 8),  # two tokens: one block of 8, most of it clamped
+    (16, 64, 2048, 512, 8),  # a k = 15 verify block on the 35B-A3B expert shape (64 of its 256 experts)
+    (5, 8, 384, 256, 2),  # few tokens, K of 3 spans
+    (64, 8, 256, 128, 4),  # 32 pairs an expert: the item's tokens in 2 passes of 16, items chunked at 64 pairs
+])
+def test_moe_rows_match_the_reference(t: int, e: int, h: int, i: int, k: int, monkeypatch) -> None:
+    experts = nvfp4_experts(e, h, i, "cuda")
+    weights, ids = random_routing(t, e, k, torch.bfloat16, seed=t + i)
+    x = torch.randn(t, h, dtype=torch.bfloat16, device="cuda")
+    calls = count_calls(monkeypatch, "nvfp4_moe_rows")
+    got = moe_experts(x, experts.gate_up_proj, experts.down_proj, weights, ids)
+    assert len(calls) == 2  # gate|up and down on the rows kernel
+    want = reference(experts, x, weights, ids)
+    assert rel_err(got, want) < 1e-2
+    res, sw, sout = torch.randn_like(x), torch.rand(t, dtype=x.dtype, device="cuda"), torch.randn_like(x)
+    got = moe_experts(x, experts.gate_up_proj, experts.down_proj, weights, ids, residual=res, shared_weight=sw,
+                      shared_out=sout)
+    assert rel_err(got, want + res + sw[:, None] * sout) < 1e-2
+
+
+@gpu
+def test_moe_rows_read_the_layout_written_by_the_launch_before_them(monkeypatch) -> None:
+    """The engine's verify graph: routing and grouping (one launch) write the layout the rows kernel reads first."""
+    from blockspec.kernels.moe_grouped import moe_route_align
+
+    t, e, h, i, k = 16, 256, 512, 256, 8
+    experts = nvfp4_experts(e, h, i, "cuda")
+    x = torch.randn(t, h, dtype=torch.bfloat16, device="cuda")
+    logits = torch.randn(t, e, dtype=torch.bfloat16, device="cuda")
+    calls = count_calls(monkeypatch, "nvfp4_moe_rows")
+
+    def step():
+        weights, ids, _, layout = moe_route_align(logits, k, True)
+        return weights, ids, moe_experts(x, experts.gate_up_proj, experts.down_proj, weights, ids, layout=layout)
+
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        weights, ids, out = step()
+    assert len(calls) == 4
     for seed in range(8):
         torch.manual_seed(seed)
         logits.copy_(torch.randn_like(logits))
