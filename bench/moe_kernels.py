@@ -74,6 +74,7 @@ CALLS = 8  # block calls per timed graph, each with its own routing draw
 DEVICE = "cuda"  # the dry run sets "cpu"
 # the dry run sets float32: the interpreter's bf16 tl.dot is not a GPU's (tests/kernels patch it, the script does not)
 DTYPE = torch.bfloat16
+PROFILE = False  # --profile
 
 
 def build_block(shape: dict) -> SparseMoeBlock:
@@ -191,6 +192,26 @@ def count_launches(fn: Callable[[], object]) -> int | None:
         return None
 
 
+def kernel_times(fn: Callable[[], object], calls: int = 20) -> dict[str, float] | None:
+    """GPU microseconds a call of each kernel `fn` launches (torch profiler, eager; run with BLOCKSPEC_PDL=0, or a
+    kernel's time includes its wait for the one before), or None where the profiler is not available."""
+    try:
+        from torch.profiler import ProfilerActivity, profile
+        fn()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(calls):
+                fn()
+            torch.cuda.synchronize()
+    except Exception:  # noqa: BLE001 (a diagnostic; the timings do not depend on it)
+        return None
+    times: dict[str, float] = {}
+    for ev in prof.key_averages():
+        if ev.device_type.name == "CUDA" and ev.device_time_total > 0:
+            times[ev.key[:60]] = round(ev.device_time_total / calls, 2)
+    return dict(sorted(times.items(), key=lambda kv: -kv[1]))
+
+
 def weight_bytes(shape: dict, distinct: float, block: SparseMoeBlock | None = None) -> float:
     """Bytes a step must read: the touched experts, the shared expert, the router (and the shared gate); with
     a quantized `block`, its layouts' bytes per expert and the quantized shared expert's."""
@@ -236,6 +257,9 @@ def run_block(block: SparseMoeBlock, shape: dict, t: int, reps: int, paths: list
                     row["fused_routed_launches"] = count_launches(use("fused", False))
                 elif path == "fused_eager":
                     us = eager_us(use("fused", True), reps)
+                    if PROFILE:
+                        row["fused_kernels_us"] = kernel_times(use("fused", True))
+                        print(f"  T={t:5d} kernels (us a call): {row['fused_kernels_us']}", flush=True)
                 elif path == "grouped":
                     try:
                         us = graph_us(use("grouped", True), CALLS, reps)
@@ -310,7 +334,7 @@ def sweep(block: SparseMoeBlock, shape: dict, t: int, reps: int, pool: int | Non
 
 
 def main(argv: list[str] | None = None) -> None:
-    global DEVICE, DTYPE
+    global DEVICE, DTYPE, PROFILE
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default=None, help="35b,coder30b (default; --quant: 35b)")
     ap.add_argument("--tokens", default=None, help="1,4,16,64,256,512,1024 (default; --quant: 1,16)")
@@ -321,10 +345,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--quant", choices=sorted(QUANT), help="experts and shared expert in this layout")
     ap.add_argument("--pool", type=int, default=None,
                     help="route each call's tokens among this many random experts (default: all, uniform)")
+    ap.add_argument("--profile", action="store_true",
+                    help="with the fused_eager path: GPU time per kernel of a call (run with BLOCKSPEC_PDL=0)")
     ap.add_argument("--dry-run", action="store_true", help="CPU under TRITON_INTERPRET=1, a tiny shape")
     ap.add_argument("--out", default=None, help="directory for the JSON (else $OUT, else bench/results/)")
     args = ap.parse_args(argv)
     quant = args.quant
+    PROFILE = args.profile
     if args.dry_run:
         if not INTERPRET:
             raise SystemExit("--dry-run runs the kernels in Triton's interpreter: set TRITON_INTERPRET=1 (the "

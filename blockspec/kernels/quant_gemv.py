@@ -551,6 +551,8 @@ def nvfp4_moe(x: torch.Tensor, ids: torch.Tensor, w, gated: bool) -> torch.Tenso
 
 MOE_ROWS_MAX_TOKENS = 64  # a step of up to this many tokens (k + 1 = 16 at batch 4); past it the grouped dot path
 MOE_ROWS = GemvConfig(warps=4, spans=2, parts=1)  # 64 weight rows a program, one K part
+MOE_ROWS_DOWN = MOE_ROWS
+MOE_ROWS_TWO = True  # 16 tokens a pass where the step has more than 8
 
 
 def moe_rows_applies(x: torch.Tensor, gate_up, down, shared: bool, biases: bool, clamped: bool) -> bool:
@@ -559,7 +561,7 @@ def moe_rows_applies(x: torch.Tensor, gate_up, down, shared: bool, biases: bool,
     return (HAVE_TRITON and not INTERPRET and x.is_cuda and x.dtype == torch.bfloat16
             and 2 <= x.shape[0] <= MOE_ROWS_MAX_TOKENS and not (shared or biases or clamped)
             and all(getattr(w, "meta", None) is not None and w.meta.scheme == "nvfp4" and w.fast
-                    and _fit_k(MOE_ROWS, w.k) is not None for w in (gate_up, down)))
+                    and _fit_k(cfg, w.k) is not None for w, cfg in ((gate_up, MOE_ROWS), (down, MOE_ROWS_DOWN))))
 
 
 if HAVE_TRITON:
@@ -656,7 +658,7 @@ def nvfp4_moe_rows(x: torch.Tensor, layout, w, gated: bool, slots: int, tokens: 
     """The pairs of moe_grouped's `layout` through one stacked NVFP4 projection w (QuantOperand): gated, x [T, H]
     -> SiLU(gate) * up [P, I] in sorted order; else x [P, I] (sorted order) -> [P, H] at each pair's row. P =
     tokens * slots. The caller checked `moe_rows_applies`."""
-    cfg = _fit_k(MOE_ROWS, w.k)
+    cfg = _fit_k(MOE_ROWS if gated else MOE_ROWS_DOWN, w.k)
     n_out = w.n // 2 if gated else w.n
     out = torch.empty(tokens * slots, n_out, dtype=x.dtype, device=x.device)
     out_rows = n_out if gated else w.n  # gated: 8 outputs a 16-row group
@@ -667,5 +669,5 @@ def nvfp4_moe_rows(x: torch.Tensor, layout, w, gated: bool, slots: int, tokens: 
         layout.sorted_pairs, layout.item_expert, layout.item_start, layout.item_count, layout.num_items,
         N_W=w.n, K=w.k, W_STRIDE=w.strides[0], S_STRIDE=w.strides[1], SLOTS=slots,
         HAS_GS=w.global_scale is not None, GATED=gated, BN=cfg.block, SPANS=cfg.spans, P=cfg.parts,
-        TWO=tokens > 8, PDL=on, num_warps=cfg.warps, num_stages=1, launch_pdl=on)
+        TWO=MOE_ROWS_TWO and tokens > 8, PDL=on, num_warps=cfg.warps, num_stages=1, launch_pdl=on)
     return out
