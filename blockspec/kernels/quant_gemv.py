@@ -550,9 +550,10 @@ def nvfp4_moe(x: torch.Tensor, ids: torch.Tensor, w, gated: bool) -> torch.Tenso
 # 2 or more tokens through NVFP4 experts: the rows kernel over each work item of the grouped layout
 
 MOE_ROWS_MAX_TOKENS = 64  # a step of up to this many tokens (k + 1 = 16 at batch 4); past it the grouped dot path
-MOE_ROWS = GemvConfig(warps=4, spans=2, parts=1)  # 64 weight rows a program, one K part
-MOE_ROWS_DOWN = MOE_ROWS
-MOE_ROWS_TWO = True  # 16 tokens a pass where the step has more than 8
+# 64 weight rows a program, one K part, 8 tokens a pass. H100, bench/moe_kernels.py --quant nvfp4 --tokens 16 --pool
+# 40 (35B-A3B, ~3 tokens an expert): 16 tokens a pass (two mma blocks) 92.5 us a block, 8 a pass 79.4 (the grouped
+# dot path 130.7); 2-16 warps, 1-4 spans a step and 2 K parts for either projection within +-5%
+MOE_ROWS = GemvConfig(warps=4, spans=2, parts=1)
 
 
 def moe_rows_applies(x: torch.Tensor, gate_up, down, shared: bool, biases: bool, clamped: bool) -> bool:
@@ -561,7 +562,7 @@ def moe_rows_applies(x: torch.Tensor, gate_up, down, shared: bool, biases: bool,
     return (HAVE_TRITON and not INTERPRET and x.is_cuda and x.dtype == torch.bfloat16
             and 2 <= x.shape[0] <= MOE_ROWS_MAX_TOKENS and not (shared or biases or clamped)
             and all(getattr(w, "meta", None) is not None and w.meta.scheme == "nvfp4" and w.fast
-                    and _fit_k(cfg, w.k) is not None for w, cfg in ((gate_up, MOE_ROWS), (down, MOE_ROWS_DOWN))))
+                    and _fit_k(MOE_ROWS, w.k) is not None for w in (gate_up, down)))
 
 
 if HAVE_TRITON:
@@ -569,9 +570,10 @@ if HAVE_TRITON:
     def _moe_rows_kernel(X, QW, S, GS, OUT, SORTED, ITEM_EXPERT, ITEM_START, ITEM_COUNT, NUM_ITEMS,
                          N_W: tl.constexpr, K: tl.constexpr, W_STRIDE: tl.constexpr, S_STRIDE: tl.constexpr,
                          SLOTS: tl.constexpr, HAS_GS: tl.constexpr, GATED: tl.constexpr, BN: tl.constexpr,
-                         SPANS: tl.constexpr, P: tl.constexpr, TWO: tl.constexpr, PDL: tl.constexpr = False):
+                         SPANS: tl.constexpr, P: tl.constexpr, PDL: tl.constexpr = False):
         """Program (item, block): a work item of moe_grouped's layout (an expert and `count` of its pairs, at
-        `start` in SORTED) against 16 RG weight rows of that expert, 8 (16 with TWO) of its tokens at a time.
+        `start` in SORTED) against 16 RG weight rows of that expert, 8 of its tokens a pass (one mma block: a
+        verify block gives an expert a few tokens; two blocks a pass measured slower, MOE_ROWS).
         GATED (gate|up, N_W = 2I rows; x = X [T, K] read at each pair's token): a 16-row group holds the gate
         rows of 8 outputs as its rows g and their up rows as g + 8, so a lane's C registers are one output's
         gate and up, and SiLU(gate) * up (rounded as silu_mul_ref) goes to OUT [P, I] at the pair's sorted
@@ -604,27 +606,20 @@ if HAVE_TRITON:
         qw = QW + e * W_STRIDE
         s = S + e * S_STRIDE
         gs = GS + e
-        STEP: tl.constexpr = 16 if TWO else 8
         m0 = 0
         while m0 < count:
-            last = start + count - 1  # tokens past the item's read its last pair: computed, never stored
-            pos_a = tl.minimum(start + m0 + g, last)
-            pos_b = tl.minimum(start + m0 + g + 8, last)
+            # tokens past the item's read its last pair: computed, never stored
+            pos = tl.minimum(start + m0 + g, start + count - 1)
             if GATED:
-                tok = (tl.load(SORTED + pos_a) // SLOTS).to(tl.int64)
-                tok_b = (tl.load(SORTED + pos_b) // SLOTS).to(tl.int64)
+                tok = (tl.load(SORTED + pos) // SLOTS).to(tl.int64)
             else:
-                tok = pos_a.to(tl.int64)
-                tok_b = pos_b.to(tl.int64)
-            acc_a = tl.zeros([BN, 64], dtype=tl.float32)
-            acc_b = tl.zeros([BN, 64], dtype=tl.float32)
-            acc_a, acc_b = _rows_span_loop(acc_a, acc_b, qw, x32, s, lo_row, hi_row, part, tok, tok_b, KB, NG, BN,
-                                           SPANS, P, TWO)
+                tok = pos.to(tl.int64)
+            acc = tl.zeros([BN, 64], dtype=tl.float32)
+            acc, _ = _rows_span_loop(acc, acc, qw, x32, s, lo_row, hi_row, part, tok, tok, KB, NG, BN, SPANS, P,
+                                     False)
             release_dependents(PDL)  # the first tile's store; later calls have no effect
-            _moe_rows_store(acc_a, OUT, gs, SORTED, start, count, m0, blk, N_W, BN, P, HAS_GS, GATED)
-            if TWO:
-                _moe_rows_store(acc_b, OUT, gs, SORTED, start, count, m0 + 8, blk, N_W, BN, P, HAS_GS, GATED)
-            m0 += STEP
+            _moe_rows_store(acc, OUT, gs, SORTED, start, count, m0, blk, N_W, BN, P, HAS_GS, GATED)
+            m0 += 8
 
     @triton.jit
     def _moe_rows_store(acc, OUT, GS, SORTED, start, count, j0, blk, N_W: tl.constexpr, BN: tl.constexpr,
@@ -658,7 +653,7 @@ def nvfp4_moe_rows(x: torch.Tensor, layout, w, gated: bool, slots: int, tokens: 
     """The pairs of moe_grouped's `layout` through one stacked NVFP4 projection w (QuantOperand): gated, x [T, H]
     -> SiLU(gate) * up [P, I] in sorted order; else x [P, I] (sorted order) -> [P, H] at each pair's row. P =
     tokens * slots. The caller checked `moe_rows_applies`."""
-    cfg = _fit_k(MOE_ROWS if gated else MOE_ROWS_DOWN, w.k)
+    cfg = _fit_k(MOE_ROWS, w.k)
     n_out = w.n // 2 if gated else w.n
     out = torch.empty(tokens * slots, n_out, dtype=x.dtype, device=x.device)
     out_rows = n_out if gated else w.n  # gated: 8 outputs a 16-row group
@@ -669,5 +664,5 @@ def nvfp4_moe_rows(x: torch.Tensor, layout, w, gated: bool, slots: int, tokens: 
         layout.sorted_pairs, layout.item_expert, layout.item_start, layout.item_count, layout.num_items,
         N_W=w.n, K=w.k, W_STRIDE=w.strides[0], S_STRIDE=w.strides[1], SLOTS=slots,
         HAS_GS=w.global_scale is not None, GATED=gated, BN=cfg.block, SPANS=cfg.spans, P=cfg.parts,
-        TWO=MOE_ROWS_TWO and tokens > 8, PDL=on, num_warps=cfg.warps, num_stages=1, launch_pdl=on)
+        PDL=on, num_warps=cfg.warps, num_stages=1, launch_pdl=on)
     return out
