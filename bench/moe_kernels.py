@@ -92,8 +92,8 @@ def quantize_block(block: SparseMoeBlock, shape: dict, scheme: str) -> SparseMoe
                                  dtype=DTYPE, device=DEVICE)
     if s:
         se = block.shared_expert
-        se.gate_proj, se.up_proj = (QuantLinear(scheme, h, s, group, symmetric=sym, dtype=DTYPE,
-                                                device=DEVICE) for _ in range(2))
+        se.gate_up_proj = QuantLinear(scheme, h, 2 * s, group, symmetric=sym, shard_sizes=[s, s], dtype=DTYPE,
+                                      device=DEVICE)
         se.down_proj = QuantLinear(scheme, s, h, group, symmetric=sym, dtype=DTYPE, device=DEVICE)
     return block.eval()
 

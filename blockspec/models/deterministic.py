@@ -163,7 +163,8 @@ def shared_expert(x: torch.Tensor, block: SparseMoeBlock) -> torch.Tensor:
     """sigmoid(shared_expert_gate(x)) * shared_expert(x), rounded as the block's PyTorch ops round it: the four
     projections as any projection, SwiGLU and the gate per element."""
     se = block.shared_expert
-    act = rowwise(lambda g, u: torch.nn.functional.silu(g) * u, linear(x, se.gate_proj), linear(x, se.up_proj))
+    gate, up = linear(x, se.gate_up_proj).chunk(2, dim=-1)
+    act = rowwise(lambda g, u: torch.nn.functional.silu(g) * u, gate.contiguous(), up.contiguous())
     return rowwise(lambda g, y: torch.sigmoid(g) * y, linear(x, block.shared_expert_gate), linear(act, se.down_proj))
 
 

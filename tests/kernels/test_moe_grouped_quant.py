@@ -215,9 +215,9 @@ def quantized_block(variant: str, e: int, k: int, shared: int, seed: int = 0,
     if shared:
         lin_scheme, group = ("nvfp4", 16) if scheme == "nvfp4" else ("int4", 32)
         se = block.shared_expert
-        for name, (k_in, n_out) in {"gate_proj": (h, shared), "up_proj": (h, shared),
-                                    "down_proj": (shared, h)}.items():
-            layer = QuantLinear(lin_scheme, k_in, n_out, group, symmetric=False, dtype=dtype)
+        for name, (k_in, n_out) in {"gate_up_proj": (h, 2 * shared), "down_proj": (shared, h)}.items():
+            layer = QuantLinear(lin_scheme, k_in, n_out, group, symmetric=False, dtype=dtype,
+                                shard_sizes=[shared, shared] if name == "gate_up_proj" else None)
             with torch.no_grad():
                 layer.qweight.copy_(torch.randint(0, 256, layer.qweight.shape, generator=gen, dtype=torch.int32))
                 if lin_scheme == "int4":

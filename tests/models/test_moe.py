@@ -18,6 +18,7 @@ from blockspec.models.layers.moe import (
     load_expert_weight,
     route,
 )
+from blockspec.models.weight_utils import copy_named
 
 
 def _copy_from_hf(ours: SparseMoeBlock, hf: torch.nn.Module) -> None:
@@ -26,7 +27,8 @@ def _copy_from_hf(ours: SparseMoeBlock, hf: torch.nn.Module) -> None:
         ours.experts.gate_up_proj.copy_(hf.experts.gate_up_proj)
         ours.experts.down_proj.copy_(hf.experts.down_proj)
         if ours.shared_expert is not None:
-            ours.shared_expert.load_state_dict(hf.shared_expert.state_dict())
+            for name, tensor in hf.shared_expert.state_dict().items():  # gate/up into the fused halves, as loading
+                assert copy_named(ours.shared_expert, name, tensor)
             ours.shared_expert_gate.weight.copy_(hf.shared_expert_gate.weight)
 
 

@@ -46,7 +46,7 @@ def make_block(h: int, e: int, k: int, i: int, shared: int, dtype: torch.dtype, 
 def reference_copy(block: SparseMoeBlock) -> SparseMoeBlock:
     ref = SparseMoeBlock(block.gate.in_features, block.experts.num_experts, block.top_k,
                          block.experts.intermediate_size, block.renormalize,
-                         block.shared_expert.gate_proj.out_features if block.shared_expert is not None else 0)
+                         block.shared_expert.intermediate_size if block.shared_expert is not None else 0)
     ref = ref.to(device=block.gate.weight.device, dtype=block.gate.weight.dtype).eval()
     ref.load_state_dict(block.state_dict())
     ref.experts.backend = "reference"

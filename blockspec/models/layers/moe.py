@@ -44,7 +44,7 @@ from blockspec.kernels.moe_grouped import (
 )
 from blockspec.kernels.rms_norm import rms_norm
 from blockspec.kernels.skinny_linear import skinny_linear, skinny_supported
-from blockspec.models.layers.linear import Linear
+from blockspec.models.layers.linear import FusedLinear, Linear
 
 BACKENDS = ("auto", "reference", "grouped", "fused")
 # "auto" takes the fused kernels up to this many tokens (decode and verify steps: (k + 1) x batch), above it
@@ -221,16 +221,19 @@ class Experts(nn.Module):
 
 
 class SharedExpert(nn.Module):
-    """A dense SwiGLU MLP every token goes through (Qwen3-Next, Qwen3.5-MoE)."""
+    """A dense SwiGLU MLP every token goes through (Qwen3-Next, Qwen3.5-MoE). Its gate and up projections are held
+    fused ([gate; up] rows, the checkpoint's gate_proj / up_proj load into the halves), as a routed expert's are:
+    one launch for both, and the layout that lets the grouped kernels read it as one more expert."""
 
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
-        self.gate_proj = Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = Linear(hidden_size, intermediate_size, bias=False)
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = FusedLinear(hidden_size, [intermediate_size, intermediate_size], bias=False)
         self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 RouteFn = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -314,10 +317,11 @@ class SparseMoeBlock(nn.Module):
     def _folded_shared(self) -> SharedWeights | None:
         """The shared expert's weights when it can ride in the routed launches as expert E (both unquantized)."""
         se = self.shared_expert
-        if se is None or not all(isinstance(p, Linear) for p in (se.gate_proj, se.up_proj, se.down_proj,
+        if se is None or not all(isinstance(p, Linear) for p in (se.gate_up_proj, se.down_proj,
                                                                  self.shared_expert_gate)):
             return None
-        shared = SharedWeights(se.gate_proj.weight, se.up_proj.weight, se.down_proj.weight)
+        gate, up = se.gate_up_proj.weight.split(se.intermediate_size)
+        shared = SharedWeights(gate, up, se.down_proj.weight)
         return shared if shared_foldable(shared, self.experts.gate_up_proj, self.experts.down_proj) else None
 
     def _forward_fused(self, x: torch.Tensor, residual: torch.Tensor | None = None,
