@@ -171,14 +171,15 @@ def cases() -> list[tuple[str, tuple, dict]]:
             X_PER_SLOT=not gated, BN=8 * qv.WIDE.warps, SPANS=qv._moe_spans(k), PDL=True)),
             dict(div16=("X", "QW", "S", "OUT"), num_warps=qv.WIDE.warps, num_stages=1, no_spill=True,
                  ptx_has=pdl_ptx + ("mma.sync.aligned.m16n8k16",))))
-    moe_rows = {"X": "*bf16", "QW": "*u8", "S": "*u8", "GS": "*fp32", "OUT": "*bf16", "SORTED": "*i32",
+    moe_rows = {"X": "*bf16", "QW": "*u8", "S": "*u8", "GS": "*fp32", "SQW_OFF16": "i64", "SS_OFF16": "i64",
+                "SGS_OFF": "i64", "OUT": "*bf16", "SORTED": "*i32",
                 "ITEM_EXPERT": "*i32", "ITEM_START": "*i32", "ITEM_COUNT": "*i32", "NUM_ITEMS": "*i32"}
-    for gated, n_w, k in ((True, 1024, 2048), (False, 2048, 512), (True, 2048, 3072),
-                          (False, 3072, 1024)):  # 35B-A3B's and 122B-A10B's NVFP4 experts
+    for gated, n_w, k, shared in ((True, 1024, 2048, True), (False, 2048, 512, True), (True, 2048, 3072, False),
+                                  (False, 3072, 1024, False)):  # 35B-A3B's and 122B-A10B's NVFP4 experts
         cfg = qv._fit_k(qv.MOE_ROWS, k)
-        out.append((f"quant_gemv moe rows gated={gated} K={k} {cfg}", (qv._moe_rows_kernel, moe_rows, dict(
-            N_W=n_w, K=k, W_STRIDE=n_w * k // 2, S_STRIDE=n_w * k // 16, SLOTS=8, HAS_GS=True, GATED=gated,
-            BN=cfg.block, SPANS=cfg.spans, P=cfg.parts, PDL=True)),
+        out.append((f"quant_gemv moe rows gated={gated} K={k} SHARED={shared}", (qv._moe_rows_kernel, moe_rows, dict(
+            N_W=n_w, K=k, W_STRIDE=n_w * k // 2, S_STRIDE=n_w * k // 16, SLOTS=9 if shared else 8, E=256,
+            SHARED=shared, HAS_GS=True, GATED=gated, BN=cfg.block, SPANS=cfg.spans, P=cfg.parts, PDL=True)),
             dict(div16=("X", "QW", "S", "OUT"), num_warps=cfg.warps, num_stages=1, no_spill=True,
                  ptx_has=pdl_ptx + ("mma.sync.aligned.m16n8k16",))))
     conv = {"X": "*bf16", "DYN": "*bf16", "BASE": "*bf16", "BIDX": "*i64", "OUT": "*bf16", "H": "i32",

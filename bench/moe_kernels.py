@@ -297,9 +297,9 @@ def sweep(block: SparseMoeBlock, shape: dict, t: int, reps: int, pool: int | Non
     """Each grouped GEMM alone, over launch configs, for one routing draw (graph replay of CALLS launches)."""
     e, k, h, i = shape["experts"], shape["top_k"], shape["hidden"], shape["inter"]
     weights, ids = routing_draws(t, e, k, 1, seed=1000 + t, pool=pool)[0]
-    shared = block._folded_shared()
-    slots = k + int(shared is not None)
     x = torch.randn(t, h, device=DEVICE, dtype=DTYPE)
+    shared = block._folded_shared(x)
+    slots = k + int(shared is not None)
     out: dict = {}
     with torch.inference_mode():
         layout = mg.moe_align(ids, e, shared is not None)

@@ -614,9 +614,16 @@ def fused_supported(x: torch.Tensor, gate_up, down) -> bool:
             and gu.k == dn.n == x.shape[1] and gu.n == 2 * dn.k)
 
 
-def shared_foldable(shared: SharedWeights, gate_up, down) -> bool:
-    """The shared expert rides along as expert E when it has the routed experts' shapes and dtype (routed
-    experts unquantized: a quantized layout's expert E would need its own operands)."""
+def shared_foldable(shared: SharedWeights | quant_gemv.Nvfp4Shared, gate_up, down, x: torch.Tensor | None = None,
+                    biases: bool = False, clamped: bool = False) -> bool:
+    """The shared expert rides along as expert E when it has the routed experts' shapes and dtype (unquantized
+    experts), or, quantized (`quant_gemv.Nvfp4Shared`), where the NVFP4 rows kernel takes x's step (2 or more
+    tokens; one token keeps it beside the routed experts)."""
+    if isinstance(shared, quant_gemv.Nvfp4Shared):
+        if x is None or isinstance(gate_up, torch.Tensor):
+            return False
+        gu, dn = quant_operand(gate_up, x.dtype), quant_operand(down, x.dtype)
+        return gu is not None and dn is not None and quant_gemv.moe_rows_applies(x, gu, dn, shared, biases, clamped)
     if not all(isinstance(t, torch.Tensor) for t in (gate_up, down, shared.gate, shared.up, shared.down)):
         return False
     i, h = gate_up.shape[1] // 2, gate_up.shape[2]
@@ -776,7 +783,8 @@ def _check_bias(bias: torch.Tensor | None, e: int, n: int, dtype: torch.dtype, n
 
 
 def moe_experts(x: torch.Tensor, gate_up, down, weights: torch.Tensor, ids: torch.Tensor,
-                shared: SharedWeights | None = None, shared_weight: torch.Tensor | None = None,
+                shared: SharedWeights | quant_gemv.Nvfp4Shared | None = None,
+                shared_weight: torch.Tensor | None = None,
                 configs: tuple[GemmConfig, GemmConfig] | None = None, layout: Layout | None = None,
                 residual: torch.Tensor | None = None, gate_up_bias: torch.Tensor | None = None,
                 down_bias: torch.Tensor | None = None, limit: float | None = None, alpha: float = 1.702,
@@ -786,7 +794,8 @@ def moe_experts(x: torch.Tensor, gate_up, down, weights: torch.Tensor, ids: torc
 
     x [T, H]; gate_up [E, 2I, H]; down [E, H, I]: tensors of x's dtype, or both quantized expert holders
     (models.layers.quant_linear.QuantExpertWeights: dequantized in registers, see `quant_operand`); weights /
-    ids [T, k]; shared (foldable, see `shared_foldable`; unquantized experts only) with shared_weight [T].
+    ids [T, k]; shared (foldable, see `shared_foldable`: unquantized, or NVFP4 on the rows kernel) with
+    shared_weight [T].
     gate_up_bias [E, 2I] / down_bias [E, H] (x's dtype) are added to the projections; `limit` (not None)
     makes the activation GPT-OSS's clamped SwiGLU with `alpha` (layers.moe.GatedActivation), else SiLU(gate)
     * up. Four launches: align, gate_up, down, combine (three when `layout` comes from `moe_route_align`).
@@ -818,11 +827,15 @@ def moe_experts(x: torch.Tensor, gate_up, down, weights: torch.Tensor, ids: torc
         return _combine(x, y, weights, shared_weight, residual, k, slots, False, shared_out)
     if layout is None:
         layout = moe_align(ids, e, has_shared)
-    if configs is None and quant_gemv.moe_rows_applies(x, gate_up, down, has_shared, gate_up_bias is not None
+    if configs is None and quant_gemv.moe_rows_applies(x, gate_up, down, shared, gate_up_bias is not None
                                                        or down_bias is not None, limit is not None):
-        act = quant_gemv.nvfp4_moe_rows(x, layout, gate_up, gated=True, slots=slots, tokens=t)  # a verify block
-        y = quant_gemv.nvfp4_moe_rows(act, layout, down, gated=False, slots=slots, tokens=t)
-        return _combine(x, y, weights, shared_weight, residual, k, slots, False, shared_out)
+        rows = dict(slots=slots, tokens=t, shared=shared)  # a verify block
+        act = quant_gemv.nvfp4_moe_rows(x, layout, gate_up, gated=True, **rows)
+        y = quant_gemv.nvfp4_moe_rows(act, layout, down, gated=False, **rows)
+        return _combine(x, y, weights, shared_weight, residual, k, slots, has_shared, shared_out)
+    if isinstance(shared, quant_gemv.Nvfp4Shared):
+        raise ValueError("a quantized shared expert folds in only where the NVFP4 rows kernel takes the experts "
+                         "(see shared_foldable)")
     if configs is None:
         configs = (gemm_config(t, i, h, layout.max_items, True, quantized=quantized),
                    gemm_config(t, h, i, layout.max_items, False, quantized=quantized))

@@ -556,21 +556,48 @@ MOE_ROWS_MAX_TOKENS = 64  # a step of up to this many tokens (k + 1 = 16 at batc
 MOE_ROWS = GemvConfig(warps=4, spans=2, parts=1)
 
 
-def moe_rows_applies(x: torch.Tensor, gate_up, down, shared: bool, biases: bool, clamped: bool) -> bool:
+@dataclass(frozen=True)
+class Nvfp4Shared:
+    """A quantized shared expert (Qwen3-Next, Qwen3.5/3.6-MoE) read by the rows kernel as expert id E, which every
+    token picks: its fused [gate; up] and its down projection (models.layers.quant_linear.QuantLinear), laid out
+    as one routed expert's slices are (`shared_fits`)."""
+
+    gate_up: object
+    down: object
+
+
+def shared_fits(shared: Nvfp4Shared, gate_up, down) -> bool:
+    """Whether the shared expert's layers hold the routed experts' NVFP4 layout (QuantOperand gate_up / down):
+    their shapes, group size, a global scale where they have one, contiguous, no act-order permutation."""
+    def fits(layer, w) -> bool:
+        return (getattr(layer, "scheme", None) == "nvfp4" and layer.group_size == w.meta.group
+                and (layer.out_features, layer.in_features) == (w.n, w.k) and getattr(layer, "perm", None) is None
+                and getattr(layer, "bias", None) is None and (layer.global_scale is not None) == w.meta.has_gs
+                and layer.qweight.is_contiguous() and layer.scales.is_contiguous()
+                and layer.qweight.device == w.qweight.device and _shared_offsets(w, layer) is not None)
+
+    return fits(shared.gate_up, gate_up) and fits(shared.down, down)
+
+
+def moe_rows_applies(x: torch.Tensor, gate_up, down, shared, biases: bool, clamped: bool) -> bool:
     """2 to MOE_ROWS_MAX_TOKENS bf16 tokens on a CUDA GPU through NVFP4 experts whose widths the rows kernel tiles
-    (MOE_ROWS), with no folded shared expert, biases or clamped activation (the grouped kernels keep those)."""
+    (MOE_ROWS), with no biases or clamped activation, and no shared expert folded in or an `Nvfp4Shared` that
+    `shared_fits` (the grouped kernels keep the rest)."""
     return (HAVE_TRITON and not INTERPRET and x.is_cuda and x.dtype == torch.bfloat16
-            and 2 <= x.shape[0] <= MOE_ROWS_MAX_TOKENS and not (shared or biases or clamped)
+            and 2 <= x.shape[0] <= MOE_ROWS_MAX_TOKENS and not (biases or clamped)
             and all(getattr(w, "meta", None) is not None and w.meta.scheme == "nvfp4" and w.fast
-                    and _fit_k(MOE_ROWS, w.k) is not None for w in (gate_up, down)))
+                    and _fit_k(MOE_ROWS, w.k) is not None for w in (gate_up, down))
+            and (shared is None or (isinstance(shared, Nvfp4Shared) and shared_fits(shared, gate_up, down))))
 
 
 if HAVE_TRITON:
     @triton.jit
-    def _moe_rows_kernel(X, QW, S, GS, OUT, SORTED, ITEM_EXPERT, ITEM_START, ITEM_COUNT, NUM_ITEMS,
+    def _moe_rows_kernel(X, QW, S, GS, SQW_OFF16, SS_OFF16, SGS_OFF, OUT, SORTED, ITEM_EXPERT, ITEM_START, ITEM_COUNT,
+                         NUM_ITEMS,
                          N_W: tl.constexpr, K: tl.constexpr, W_STRIDE: tl.constexpr, S_STRIDE: tl.constexpr,
-                         SLOTS: tl.constexpr, HAS_GS: tl.constexpr, GATED: tl.constexpr, BN: tl.constexpr,
-                         SPANS: tl.constexpr, P: tl.constexpr, PDL: tl.constexpr = False):
+                         SLOTS: tl.constexpr, E: tl.constexpr, SHARED: tl.constexpr, HAS_GS: tl.constexpr,
+                         GATED: tl.constexpr, BN: tl.constexpr, SPANS: tl.constexpr, P: tl.constexpr,
+                         PDL: tl.constexpr = False):
         """Program (item, block): a work item of moe_grouped's layout (an expert and `count` of its pairs, at
         `start` in SORTED) against 16 RG weight rows of that expert, 8 of its tokens a pass (one mma block: a
         verify block gives an expert a few tokens; two blocks a pass measured slower, MOE_ROWS).
@@ -578,7 +605,10 @@ if HAVE_TRITON:
         rows of 8 outputs as its rows g and their up rows as g + 8, so a lane's C registers are one output's
         gate and up, and SiLU(gate) * up (rounded as silu_mul_ref) goes to OUT [P, I] at the pair's sorted
         place. Else (down: x = X [P, K], the activations in sorted order) OUT [P, N_W] at the pair's own row
-        (pair = token * SLOTS + slot), as the grouped kernels lay them out for the combine."""
+        (pair = token * SLOTS + slot), as the grouped kernels lay them out for the combine. SHARED: expert id E
+        is the shared expert, whose weights and scales sit 16 SQW_OFF16 and 16 SS_OFF16 bytes after QW and S and
+        whose global scale SGS_OFF elements after GS (multiples of 16 keep the weight loads 16-byte vectors: an
+        offset of unknown alignment made them byte loads, 134 registers a thread instead of 71)."""
         item = tl.program_id(0)
         blk = tl.program_id(1)
         wait_for_inputs(PDL)  # before the layout: the routing launch just before writes it
@@ -603,9 +633,17 @@ if HAVE_TRITON:
         KB: tl.constexpr = K // 2
         NG: tl.constexpr = K // 16
         x32 = X.to(tl.pointer_type(tl.int32))
-        qw = QW + e * W_STRIDE
-        s = S + e * S_STRIDE
-        gs = GS + e
+        w_off = e * W_STRIDE
+        s_off = e * S_STRIDE
+        gs_off = e
+        if SHARED:
+            is_shared = e == E
+            w_off = tl.where(is_shared, SQW_OFF16 * 16, w_off)
+            s_off = tl.where(is_shared, SS_OFF16 * 16, s_off)
+            gs_off = tl.where(is_shared, SGS_OFF, gs_off)
+        qw = QW + w_off
+        s = S + s_off
+        gs = GS + gs_off
         m0 = 0
         while m0 < count:
             # tokens past the item's read its last pair: computed, never stored
@@ -649,20 +687,40 @@ if HAVE_TRITON:
             tl.store(OUT + pair * N_W + row, y.to(dtype), mask=live & (row < N_W))
 
 
-def nvfp4_moe_rows(x: torch.Tensor, layout, w, gated: bool, slots: int, tokens: int) -> torch.Tensor:
+def _shared_offsets(w, layer) -> tuple[int, int, int] | None:
+    """From the stacked expert tensors (QuantOperand w) to a shared expert layer's weights and scales (in 16
+    bytes) and global scale (in elements), which the rows kernel reads as expert E; None where they do not
+    divide so."""
+    def off(a: torch.Tensor, b: torch.Tensor, unit: int) -> int | None:
+        delta = b.data_ptr() - a.data_ptr()
+        return None if delta % unit else delta // unit
+
+    offs = (off(w.qweight, layer.qweight, 16), off(w.scales, layer.scales, 16),
+            off(w.global_scale, layer.global_scale, 4) if w.global_scale is not None else 0)
+    return None if None in offs else offs
+
+
+def nvfp4_moe_rows(x: torch.Tensor, layout, w, gated: bool, slots: int, tokens: int,
+                   shared: Nvfp4Shared | None = None) -> torch.Tensor:
     """The pairs of moe_grouped's `layout` through one stacked NVFP4 projection w (QuantOperand): gated, x [T, H]
     -> SiLU(gate) * up [P, I] in sorted order; else x [P, I] (sorted order) -> [P, H] at each pair's row. P =
-    tokens * slots. The caller checked `moe_rows_applies`."""
+    tokens * slots; `shared` is expert id w.experts where the layout has the shared slot. The caller checked
+    `moe_rows_applies`."""
     cfg = _fit_k(MOE_ROWS, w.k)
     n_out = w.n // 2 if gated else w.n
     out = torch.empty(tokens * slots, n_out, dtype=x.dtype, device=x.device)
     out_rows = n_out if gated else w.n  # gated: 8 outputs a 16-row group
     per_block = cfg.rows_block // 2 if gated else cfg.rows_block
+    gs = w.global_scale if w.global_scale is not None else w.scales
+    sw = None if shared is None else shared.gate_up if gated else shared.down
+    offsets = (0, 0, 0) if sw is None else _shared_offsets(w, sw)
+    if offsets is None:
+        raise ValueError("the shared expert's tensors are not 16-byte aligned to the experts' (see shared_fits)")
     on = pdl(x)
     _moe_rows_kernel[(layout.max_items, triton.cdiv(out_rows, per_block))](
-        x, w.qweight, w.scales, w.global_scale if w.global_scale is not None else w.scales, out,
+        x, w.qweight, w.scales, gs, *offsets, out,
         layout.sorted_pairs, layout.item_expert, layout.item_start, layout.item_count, layout.num_items,
-        N_W=w.n, K=w.k, W_STRIDE=w.strides[0], S_STRIDE=w.strides[1], SLOTS=slots,
-        HAS_GS=w.global_scale is not None, GATED=gated, BN=cfg.block, SPANS=cfg.spans, P=cfg.parts,
-        PDL=on, num_warps=cfg.warps, num_stages=1, launch_pdl=on)
+        N_W=w.n, K=w.k, W_STRIDE=w.strides[0], S_STRIDE=w.strides[1], SLOTS=slots, E=w.experts,
+        SHARED=sw is not None, HAS_GS=w.global_scale is not None, GATED=gated, BN=cfg.block, SPANS=cfg.spans,
+        P=cfg.parts, PDL=on, num_warps=cfg.warps, num_stages=1, launch_pdl=on)
     return out

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from blockspec.kernels import quant_gemv as qg
 from blockspec.kernels import quant_linear as ql
 from blockspec.kernels._triton import HAVE_TRITON
 from blockspec.kernels.moe_grouped import moe_experts, quant_operand
-from blockspec.models.layers.quant_linear import QuantExperts
+from blockspec.models.layers.moe import SparseMoeBlock
+from blockspec.models.layers.quant_linear import QuantExperts, QuantLinear
 from tests.kernels.test_moe_grouped import random_routing
 from tests.kernels.test_moe_grouped_quant import fill_random, reference
 from tests.kernels.test_quant_linear import make_layer
@@ -322,6 +324,65 @@ def test_moe_rows_read_the_layout_written_by_the_launch_before_them(monkeypatch)
         graph.replay()
         torch.cuda.synchronize()
         assert rel_err(out, reference(experts, x, weights, ids)) < 1e-2
+
+
+def nvfp4_linear(n: int, k: int, seed: int, shards: list[int] | None = None) -> QuantLinear:
+    """A QuantLinear (bf16, CUDA) holding make_layer's random NVFP4 codes, scales and global scale."""
+    src = make_layer("nvfp4", n, k, torch.bfloat16, seed=seed)
+    layer = QuantLinear("nvfp4", k, n, 16, shard_sizes=shards, dtype=torch.bfloat16)
+    layer.qweight.copy_(src.qweight)
+    layer.scales.copy_(src.scales)
+    layer.global_scale.copy_(src.global_scale)
+    return layer.cuda()
+
+
+def shared_ref(x: torch.Tensor, gate_up: QuantLinear, down: QuantLinear) -> torch.Tensor:
+    gate, up = ql.quant_linear_ref(x, gate_up).chunk(2, dim=-1)
+    return ql.quant_linear_ref(F.silu(gate) * up, down)
+
+
+@gpu
+@pytest.mark.parametrize("t", [2, 16])
+def test_moe_rows_fold_the_shared_expert(t: int, monkeypatch) -> None:
+    """A quantized shared expert as expert E of the rows launches (every token's last slot), weighted in the
+    combine, against the routed reference plus its own."""
+    e, h, i, k = 32, 256, 128, 4
+    experts = nvfp4_experts(e, h, i, "cuda")
+    shared = qg.Nvfp4Shared(nvfp4_linear(2 * i, h, 1, [i, i]), nvfp4_linear(h, i, 2))
+    weights, ids = random_routing(t, e, k, torch.bfloat16, seed=t)
+    x = torch.randn(t, h, dtype=torch.bfloat16, device="cuda")
+    sw = torch.rand(t, dtype=x.dtype, device="cuda")
+    gu, dn = quant_operand(experts.gate_up_proj, x.dtype), quant_operand(experts.down_proj, x.dtype)
+    assert qg.shared_fits(shared, gu, dn)
+    assert not qg.shared_fits(qg.Nvfp4Shared(shared.down, shared.gate_up), gu, dn)  # shapes swapped
+    calls = count_calls(monkeypatch, "nvfp4_moe_rows")
+    got = moe_experts(x, experts.gate_up_proj, experts.down_proj, weights, ids, shared, sw)
+    assert len(calls) == 2
+    want = reference(experts, x, weights, ids) + sw[:, None] * shared_ref(x, shared.gate_up, shared.down)
+    assert rel_err(got, want) < 1e-2
+
+
+@gpu
+def test_block_folds_a_quantized_shared_expert_into_the_rows_launches(monkeypatch) -> None:
+    """SparseMoeBlock with NVFP4 experts and an NVFP4 shared expert of their size: a verify block takes the rows
+    kernel with the shared expert folded in (two launches for all of it), one token keeps it beside; both as the
+    block's reference path."""
+    e, h, i, k = 64, 256, 128, 8
+    block = SparseMoeBlock(h, e, k, i, True, shared_intermediate_size=i).to(torch.bfloat16).cuda().eval()
+    block.experts = nvfp4_experts(e, h, i, "cuda")
+    block.shared_expert.gate_up_proj = nvfp4_linear(2 * i, h, 3, [i, i])
+    block.shared_expert.down_proj = nvfp4_linear(h, i, 4)
+    calls = count_calls(monkeypatch, "nvfp4_moe_rows")
+    for t, launches in ((16, 2), (1, 0)):
+        x = torch.randn(t, h, dtype=torch.bfloat16, device="cuda")
+        assert isinstance(block._folded_shared(x), qg.Nvfp4Shared) == (t > 1)
+        calls.clear()
+        got = block(x)
+        assert len(calls) == launches
+        block.experts.backend = "reference"
+        want = block(x)
+        block.experts.backend = "auto"
+        assert rel_err(got, want) < 2e-2, t
 
 
 def test_launches_that_do_not_tile_k_are_refused() -> None:

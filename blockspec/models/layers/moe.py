@@ -42,6 +42,7 @@ from blockspec.kernels.moe_grouped import (
     moe_route_align,
     shared_foldable,
 )
+from blockspec.kernels.quant_gemv import Nvfp4Shared
 from blockspec.kernels.rms_norm import rms_norm
 from blockspec.kernels.skinny_linear import skinny_linear, skinny_supported
 from blockspec.models.layers.linear import FusedLinear, Linear
@@ -314,15 +315,22 @@ class SparseMoeBlock(nn.Module):
     def _record(self, ids: torch.Tensor) -> None:
         self.last_ids = self.ids_by_tokens[ids.shape[0]] = ids
 
-    def _folded_shared(self) -> SharedWeights | None:
-        """The shared expert's weights when it can ride in the routed launches as expert E (both unquantized)."""
-        se = self.shared_expert
-        if se is None or not all(isinstance(p, Linear) for p in (se.gate_up_proj, se.down_proj,
-                                                                 self.shared_expert_gate)):
+    def _folded_shared(self, x: torch.Tensor) -> SharedWeights | Nvfp4Shared | None:
+        """The shared expert's weights where it can ride in the routed launches as expert E for x's step: both
+        unquantized, or both NVFP4 on the rows kernel (kernels/moe_grouped.shared_foldable); its gate a plain
+        bias-free Linear (its weight goes to the routing kernel)."""
+        se, gate = self.shared_expert, self.shared_expert_gate
+        if se is None or not isinstance(gate, Linear) or gate.bias is not None:
             return None
-        gate, up = se.gate_up_proj.weight.split(se.intermediate_size)
-        shared = SharedWeights(gate, up, se.down_proj.weight)
-        return shared if shared_foldable(shared, self.experts.gate_up_proj, self.experts.down_proj) else None
+        ex = self.experts
+        if all(isinstance(p, Linear) for p in (se.gate_up_proj, se.down_proj)):
+            g, u = se.gate_up_proj.weight.split(se.intermediate_size)
+            shared = SharedWeights(g, u, se.down_proj.weight)
+            return shared if shared_foldable(shared, ex.gate_up_proj, ex.down_proj) else None
+        shared = Nvfp4Shared(se.gate_up_proj, se.down_proj)
+        biases = ex.gate_up_proj_bias is not None or ex.down_proj_bias is not None
+        return shared if shared_foldable(shared, ex.gate_up_proj, ex.down_proj, x, biases,
+                                         ex.activation.limit is not None) else None
 
     def _forward_fused(self, x: torch.Tensor, residual: torch.Tensor | None = None,
                        logits: torch.Tensor | None = None) -> torch.Tensor:
@@ -333,7 +341,7 @@ class SparseMoeBlock(nn.Module):
         gate = self.gate
         if logits is None:
             logits = skinny_linear(x, gate.weight, gate.bias) if isinstance(gate, Linear) else gate(x)  # or quantized
-        shared = self._folded_shared()
+        shared = self._folded_shared(x)
         separate = self.shared_expert is not None and shared is None  # quantized or differently sized: beside
         # where its gate is a plain linear: the gate from the routing kernel (no top-k, the layout left without the
         # shared slot) and the output added in the combine launch
