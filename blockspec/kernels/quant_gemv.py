@@ -638,9 +638,10 @@ if HAVE_TRITON:
         gs_off = e
         if SHARED:
             is_shared = e == E
-            w_off = tl.where(is_shared, SQW_OFF16 * 16, w_off)
-            s_off = tl.where(is_shared, SS_OFF16 * 16, s_off)
-            gs_off = tl.where(is_shared, SGS_OFF, gs_off)
+            # in 64 bits before the multiply: an offset that fits 32 bits (and is passed so) need not times 16
+            w_off = tl.where(is_shared, SQW_OFF16.to(tl.int64) * 16, w_off)
+            s_off = tl.where(is_shared, SS_OFF16.to(tl.int64) * 16, s_off)
+            gs_off = tl.where(is_shared, SGS_OFF.to(tl.int64), gs_off)
         qw = QW + w_off
         s = S + s_off
         gs = GS + gs_off

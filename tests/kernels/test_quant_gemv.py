@@ -363,6 +363,37 @@ def test_moe_rows_fold_the_shared_expert(t: int, monkeypatch) -> None:
 
 
 @gpu
+def test_moe_rows_reach_a_shared_expert_gigabytes_away() -> None:
+    """The shared expert is read at its offset from the stacked experts, which in a real model is gigabytes (an
+    offset /16 that fits 32 bits but not times 16 faulted in the 35B-A3B engine): its weights placed in a buffer
+    more than 2^31 bytes from the experts."""
+    e, h, i, k, t = 16, 256, 128, 4, 8
+    experts = nvfp4_experts(e, h, i, "cuda")
+    shared = qg.Nvfp4Shared(nvfp4_linear(2 * i, h, 5, [i, i]), nvfp4_linear(h, i, 6))
+    far = torch.empty(2**31 + 2**22, dtype=torch.uint8, device="cuda")
+    at_end = far.data_ptr() > experts.gate_up_proj.qweight.data_ptr()
+    for layer in (shared.gate_up, shared.down):
+        for name in ("qweight", "scales"):
+            src = getattr(layer, name)
+            nbytes = src.numel() * src.element_size()
+            start = far.numel() - 2**21 if at_end else 0
+            start += 2**20 if name == "scales" else 0
+            place = far[start:start + nbytes].view(src.dtype).view(src.shape)
+            place.copy_(src)
+            setattr(layer, name, place)
+        far = far[:-2**22] if at_end else far[2**22:]  # the down projection's pieces elsewhere in the buffer
+    gu = quant_operand(experts.gate_up_proj, torch.bfloat16)
+    assert abs(shared.gate_up.qweight.data_ptr() - gu.qweight.data_ptr()) > 2**31
+    weights, ids = random_routing(t, e, k, torch.bfloat16, seed=7)
+    x = torch.randn(t, h, dtype=torch.bfloat16, device="cuda")
+    sw = torch.rand(t, dtype=x.dtype, device="cuda")
+    got = moe_experts(x, experts.gate_up_proj, experts.down_proj, weights, ids, shared, sw)
+    torch.cuda.synchronize()
+    want = reference(experts, x, weights, ids) + sw[:, None] * shared_ref(x, shared.gate_up, shared.down)
+    assert rel_err(got, want) < 1e-2
+
+
+@gpu
 def test_block_folds_a_quantized_shared_expert_into_the_rows_launches(monkeypatch) -> None:
     """SparseMoeBlock with NVFP4 experts and an NVFP4 shared expert of their size: a verify block takes the rows
     kernel with the shared expert folded in (two launches for all of it), one token keeps it beside; both as the
