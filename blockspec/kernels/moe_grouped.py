@@ -28,7 +28,10 @@ blocks, NVFP4 with a global scale per expert, MXFP4; int4 with 16-bit scales rea
 `scale_zero`, built with the layer, never per call): the grouped GEMMs read the stacked packed tensors and
 dequantize each (expert, N tile, K tile) in registers with the dense quantized GEMMs' tiles
 (kernels/quant_tiles.py), per-row scales and the global scale applied to the accumulator; bytes read are the
-packed weights and their scales. A quantized shared expert is not folded (it keeps its QuantLinear path).
+packed weights and their scales. NVFP4 experts at 2-64 tokens take quant_gemv's rows kernel over the same
+layout instead (a 35B-A3B MoE block of 16 tokens over ~40 experts, H100: 130.7 us on the dot path, 79.4 on
+it), with a quantized shared expert of their layout folded in as expert E there; elsewhere a quantized shared
+expert keeps its QuantLinear path.
 Biases ([E, N], GPT-OSS) and GPT-OSS's clamped SwiGLU ride in the same epilogues, for any weights.
 
 Determinism: every pair's output row is computed on its own (row-independent tiles, no split-K) and written

@@ -20,6 +20,11 @@ weight row g and 4 of row g + 8 of a 16-row group), the tokens the B operand (th
 g + 8 for a second block of 8 tokens, beside those bytes), so each x register serves two weight rows and every
 C register is one (row, token) sum. K is split over the program's warps and summed once at the end.
 
+MoE experts take the same forms: one token the GEMV over each routed expert's weights (`_moe_kernel`), 2 to 64
+the rows kernel over moe_grouped's work items (`_moe_rows_kernel`: an expert and its tokens gathered through the
+sorted pairs, 8 a pass), a gate|up group of 16 weight rows holding 8 outputs' gate and up rows so that SiLU(gate)
+* up is its epilogue; a quantized shared expert of the same layout is expert id E.
+
 The E2M1 decode is quant_tiles' PTX (w * scale * 2^-26 as bf16 pairs, exact), the 2^26 and the global scale
 are applied to the float32 sums. Measured on an H100 (bench/quant_gemv.py, bench/results/quant_gemv_h100_*.json,
 % of copy bandwidth): Qwen3-8B gate|up 37.8 -> 27.0 us (50 -> 70%), o 10.2 -> 8.9, down 25.8 -> 21.7; qkv stays

@@ -18,7 +18,9 @@ Three ways to run the routed experts, picked per call by `experts_forward`:
   then also routes with one kernel and folds a same-sized shared expert into the grouped launches.
   Biases and GPT-OSS's clamped SwiGLU ride in the kernels' epilogues, and quantized experts
   (layers.quant_linear.QuantExperts: the same `gate_up_proj` / `down_proj` names, holding packed layouts)
-  are dequantized in registers; a quantized model's shared expert then runs on its own (QuantLinear) path.
+  are dequantized in registers. A quantized shared expert in the routed experts' NVFP4 layout rides in a verify
+  block's launches too (kernels/quant_gemv.py's rows kernel); otherwise it runs beside them on its QuantLinears,
+  its output added in the combine launch.
 """
 
 from __future__ import annotations
