@@ -623,8 +623,8 @@ def shared_foldable(shared: SharedWeights | quant_gemv.Nvfp4Shared, gate_up, dow
     experts), or, quantized (`quant_gemv.Nvfp4Shared`), where the NVFP4 rows kernel takes x's step (2 or more
     tokens; one token keeps it beside the routed experts)."""
     if isinstance(shared, quant_gemv.Nvfp4Shared):
-        if x is None or isinstance(gate_up, torch.Tensor):
-            return False
+        if x is None or isinstance(gate_up, torch.Tensor) or not quant_gemv.moe_rows_step(x):
+            return False  # (before the operands: a decode step or a prefill asks every layer)
         gu, dn = quant_operand(gate_up, x.dtype), quant_operand(down, x.dtype)
         return gu is not None and dn is not None and quant_gemv.moe_rows_applies(x, gu, dn, shared, biases, clamped)
     if not all(isinstance(t, torch.Tensor) for t in (gate_up, down, shared.gate, shared.up, shared.down)):

@@ -584,12 +584,17 @@ def shared_fits(shared: Nvfp4Shared, gate_up, down) -> bool:
     return fits(shared.gate_up, gate_up) and fits(shared.down, down)
 
 
-def moe_rows_applies(x: torch.Tensor, gate_up, down, shared, biases: bool, clamped: bool) -> bool:
-    """2 to MOE_ROWS_MAX_TOKENS bf16 tokens on a CUDA GPU through NVFP4 experts whose widths the rows kernel tiles
-    (MOE_ROWS), with no biases or clamped activation, and no shared expert folded in or an `Nvfp4Shared` that
-    `shared_fits` (the grouped kernels keep the rest)."""
+def moe_rows_step(x: torch.Tensor) -> bool:
+    """Whether x's step is one the rows kernel takes: 2 to MOE_ROWS_MAX_TOKENS bf16 tokens on a CUDA GPU."""
     return (HAVE_TRITON and not INTERPRET and x.is_cuda and x.dtype == torch.bfloat16
-            and 2 <= x.shape[0] <= MOE_ROWS_MAX_TOKENS and not (biases or clamped)
+            and 2 <= x.shape[0] <= MOE_ROWS_MAX_TOKENS)
+
+
+def moe_rows_applies(x: torch.Tensor, gate_up, down, shared, biases: bool, clamped: bool) -> bool:
+    """A `moe_rows_step` through NVFP4 experts whose widths the rows kernel tiles (MOE_ROWS), with no biases or
+    clamped activation, and no shared expert folded in or an `Nvfp4Shared` that `shared_fits` (the grouped
+    kernels keep the rest)."""
+    return (moe_rows_step(x) and not (biases or clamped)
             and all(getattr(w, "meta", None) is not None and w.meta.scheme == "nvfp4" and w.fast
                     and _fit_k(MOE_ROWS, w.k) is not None for w in (gate_up, down))
             and (shared is None or (isinstance(shared, Nvfp4Shared) and shared_fits(shared, gate_up, down))))
@@ -715,15 +720,14 @@ def nvfp4_moe_rows(x: torch.Tensor, layout, w, gated: bool, slots: int, tokens: 
     cfg = _fit_k(MOE_ROWS, w.k)
     n_out = w.n // 2 if gated else w.n
     out = torch.empty(tokens * slots, n_out, dtype=x.dtype, device=x.device)
-    out_rows = n_out if gated else w.n  # gated: 8 outputs a 16-row group
-    per_block = cfg.rows_block // 2 if gated else cfg.rows_block
+    per_block = cfg.rows_block // 2 if gated else cfg.rows_block  # gated: 8 outputs a 16-row group
     gs = w.global_scale if w.global_scale is not None else w.scales
     sw = None if shared is None else shared.gate_up if gated else shared.down
     offsets = (0, 0, 0) if sw is None else _shared_offsets(w, sw)
     if offsets is None:
         raise ValueError("the shared expert's tensors are not 16-byte aligned to the experts' (see shared_fits)")
     on = pdl(x)
-    _moe_rows_kernel[(layout.max_items, triton.cdiv(out_rows, per_block))](
+    _moe_rows_kernel[(layout.max_items, triton.cdiv(n_out, per_block))](
         x, w.qweight, w.scales, gs, *offsets, out,
         layout.sorted_pairs, layout.item_expert, layout.item_start, layout.item_count, layout.num_items,
         N_W=w.n, K=w.k, W_STRIDE=w.strides[0], S_STRIDE=w.strides[1], SLOTS=slots, E=w.experts,

@@ -177,6 +177,25 @@ def count_calls(monkeypatch, *names: str) -> list:
     return calls
 
 
+def replay_routed_graph(step, logits: torch.Tensor, x: torch.Tensor, experts: QuantExperts) -> None:
+    """Capture `step` (routing from `logits`, then the experts on x: -> weights, ids, out) in a CUDA graph and
+    replay it on new logits and x, each output against the reference of the routing the replay wrote."""
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        step()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        weights, ids, out = step()
+    for seed in range(8):
+        torch.manual_seed(seed)
+        logits.copy_(torch.randn_like(logits))
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert rel_err(out, reference(experts, x, weights, ids)) < 1e-2
+
+
 def test_moe_dispatch_rule() -> None:
     experts = nvfp4_experts(4, 256, 128, "cpu")
     gu, d = quant_operand(experts.gate_up_proj, torch.bfloat16), quant_operand(experts.down_proj, torch.bfloat16)
@@ -245,22 +264,12 @@ def test_moe_gemv_reads_routing_written_by_the_launch_before_it() -> None:
     experts = nvfp4_experts(e, h, i, "cuda")
     x = torch.randn(1, h, dtype=torch.bfloat16, device="cuda")
     logits = torch.randn(1, e, dtype=torch.bfloat16, device="cuda")
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
+
+    def step():
         weights, ids, _ = moe_route(logits, k, True)
-        moe_experts(x, experts.gate_up_proj, experts.down_proj, weights, ids)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        weights, ids, _ = moe_route(logits, k, True)
-        out = moe_experts(x, experts.gate_up_proj, experts.down_proj, weights, ids)
-    for seed in range(8):
-        torch.manual_seed(seed)
-        logits.copy_(torch.randn_like(logits))
-        x.copy_(torch.randn_like(x))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert rel_err(out, reference(experts, x, weights, ids)) < 1e-2
+        return weights, ids, moe_experts(x, experts.gate_up_proj, experts.down_proj, weights, ids)
+
+    replay_routed_graph(step, logits, x, experts)
 
 
 def test_moe_rows_dispatch_rule() -> None:
@@ -277,7 +286,7 @@ def test_moe_rows_dispatch_rule() -> None:
     (2, 16, 256, 128, 8),  # two tokens: one block of 8, most of it clamped
     (16, 64, 2048, 512, 8),  # a k = 15 verify block on the 35B-A3B expert shape (64 of its 256 experts)
     (5, 8, 384, 256, 2),  # few tokens, K of 3 spans
-    (64, 8, 256, 128, 4),  # 32 pairs an expert: the item's tokens in 2 passes of 16, items chunked at 64 pairs
+    (64, 8, 256, 128, 4),  # 32 pairs an expert: the item's tokens in 4 passes of 8, items chunked at 64 pairs
 ])
 def test_moe_rows_match_the_reference(t: int, e: int, h: int, i: int, k: int, monkeypatch) -> None:
     experts = nvfp4_experts(e, h, i, "cuda")
@@ -309,21 +318,8 @@ def test_moe_rows_read_the_layout_written_by_the_launch_before_them(monkeypatch)
         weights, ids, _, layout = moe_route_align(logits, k, True)
         return weights, ids, moe_experts(x, experts.gate_up_proj, experts.down_proj, weights, ids, layout=layout)
 
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        step()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        weights, ids, out = step()
+    replay_routed_graph(step, logits, x, experts)
     assert len(calls) == 4
-    for seed in range(8):
-        torch.manual_seed(seed)
-        logits.copy_(torch.randn_like(logits))
-        x.copy_(torch.randn_like(x))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert rel_err(out, reference(experts, x, weights, ids)) < 1e-2
 
 
 def nvfp4_linear(n: int, k: int, seed: int, shards: list[int] | None = None) -> QuantLinear:
