@@ -201,7 +201,8 @@ def cases() -> list[tuple[str, tuple, dict]]:
             dict(num_warps=pa._merge_warps(64, head_dim))))
     paged = {n: "i32" for n in pa._paged_attention_kernel.arg_names}
     paged.update(Q="*bf16", K="*bf16", V="*bf16", Out="*fp32", M="*fp32", L="*fp32", BT="*i32", SEQ_LENS="*i32",
-                 KV_START="*i32", Q_START="*i32", scale="fp32")
+                 KV_START="*i32", Q_START="*i32", FINAL="*bf16", SINKS="*bf16", GATE="*bf16", ARRIVALS="*i32",
+                 scale="fp32")
     for split_tiles in (0, 8):
         out.append((f"paged_attention SPLIT_TILES={split_tiles}", (pa._paged_attention_kernel, paged, dict(
             GROUP=8, HEAD_DIM=256, PAGE=16, BLOCK_M=16, BLOCK_N=64, CAUSAL=True, WINDOWED=False, HAS_Q_START=False,
@@ -215,6 +216,14 @@ def cases() -> list[tuple[str, tuple, dict]]:
             GROUP=8, HEAD_DIM=head_dim, PAGE=16, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=True, WINDOWED=False,
             HAS_Q_START=False, ROW_TILES=1, SPLIT_TILES=0)), dict(num_stages=2, num_warps=warps,
                                                                   no_spill=rows <= pa._FEW_ROWS and head_dim < 256)))
+    for head_dim, gate in ((128, False), (256, True)):  # decode rows merged in the launch (Coder-30B, Qwen3.5)
+        block_n, warps = pa._decode_tile(8)
+        out.append((f"paged_attention MERGE head_dim={head_dim} gate={gate}", (pa._paged_attention_kernel, paged, dict(
+            GROUP=8, HEAD_DIM=head_dim, PAGE=16, BLOCK_M=16, BLOCK_N=block_n, CAUSAL=True, WINDOWED=False,
+            HAS_Q_START=False, ROW_TILES=1, SPLIT_TILES=0, MERGE=True, HAS_GATE=gate, SPLITS=64,
+            MERGE_UNROLL=pa._MERGE_TILE // (16 * head_dim), PDL=True)),
+            dict(num_stages=2, num_warps=warps, no_spill=head_dim < 256,
+                 ptx_has=pdl_ptx + ("bar.sync", "atom.global.gpu.acq_rel.add", "ld.global.cg"))))
     ragged = {n: "i32" for n in pa._ragged_attention_kernel.arg_names}
     ragged.update(Q="*bf16", K="*bf16", V="*bf16", Out="*bf16", SINKS="*bf16", QUERY_INDEX="*i32", QUERY_POS="*i32",
                   KV_SLOTS="*i32", scale="fp32")

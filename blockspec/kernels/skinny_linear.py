@@ -307,8 +307,10 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                   residual: torch.Tensor | None = None, norm_out: torch.Tensor | None = None) -> torch.Tensor:
     """One launch for norm + projection + SwiGLU / residual add. 2-16 rows (verify) on a large weight
     take the norm as its own kernel first (a norm inside the tl.dot loop stalls its pipelining), and a
-    square residual projection (K <= 4096) goes to cuBLAS with the add in its epilogue: measured
-    fastest per Qwen3-8B shape on an H100 (bench/tune_skinny.py, bench/NOTES.md). The reference
+    square residual projection (N >= K, K <= 4096) goes to cuBLAS with the add in its epilogue: measured
+    fastest per Qwen3-8B shape on an H100 (bench/tune_skinny.py, bench/NOTES.md). A narrower one (an MoE
+    model's o_proj, 4096 -> 2048) stays on the kernel: cuBLAS split K there and added a reduction launch
+    (Qwen3-Coder-30B-A3B verify: 8.7 + 2.3 us against 7.3 on the kernel, tune_skinny_coder30b_m16). The reference
     elsewhere (CPU, grad). `norm_out` (with norm_weight; x's shape, dtype and device): also receives
     rms_norm(x) itself, from the same launch where the kernel folds the norm in."""
     if skinny_supported(x, weight) and _operands_fit(x, weight, bias, norm_weight, gated, residual) and (
@@ -320,7 +322,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
             x = rms_norm(x, norm_weight, eps)[0]
             if norm_out is not None:
                 norm_out.copy_(x)
-        if residual is not None and bias is None and not gated and x.shape[1] <= 4096:
+        if residual is not None and bias is None and not gated and weight.shape[0] >= x.shape[1] <= 4096:
             return residual.addmm_(x, weight.t())  # the add rides in the GEMM's epilogue (beta = 1)
         return _skinny_linear_triton(x, weight, bias, None, eps, gated, residual)
     if norm_out is not None and norm_weight is not None:

@@ -163,6 +163,35 @@ def test_strided_q_and_output_gate_match_reference():
     torch.testing.assert_close(out, plain * torch.sigmoid(gate))  # rounded as the ops (sigmoid's last bits aside)
 
 
+@pytest.mark.skipif(DEVICE is None, reason="Triton kernel needs a CUDA GPU (or TRITON_INTERPRET=1)")
+@pytest.mark.parametrize("q_len,splits", [(1, 64), (2, 5)])
+def test_merge_in_launch_equals_the_merge_kernel(monkeypatch, q_len, splits):
+    """Decode rows merge their splits inside the attention launch (the last program of a row tile to arrive):
+    the same output as the separate merge kernel, with sinks and the output gate, over contexts that leave most
+    splits empty, and every arrival counter back at zero for the next launch (called twice)."""
+    dtype = torch.float32 if DEVICE == "cpu" else torch.bfloat16
+    d, heads, kv_heads = (16, 8, 2) if DEVICE == "cpu" else (128, 32, 4)
+    q, kc, vc, tables, seq_lens, kv_start = random_case(DEVICE, dtype, 3, q_len, heads, kv_heads, d, max_len=200,
+                                                         seed=7)
+    gate = torch.randn_like(q)
+    sinks = torch.randn(heads, device=DEVICE)
+
+    def run() -> torch.Tensor:
+        with torch.no_grad():
+            return paged_attention(q, kc, vc, tables, seq_lens, kv_start, q_len, d**-0.5, True, num_splits=splits,
+                                   sinks=sinks, gate=gate)
+
+    assert pa._merge_in_launch(q.device, 3, kv_heads, q_len * heads // kv_heads, 16)
+    fused = [run(), run()]
+    assert int(pa._arrivals(q.device).abs().sum()) == 0
+    monkeypatch.setattr(pa, "MERGE_IN_LAUNCH_ROWS", 0)
+    separate = run()
+    for out in fused:
+        torch.testing.assert_close(out, separate, rtol=1e-5 if DEVICE == "cpu" else 2e-2, atol=1e-5)
+    ref = paged_attention_ref(q, kc, vc, tables, seq_lens, kv_start, q_len, d**-0.5, True, sinks) * torch.sigmoid(gate)
+    assert float((fused[0].float() - ref.float()).norm() / ref.float().norm()) < 1e-2
+
+
 def attend_one(keys: torch.Tensor, values: torch.Tensor, q: torch.Tensor, scale: float,
                sink: torch.Tensor | None) -> torch.Tensor:
     """One query head over its visible keys [n, D]; a sink is one more logit whose value is zero."""
