@@ -1,6 +1,5 @@
-"""Decode / verify attention (kernels/paged_attention.py) on the GPU: the launch the wrappers pick against the same
-splits and tile merged by the separate merge kernel (decode rows merge inside the attention launch by default:
-`MERGE_IN_LAUNCH_ROWS`), and with --sweep every splits x (key tile, warps), per model shape.
+"""Decode / verify attention (kernels/paged_attention.py) on the GPU: the launch the wrappers pick against the
+earlier one (8 splits, 64-key tiles, 4 warps), and with --sweep every splits x (key tile, warps), per model shape.
 
 Shapes (query heads, KV heads, head_dim): SmolLM2-135M, Qwen3-8B, Qwen3-Coder-30B-A3B, Qwen3.6-27B, Qwen3.6-35B-A3B,
 Qwen3.5-4B; q_len 1 (decode) and 16 (a k = 15 verify block);
@@ -8,8 +7,8 @@ batch 1 and 8; contexts 1024 and 8192 keys. bf16, page 16, causal.
 
 Timing: R calls captured in one CUDA graph, each on its own KV cache so the keys stream from DRAM and not the
 50 MB L2 (R * cache >= 256 MB); median of --iters replays / R. Each variant is checked against
-paged_attention_ref first (relative error printed). Prints a table last (the default launch's us, the merge
-kernel's, the best swept one and its config) and writes $OUT/attention_sweep.json.
+paged_attention_ref first (relative error printed). Prints a table last (the default launch's us, the earlier
+launch's, the best swept one and its config) and writes $OUT/attention_sweep.json.
 
   python bench/attention_sweep.py [--iters 50] [--sweep] [--models coder-30b,qwen3.6-27b]
 """
@@ -40,6 +39,7 @@ SHAPES = {  # name: (query heads, KV heads, head_dim)
     "qwen3.5-4b": (16, 4, 256),
 }
 PAGE = 16
+OLD = {"splits": 8, "tile": (64, 4)}
 SPLITS = (8, 16, 32, 64)
 TILES = ((64, 4), (64, 8), (32, 8), (32, 4))
 POOL_BYTES = 256 << 20
@@ -59,7 +59,6 @@ def case(heads: int, kv: int, hd: int, batch: int, q_len: int, ctx: int, copies:
 
 
 def measure(name: str, batch: int, q_len: int, ctx: int, args) -> dict:
-    default_merge_rows = pa.MERGE_IN_LAUNCH_ROWS
     heads, kv, hd = SHAPES[name]
     kv_bytes = 2 * batch * ctx * kv * hd * 2
     copies = max(1, min(64, POOL_BYTES // kv_bytes))
@@ -67,9 +66,7 @@ def measure(name: str, batch: int, q_len: int, ctx: int, args) -> dict:
     k0, v0 = caches[0]
     ref = pa.paged_attention_ref(q.float(), k0.float(), v0.float(), table, seq_lens, kv_start, q_len, hd**-0.5, True)
 
-    def run(splits: int | None, tile: tuple[int, int] | None, merge_rows: int = pa.MERGE_IN_LAUNCH_ROWS):
-        pa.MERGE_IN_LAUNCH_ROWS = merge_rows  # read at launch time: the graph captures the variant's launches
-
+    def run(splits: int | None, tile: tuple[int, int] | None):
         def fn(i: int) -> torch.Tensor:
             kc, vc = caches[i]
             return pa.paged_attention(q, kc, vc, table, seq_lens, kv_start, q_len, hd**-0.5, True,
@@ -77,17 +74,13 @@ def measure(name: str, batch: int, q_len: int, ctx: int, args) -> dict:
         err = float((fn(0).float() - ref).norm() / ref.norm())
         if err > 2e-2:
             raise AssertionError(f"{name} b{batch} q{q_len} ctx{ctx} splits {splits} tile {tile}: rel err {err}")
-        try:
-            return time_graph([lambda i=i: fn(i) for i in range(copies)], args.iters)[0], err
-        finally:
-            pa.MERGE_IN_LAUNCH_ROWS = default_merge_rows
+        return time_graph([lambda i=i: fn(i) for i in range(copies)], args.iters)[0], err
 
     row = {"model": name, "batch": batch, "q_len": q_len, "context": ctx, "kv_bytes": kv_bytes}
     row["default_us"], row["default_err"] = run(None, None)
     splits = pa.default_launch(q.device, batch, kv, q_len, heads // kv, hd)[1]
     row["default_config"] = {"splits": splits, "tile": pa._decode_tile(q_len * heads // kv)}
-    row["merge_in_launch"] = q_len * heads // kv <= default_merge_rows
-    row["merge_kernel_us"], _ = run(None, None, merge_rows=0)
+    row["old_us"], _ = run(OLD["splits"], OLD["tile"])
     sweep = [] if not args.sweep else [
         {"splits": s, "tile": t, "us": run(s, t)[0]} for s, t in itertools.product(SPLITS, TILES)]
     row["sweep"] = sweep
@@ -114,20 +107,19 @@ def main() -> None:
                 rows.append(measure(name, batch, q_len, ctx, args))
                 torch.cuda.empty_cache()
     result = {"commit": commit(), "device": torch.cuda.get_device_name(), "dtype": "bfloat16", "page": PAGE,
-              "iters": args.iters, "merge_in_launch_rows": pa.MERGE_IN_LAUNCH_ROWS, "rows": rows}
+              "iters": args.iters, "old_launch": OLD, "rows": rows}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "attention_sweep.json").write_text(json.dumps(result, indent=1))
     print(f"{result['device']}  commit {result['commit']}  bf16, causal, page {PAGE}; us per call (median)")
-    print("| model | batch | q_len | context | default us (splits, tile, merged in launch) | merge kernel us "
-          "| merge kernel / default | best swept |")
+    print("| model | batch | q_len | context | default us (splits, tile) | earlier us | earlier / default "
+          "| best swept |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         cfg = r["default_config"]
         best = f"{r['best']['us']:.1f} ({r['best']['splits']}, {tuple(r['best']['tile'])})" if r["best"] else "-"
         print(f"| {r['model']} | {r['batch']} | {r['q_len']} | {r['context']} | {r['default_us']:.1f} "
-              f"({cfg['splits']}, {cfg['tile']}, {'yes' if r['merge_in_launch'] else 'no'}) | "
-              f"{r['merge_kernel_us']:.1f} | {r['merge_kernel_us'] / r['default_us']:.2f} | {best} |")
+              f"({cfg['splits']}, {cfg['tile']}) | {r['old_us']:.1f} | {r['old_us'] / r['default_us']:.2f} | {best} |")
 
 
 if __name__ == "__main__":

@@ -189,20 +189,18 @@ def cases() -> list[tuple[str, tuple, dict]]:
     out.append(("rms_norm PDL", (rn._rms_norm_kernel, {"X": "*bf16", "R": "*bf16", "W": "*bf16", "Y": "*bf16",
                                                        "RO": "*bf16", "n": "i32", "eps": "fp32"},
                                  dict(HAS_RES=True, BLOCK=4096, PDL=True)), dict(ptx_has=pdl_ptx)))
-    merge = {"Part": "*fp32", "M": "*fp32", "L": "*fp32", "Out": "*bf16", "SINKS": "*bf16", "GATE": "*bf16",
-             **{n: "i32" for n in ("stride_ob", "stride_oh", "stride_os", "stride_om", "stride_t", "stride_h",
-                                   "stride_gt", "stride_gh", "q_len", "num_splits")}}
-    for gate in (False, True):
-        out.append((f"merge_splits gate={gate}", (pa._merge_splits_kernel, merge, dict(
-            GROUP=8, HEAD_DIM=256, BLOCK_M=16, SPLITS=8, HAS_SINKS=False, HAS_GATE=gate)), dict(num_warps=1)))
-    for head_dim in (128, 256):  # batch-1 decode: up to 64 splits (paged_attention.split_count)
-        out.append((f"merge_splits 64 splits head_dim={head_dim}", (pa._merge_splits_kernel, merge, dict(
-            GROUP=8, HEAD_DIM=head_dim, BLOCK_M=16, SPLITS=64, HAS_SINKS=False, HAS_GATE=head_dim == 256)),
-            dict(num_warps=pa._merge_warps(64, head_dim))))
+    merge = {n: "i32" for n in pa._merge_splits_kernel.arg_names}
+    merge.update(Part="*fp32", M="*fp32", L="*fp32", Out="*bf16", SINKS="*bf16", GATE="*bf16", SEQ_LENS="*i32",
+                 KV_START="*i32", Q_START="*i32")
+    for head_dim, gate, sinks in ((128, False, False), (256, True, False), (64, False, True)):
+        label = f"merge_splits head_dim={head_dim} gate={gate} sinks={sinks}"
+        out.append((label, (pa._merge_splits_kernel, merge, dict(
+            GROUP=8, HEAD_DIM=head_dim, BLOCK_M=16, BLOCK_N=64, CHUNK=pa._MERGE_CHUNK, WINDOWED=sinks,
+            HAS_Q_START=False, HAS_SINKS=sinks, HAS_GATE=gate, PDL=True)),
+            dict(num_warps=pa._merge_warps(head_dim), no_spill=True, ptx_has=pdl_ptx)))
     paged = {n: "i32" for n in pa._paged_attention_kernel.arg_names}
     paged.update(Q="*bf16", K="*bf16", V="*bf16", Out="*fp32", M="*fp32", L="*fp32", BT="*i32", SEQ_LENS="*i32",
-                 KV_START="*i32", Q_START="*i32", FINAL="*bf16", SINKS="*bf16", GATE="*bf16", ARRIVALS="*i32",
-                 scale="fp32")
+                 KV_START="*i32", Q_START="*i32", scale="fp32")
     for split_tiles in (0, 8):
         out.append((f"paged_attention SPLIT_TILES={split_tiles}", (pa._paged_attention_kernel, paged, dict(
             GROUP=8, HEAD_DIM=256, PAGE=16, BLOCK_M=16, BLOCK_N=64, CAUSAL=True, WINDOWED=False, HAS_Q_START=False,
@@ -216,14 +214,6 @@ def cases() -> list[tuple[str, tuple, dict]]:
             GROUP=8, HEAD_DIM=head_dim, PAGE=16, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=True, WINDOWED=False,
             HAS_Q_START=False, ROW_TILES=1, SPLIT_TILES=0)), dict(num_stages=2, num_warps=warps,
                                                                   no_spill=rows <= pa._FEW_ROWS and head_dim < 256)))
-    for head_dim, gate in ((128, False), (256, True)):  # decode rows merged in the launch (Coder-30B, Qwen3.5)
-        block_n, warps = pa._decode_tile(8)
-        out.append((f"paged_attention MERGE head_dim={head_dim} gate={gate}", (pa._paged_attention_kernel, paged, dict(
-            GROUP=8, HEAD_DIM=head_dim, PAGE=16, BLOCK_M=16, BLOCK_N=block_n, CAUSAL=True, WINDOWED=False,
-            HAS_Q_START=False, ROW_TILES=1, SPLIT_TILES=0, MERGE=True, HAS_GATE=gate, SPLITS=64,
-            MERGE_UNROLL=pa._MERGE_TILE // (16 * head_dim), PDL=True)),
-            dict(num_stages=2, num_warps=warps, no_spill=head_dim < 256,
-                 ptx_has=pdl_ptx + ("bar.sync", "atom.global.gpu.acq_rel.add", "ld.global.cg"))))
     ragged = {n: "i32" for n in pa._ragged_attention_kernel.arg_names}
     ragged.update(Q="*bf16", K="*bf16", V="*bf16", Out="*bf16", SINKS="*bf16", QUERY_INDEX="*i32", QUERY_POS="*i32",
                   KV_SLOTS="*i32", scale="fp32")

@@ -140,65 +140,35 @@ if HAVE_TRITON:
         return y
 
     @triton.jit
-    def _merge_split_tile(Part, M, L, Out, SINKS, GATE, ml0, rows, token, head, row_ok, n_live,
-                          stride_os, stride_om, stride_t, stride_h, stride_gt, stride_gh, TOTAL_M: tl.constexpr,
-                          HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr, HAS_SINKS: tl.constexpr,
-                          HAS_GATE: tl.constexpr, UNROLL: tl.constexpr):
-        """`_merge_splits_kernel`'s merge for a tile of rows, run inside the attention launch by the last of its
-        programs to finish: splits 0 .. n_live - 1 (those with keys) of rows `rows` (m / l at ml0 + split *
-        TOTAL_M + row, partial outputs at Part + split * stride_os + row * stride_om), written to Out at (token,
-        head). The partials were written by other programs: read past the L1 cache. The row maxima and
-        normalisers come from one [SPLITS, rows] load; the partial outputs UNROLL splits at a time, so their
-        loads are in flight together."""
-        s = tl.arange(0, SPLITS)
-        ml = ml0 + s[:, None] * TOTAL_M + rows[None, :]
-        s_ok = (s[:, None] < n_live) & (rows[None, :] >= 0)
-        m_all = tl.load(M + ml, mask=s_ok, other=float("-inf"), cache_modifier=".cg")
-        m_max = tl.max(m_all, 0)
-        if HAS_SINKS:
-            sink = tl.load(SINKS + head, mask=row_ok, other=0.0).to(tl.float32)
-            m_max = tl.maximum(m_max, sink)
-        m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
-        l_all = tl.load(L + ml, mask=s_ok & (m_all != float("-inf")), other=0.0, cache_modifier=".cg")
-        den = tl.sum(l_all * tl.exp(m_all - m_max[None, :]), 0)
-        if HAS_SINKS:
-            den += tl.exp(sink - m_max)
-        d = tl.arange(0, HEAD_DIM)
-        num = tl.zeros([rows.shape[0], HEAD_DIM], dtype=tl.float32)
-        for s0 in range(0, n_live, UNROLL):
-            for u in tl.static_range(UNROLL):
-                ok = (rows * 0 + s0 + u) < n_live  # a vector: the interpreter refuses scalar & vector masks
-                m = tl.load(M + ml0 + (s0 + u) * TOTAL_M + rows, mask=ok, other=float("-inf"), cache_modifier=".cg")
-                ok = ok & (m != float("-inf"))
-                part = tl.load(Part + (s0 + u) * stride_os + rows[:, None] * stride_om + d[None, :], mask=ok[:, None],
-                               other=0.0, cache_modifier=".cg")
-                num += part * tl.exp(m - m_max)[:, None]
-        y = (num / tl.maximum(den, 1e-30)[:, None]).to(Out.dtype.element_ty)
-        y = _gated_output(y, GATE, token[:, None] * stride_gt + head[:, None] * stride_gh + d[None, :], row_ok[:, None],
-                          HAS_GATE)
-        tl.store(Out + token[:, None] * stride_t + head[:, None] * stride_h + d[None, :], y, mask=row_ok[:, None])
+    def _split_share(seq_len, kv_start, q0, window, num_splits, BLOCK_N: tl.constexpr, WINDOWED: tl.constexpr):
+        """The default split of a sequence's visible key range [lo, seq_len) into BLOCK_N tiles: (first tile,
+        tiles, tiles a split, splits with keys). At least a tile a split, so a short context leaves the last
+        splits of the launch without keys and one launch shape serves every context inside a CUDA graph; the
+        attention and merge kernels both derive which splits hold keys from this alone."""
+        lo = kv_start
+        if WINDOWED:  # the first query sees keys after q0 - window: earlier tiles are skipped
+            lo = tl.maximum(lo, q0 + 1 - window)
+        first_tile = lo // BLOCK_N
+        tiles = tl.cdiv(seq_len, BLOCK_N) - first_tile
+        per_split = tl.maximum(tl.cdiv(tiles, tl.maximum(tl.minimum(num_splits, tiles), 1)), 1)
+        return first_tile, tiles, per_split, tl.cdiv(tl.maximum(tiles, 0), per_split)
 
     @triton.jit
     def _paged_attention_kernel(
-        Q, K, V, Out, M, L, BT, SEQ_LENS, KV_START, Q_START, FINAL, SINKS, GATE, ARRIVALS,
+        Q, K, V, Out, M, L, BT, SEQ_LENS, KV_START, Q_START,
         stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-        stride_bt, stride_ob, stride_oh, stride_os, stride_om, stride_t, stride_h, stride_gt, stride_gh,
+        stride_bt, stride_ob, stride_oh, stride_os, stride_om,
         scale, q_len, num_splits, window,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, HAS_Q_START: tl.constexpr,
-        ROW_TILES: tl.constexpr, SPLIT_TILES: tl.constexpr, MERGE: tl.constexpr = False,
-        HAS_SINKS: tl.constexpr = False, HAS_GATE: tl.constexpr = False, SPLITS: tl.constexpr = 1,
-        MERGE_UNROLL: tl.constexpr = 1,
-        PDL: tl.constexpr = False,
+        ROW_TILES: tl.constexpr, SPLIT_TILES: tl.constexpr, PDL: tl.constexpr = False,
     ):
         """One (sequence, KV head, tile of BLOCK_M query rows, split of the key range): its rows are the
         (query, head of the group) pairs tile * BLOCK_M.. of that KV head, all queries' heads in one matrix.
-        SPLIT_TILES = 0: the sequence's key range shared evenly among the splits; a split with no key tile stores
-        only m = -inf (the merge reads nothing else of it). > 0 (deterministic mode): split s holds the absolute
-        key tiles [s * SPLIT_TILES, (s + 1) * SPLIT_TILES), tiles no row of the program can see are skipped
-        (exactly nothing for those rows), splits past the sequence store nothing.
-        MERGE (SPLIT_TILES = 0): the last program of a (sequence, KV head, row tile) to finish merges its splits
-        into FINAL (`_merge_split_tile`), so decode attention is one launch, not two."""
+        SPLIT_TILES = 0: the sequence's key range shared evenly among the splits (`_split_share`); a split without
+        keys stores nothing (the merge reads the splits with keys only). > 0 (deterministic mode): split s holds
+        the absolute key tiles [s * SPLIT_TILES, (s + 1) * SPLIT_TILES), tiles no row of the program can see are
+        skipped (exactly nothing for those rows), splits past the sequence store nothing."""
         wait_for_inputs(PDL)
         b = tl.program_id(0)
         kvh = tl.program_id(1) // ROW_TILES
@@ -215,28 +185,27 @@ if HAVE_TRITON:
             q0 = seq_len - q_len
         q_pos = q0 + qi
         d = tl.arange(0, HEAD_DIM)
-        q = tl.load(Q + (b * q_len + qi)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
-                    mask=row_ok[:, None], other=0.0)
-        lo = kv_start
-        if WINDOWED:  # the first query sees keys after q0 - window: earlier tiles are skipped
-            lo = tl.maximum(lo, q0 + 1 - window)
-        # This split's share of the key range [lo, seq_len), in BLOCK_N tiles.
-        first_tile = lo // BLOCK_N
         if SPLIT_TILES > 0:
+            lo = kv_start
+            if WINDOWED:  # the first query sees keys after q0 - window: earlier tiles are skipped
+                lo = tl.maximum(lo, q0 + 1 - window)
             hi = seq_len
             if CAUSAL:  # the tile's last query sees nothing past its own position
                 last_q = tl.minimum(((tl.program_id(1) % ROW_TILES) * BLOCK_M + BLOCK_M - 1) // GROUP, q_len - 1)
                 hi = tl.minimum(hi, q0 + last_q + 1)
-            t0 = tl.maximum(split * SPLIT_TILES, first_tile)
+            t0 = tl.maximum(split * SPLIT_TILES, lo // BLOCK_N)
             t1 = tl.minimum((split + 1) * SPLIT_TILES, tl.cdiv(hi, BLOCK_N))
             live = split * (SPLIT_TILES * BLOCK_N) < seq_len
-        else:  # at least a tile a split: a short context uses fewer of the launched splits (the rest store
-            # m = -inf, which the merge skips), so one launch shape serves every context inside a CUDA graph
-            tiles = tl.cdiv(seq_len, BLOCK_N) - first_tile
-            per_split = tl.cdiv(tiles, tl.maximum(tl.minimum(num_splits, tiles), 1))
+        else:
+            first_tile, tiles, per_split, _ = _split_share(seq_len, kv_start, q0, window, num_splits, BLOCK_N,
+                                                           WINDOWED)
             t0 = first_tile + split * per_split
             t1 = tl.minimum(t0 + per_split, first_tile + tiles)
-            live = t1 > t0
+            if t1 <= t0:  # a split without keys (past a short context): the merge reads nothing of it
+                return
+            live = True
+        q = tl.load(Q + (b * q_len + qi)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                    mask=row_ok[:, None], other=0.0)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
@@ -262,62 +231,62 @@ if HAVE_TRITON:
         release_dependents(PDL)
         base = b * stride_ob + kvh * stride_oh + split * stride_os
         TOTAL_M: tl.constexpr = ROW_TILES * BLOCK_M
-        ml_head = (b * (tl.num_programs(1) // ROW_TILES) + kvh) * num_splits * TOTAL_M  # this (sequence, KV head)'s
-        ml = ml_head + split * TOTAL_M + rows
-        live_rows = rows < tl.where(live, TOTAL_M, 0)  # all rows, or none for a split without keys
+        ml = (b * (tl.num_programs(1) // ROW_TILES) + kvh) * num_splits * TOTAL_M + split * TOTAL_M + rows
+        live_rows = rows < tl.where(live, TOTAL_M, 0)  # all rows, or none for a split past the sequence
         tl.store(Out + base + rows[:, None] * stride_om + d[None, :], acc, mask=live_rows[:, None])
+        tl.store(M + ml, m_i, mask=live_rows)
         tl.store(L + ml, l_i, mask=live_rows)
-        if SPLIT_TILES > 0:
-            tl.store(M + ml, m_i, mask=live_rows)
-        else:  # every split's m: -inf marks one without keys for the merge
-            tl.store(M + ml, m_i)
-            if MERGE:
-                tl.debug_barrier()  # every thread's partial stores come before this program's arrival
-                arrival = ARRIVALS + b * tl.num_programs(1) + tl.program_id(1)
-                if tl.atomic_add(arrival, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
-                    tl.atomic_xchg(arrival, 0, sem="relaxed", scope="gpu")  # ready for the next launch
-                    n_live = tl.cdiv(tl.maximum(tiles, 0), tl.maximum(per_split, 1))  # the splits with keys
-                    _merge_split_tile(Out + b * stride_ob + kvh * stride_oh, M, L, FINAL, SINKS, GATE, ml_head, rows,
-                                      b * q_len + qi, head, row_ok, n_live, stride_os, stride_om, stride_t, stride_h,
-                                      stride_gt, stride_gh, TOTAL_M, HEAD_DIM, SPLITS, HAS_SINKS, HAS_GATE,
-                                      MERGE_UNROLL)
 
 
 if HAVE_TRITON:
 
     @triton.jit
-    def _merge_splits_kernel(Part, M, L, Out, SINKS, GATE, stride_ob, stride_oh, stride_os, stride_om, stride_t,
-                             stride_h, stride_gt, stride_gh, q_len, num_splits, GROUP: tl.constexpr,
-                             HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, SPLITS: tl.constexpr,
-                             HAS_SINKS: tl.constexpr, HAS_GATE: tl.constexpr, PDL: tl.constexpr = False):
+    def _merge_splits_kernel(Part, M, L, Out, SINKS, GATE, SEQ_LENS, KV_START, Q_START, stride_ob, stride_oh,
+                             stride_os, stride_om, stride_t, stride_h, stride_gt, stride_gh, q_len, num_splits, window,
+                             GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                             BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, WINDOWED: tl.constexpr,
+                             HAS_Q_START: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_GATE: tl.constexpr,
+                             PDL: tl.constexpr = False):
         """Combine the splits' partial softmaxes of one query row (log-sum-exp weights), the sink's logit
         joining the normaliser; with HAS_GATE the output times sigmoid(gate), rounded as the two PyTorch ops
-        (sigmoid in the activation dtype, then the product) would round it."""
+        (sigmoid in the activation dtype, then the product) would round it. Only the splits with keys are read
+        (`_split_share`, from the sequence's length: a graph's launch has up to 64 splits, a short context
+        fills a few), CHUNK at a time with a running maximum."""
         wait_for_inputs(PDL)
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         row = tl.program_id(2)
         qi = row // GROUP
         head = kvh * GROUP + row % GROUP
-        s = tl.arange(0, SPLITS)
-        s_ok = s < num_splits
-        ml_base = (b * tl.num_programs(1) + kvh) * num_splits * BLOCK_M
-        m = tl.load(M + ml_base + s * BLOCK_M + row, mask=s_ok, other=float("-inf"))
-        s_ok = s_ok & (m != float("-inf"))  # splits that saw no key (past a short context): nothing to read
-        ll = tl.load(L + ml_base + s * BLOCK_M + row, mask=s_ok, other=0.0)
-        m_max = tl.max(m, 0)
-        if HAS_SINKS:
-            sink = tl.load(SINKS + head).to(tl.float32)
-            m_max = tl.maximum(m_max, sink)
-        m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
-        w = tl.exp(m - m_max)
+        seq_len = tl.load(SEQ_LENS + b)
+        if HAS_Q_START:
+            q0 = tl.load(Q_START + b)
+        else:
+            q0 = seq_len - q_len
+        n_live = _split_share(seq_len, tl.load(KV_START + b), q0, window, num_splits, BLOCK_N, WINDOWED)[3]
+        ml_base = (b * tl.num_programs(1) + kvh) * num_splits * BLOCK_M + row
+        part = Part + b * stride_ob + kvh * stride_oh + row * stride_om
         d = tl.arange(0, HEAD_DIM)
-        acc = tl.load(Part + b * stride_ob + kvh * stride_oh + s[:, None] * stride_os + row * stride_om + d[None, :],
-                      mask=s_ok[:, None], other=0.0)
-        num = tl.sum(acc * w[:, None], 0)
-        den = tl.sum(ll * w, 0)
-        if HAS_SINKS:
-            den += tl.exp(sink - m_max)
+        c = tl.arange(0, CHUNK)
+        m_run = tl.max(tl.full([CHUNK], float("-inf"), tl.float32), 0)
+        if HAS_SINKS:  # the sink joins as one more logit with a zero value
+            m_run = tl.load(SINKS + head).to(tl.float32)
+        m_safe = tl.where(m_run == float("-inf"), 0.0, m_run)
+        den = tl.exp(m_run - m_safe)  # the sink's weight, or 0
+        num = tl.zeros([HEAD_DIM], dtype=tl.float32)
+        for s0 in range(0, n_live, CHUNK):
+            s = s0 + c
+            s_ok = s < n_live
+            m = tl.load(M + ml_base + s * BLOCK_M, mask=s_ok, other=float("-inf"))
+            s_ok = s_ok & (m != float("-inf"))  # a row may see no key of a split (its window, kv_start)
+            m_new = tl.maximum(m_run, tl.max(m, 0))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m_run - m_safe)
+            w = tl.exp(m - m_safe)
+            acc = tl.load(part + s[:, None] * stride_os + d[None, :], mask=s_ok[:, None], other=0.0)
+            num = num * alpha + tl.sum(acc * w[:, None], 0)
+            den = den * alpha + tl.sum(tl.load(L + ml_base + s * BLOCK_M, mask=s_ok, other=0.0) * w, 0)
+            m_run = m_new
         den = tl.maximum(den, 1e-30)
         y = (num / den).to(Out.dtype.element_ty)
         y = _gated_output(y, GATE, (b * q_len + qi) * stride_gt + head * stride_gh + d, d < HEAD_DIM, HAS_GATE)
@@ -448,13 +417,11 @@ def _decode_tile(rows: int) -> tuple[int, int]:
 def _split_partials(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     seq_lens: torch.Tensor, kv_start: torch.Tensor, q_start: torch.Tensor | None, q_len: int,
                     scale: float, causal: bool, window: int | None, num_splits: int, block_m: int,
-                    split_tiles: int, block_n: int = _KEY_TILE, num_warps: int = 4, merged: torch.Tensor | None = None,
-                    sinks: torch.Tensor | None = None, gate: torch.Tensor | None = None
+                    split_tiles: int, block_n: int = _KEY_TILE, num_warps: int = 4
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """The partial softmaxes of every (sequence, KV head, row tile, split): (o, m, l, rows per KV head) for a merge
     kernel. split_tiles 0: each sequence's key range shared evenly among num_splits; > 0: fixed absolute splits
-    of that many 64-key tiles (--deterministic). `merged` (q's shape; split_tiles 0): the attention output, merged
-    in this launch by each row tile's last program (with `sinks` / `gate` as the merge kernel takes them)."""
+    of that many 64-key tiles (--deterministic)."""
     b_count, head_dim = seq_lens.shape[0], q.shape[2]
     num_kv = k_cache.shape[2]
     group = q.shape[1] // num_kv
@@ -463,69 +430,40 @@ def _split_partials(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     o = torch.empty(b_count, num_kv, num_splits, total_m, head_dim, device=q.device, dtype=torch.float32)
     m = torch.empty(b_count, num_kv, num_splits, total_m, device=q.device, dtype=torch.float32)
     ll = torch.empty_like(m)
-    final = q if merged is None else merged
-    gate_t = q if gate is None else gate
-    arrivals = seq_lens if merged is None else _arrivals(q.device)
     on = pdl(q)
     _paged_attention_kernel[(b_count, num_kv * row_tiles, num_splits)](
         q, k_cache, v_cache, o, m, ll, block_tables, seq_lens, kv_start, seq_lens if q_start is None else q_start,
-        final, q if sinks is None else sinks, gate_t, arrivals,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0), o.stride(0), o.stride(1), o.stride(2), o.stride(3),
-        final.stride(0), final.stride(1), gate_t.stride(0), gate_t.stride(1),
         scale, q_len, num_splits, window or 0,
         GROUP=group, HEAD_DIM=head_dim, PAGE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal,
         WINDOWED=window is not None, HAS_Q_START=q_start is not None, ROW_TILES=row_tiles, SPLIT_TILES=split_tiles,
-        MERGE=merged is not None, HAS_SINKS=sinks is not None, HAS_GATE=gate is not None,
-        SPLITS=_next_pow2(num_splits), MERGE_UNROLL=max(1, min(16, _MERGE_TILE // (block_m * head_dim))),
         PDL=on, num_warps=num_warps, num_stages=2, launch_pdl=on,
     )
     return o, m, ll, total_m
 
 
-# Row tiles of up to this many rows (decode: one query's heads of a KV head) are merged inside the attention launch
-# by their last program to finish, counted on `_arrivals`; larger ones (verify and drafter blocks: each program would
-# merge up to 64 rows x 64 splits alone) by the merge kernel, whose programs take a row each. 0: always the kernel.
-MERGE_IN_LAUNCH_ROWS = 16
-_MERGE_TILE = 16384  # float32 partial-output elements a fused merge has in flight (64 registers a thread at 8 warps)
-_ARRIVAL_SLOTS = 1 << 16  # (sequence, KV head, row tile) counters a device: 256 sequences x 256 KV heads
-_arrival_counters: dict[torch.device, torch.Tensor] = {}
-
-
-def _arrivals(device: torch.device) -> torch.Tensor:
-    """The device's arrival counters, zero between launches (each row tile's last program resets its own). One
-    buffer for every layer and call: launches on a stream run one after another, and a CUDA graph captures it
-    once and keeps it alive."""
-    counters = _arrival_counters.get(device)
-    if counters is None:
-        counters = _arrival_counters[device] = torch.zeros(_ARRIVAL_SLOTS, dtype=torch.int32, device=device)
-    return counters
-
-
-def _merge_in_launch(device: torch.device, b_count: int, num_kv: int, rows: int, block_m: int) -> bool:
-    """Whether a launch merges its own splits: decode-sized row tiles, counters for every (sequence, KV head,
-    row tile), and not the first use of a device inside a graph capture (its counters are made outside one)."""
-    if rows > MERGE_IN_LAUNCH_ROWS or b_count * num_kv * -(-rows // block_m) > _ARRIVAL_SLOTS:
-        return False
-    return device in _arrival_counters or device.type != "cuda" or not torch.cuda.is_current_stream_capturing()
-
-
 _SPLITS = 8  # the fewest key-range splits of a (sequence, KV head, row tile)
 _MAX_SPLITS = 64
+_MAX_BLOCK_SPLITS = 32  # the most for verify and drafter blocks (more rows a KV head than _FEW_ROWS)
 _FEW_ROWS = 16  # query rows a KV head up to which a block counts as decode rows (8 warps a program)
 
 
-def split_count(device: torch.device, programs: int) -> int:
+def split_count(device: torch.device, programs: int, rows: int = 1) -> int:
     """How many splits each (sequence, KV head, row tile) program's key range may take: enough to give every SM
     two programs (batch 1 has 2 to 8 KV heads: 8 splits would leave most of 132 SMs idle on a latency chain of
-    tiles), between 8 and 64. The count is fixed per launch shape (a CUDA graph captures it); the kernel uses
-    at most one split a 64-key tile of the sequence (its length is read on the device), so a short context
-    runs fewer and the merge skips the empty ones. H100 sweep (attention_sweep --sweep): batch 1 decode best
-    at 16 splits for 1,024 keys and 64 for 8,192; a 16-query verify block at 16-32; batch 8 at 8."""
+    tiles), between 8 and 64, or 32 for blocks of more than _FEW_ROWS rows a KV head. The count is fixed per
+    launch shape (a CUDA graph captures it); the kernel uses at most one split a 64-key tile of the sequence
+    (its length is read on the device), so a short context runs fewer and the merge reads only those, yet the
+    launched ones still cost: H100 sweep (attention_sweep --sweep, b23d1d3), Qwen3-Coder-30B-A3B shape at batch
+    1: decode 5.6 / 6.5 / 6.6 us at 16 / 32 / 64 splits for 1,024 keys, 19.6 / 15.3 / 13.0 for 8,192; a
+    16-query verify block 8.3 / 10.4 / 12.8 for 1,024 keys, 26.8 / 21.6 / 21.9 for 8,192 (Qwen3.6-35B-A3B's
+    alike): 64 for decode rows, where long contexts gain most, 32 for blocks, best or near it at both lengths."""
     if device.type != "cuda":
         return _SPLITS
-    return max(_SPLITS, min(_MAX_SPLITS, -(-2 * sm_count(device) // programs)))
+    cap = _MAX_SPLITS if rows <= _FEW_ROWS else _MAX_BLOCK_SPLITS
+    return max(_SPLITS, min(cap, -(-2 * sm_count(device) // programs)))
 
 
 def default_launch(device: torch.device, b_count: int, num_kv: int, q_len: int, group: int, head_dim: int
@@ -535,7 +473,7 @@ def default_launch(device: torch.device, b_count: int, num_kv: int, q_len: int, 
     head_dim 256) as 3 programs of 32 rows a (KV head, split), not one of 128 whose accumulator spilled."""
     rows = q_len * group
     block_m = min(max(16, _next_pow2(rows)), max(16, 8192 // head_dim))
-    return block_m, split_count(device, b_count * num_kv * -(-rows // block_m))
+    return block_m, split_count(device, b_count * num_kv * -(-rows // block_m), rows)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -558,27 +496,28 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     block_m, splits = default_launch(q.device, b_count, num_kv, q_len, group, head_dim)
     num_splits = num_splits or splits
     block_n, num_warps = tile or _decode_tile(q_len * group)
-    out = torch.empty_like(q)
-    if _merge_in_launch(q.device, b_count, num_kv, q_len * group, block_m):
-        _split_partials(q, k_cache, v_cache, block_tables, seq_lens, kv_start, q_start, q_len, scale, causal, window,
-                        num_splits, block_m, 0, block_n, num_warps, merged=out, sinks=sinks, gate=gate)
-        return out
     o, m, ll, total_m = _split_partials(q, k_cache, v_cache, block_tables, seq_lens, kv_start, q_start, q_len, scale,
                                         causal, window, num_splits, block_m, 0, block_n, num_warps)
+    out = torch.empty_like(q)
     gate_t = q if gate is None else gate
     on = pdl(q)
     _merge_splits_kernel[(b_count, num_kv, q_len * group)](
-        o, m, ll, out, q if sinks is None else sinks, gate_t, o.stride(0), o.stride(1), o.stride(2), o.stride(3),
-        out.stride(0), out.stride(1), gate_t.stride(0), gate_t.stride(1), q_len, num_splits, GROUP=group,
-        HEAD_DIM=head_dim, BLOCK_M=total_m, SPLITS=_next_pow2(num_splits), HAS_SINKS=sinks is not None,
-        HAS_GATE=gate is not None, PDL=on, num_warps=_merge_warps(num_splits, head_dim), launch_pdl=on)
+        o, m, ll, out, q if sinks is None else sinks, gate_t, seq_lens, kv_start,
+        seq_lens if q_start is None else q_start, o.stride(0), o.stride(1), o.stride(2), o.stride(3),
+        out.stride(0), out.stride(1), gate_t.stride(0), gate_t.stride(1), q_len, num_splits, window or 0,
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_M=total_m, BLOCK_N=block_n, CHUNK=_MERGE_CHUNK,
+        WINDOWED=window is not None, HAS_Q_START=q_start is not None, HAS_SINKS=sinks is not None,
+        HAS_GATE=gate is not None, PDL=on, num_warps=_merge_warps(head_dim), launch_pdl=on)
     return out
 
 
-def _merge_warps(num_splits: int, head_dim: int) -> int:
-    """One warp up to 2048 partial values a row (8 splits of head_dim 256, the launch measured so far); more for
-    the up-to-64 splits, so the [SPLITS, HEAD_DIM] tile stays at <= 64 float32 registers a thread."""
-    return max(1, min(8, _next_pow2(num_splits) * head_dim // 2048))
+_MERGE_CHUNK = 16  # splits a merge program reads at once: every split with keys of a 1,024-key context
+
+
+def _merge_warps(head_dim: int) -> int:
+    """One warp for [16, head_dim <= 128] partial values (a chunk: 64 float32 registers a thread or fewer), two
+    for head_dim 256."""
+    return max(1, _MERGE_CHUNK * head_dim // 2048)
 
 
 def ragged_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -102,7 +102,9 @@ def test_split_count_fills_the_gpu(monkeypatch):
     assert split_count(cuda, 4) == 64  # Qwen3-Coder-30B decode: 4 KV heads
     assert split_count(cuda, 24) == 11  # 24 programs: 264 / 24
     assert split_count(cuda, 128) == 8  # batch 16 x 8 KV heads already fills it
-    assert split_count(cuda, 12) == 22  # a 27B verify block: 4 KV heads x 3 row tiles
+    assert split_count(cuda, 12, rows=96) == 22  # a 27B verify block: 4 KV heads x 3 row tiles
+    assert split_count(cuda, 8, rows=128) == 32  # a Coder-30B verify block (4 KV heads x 2 row tiles): capped
+    assert split_count(cuda, 8, rows=8) == 33  # the same programs as decode rows
     assert split_count(torch.device("cpu"), 4) == 8
 
 
@@ -164,32 +166,27 @@ def test_strided_q_and_output_gate_match_reference():
 
 
 @pytest.mark.skipif(DEVICE is None, reason="Triton kernel needs a CUDA GPU (or TRITON_INTERPRET=1)")
-@pytest.mark.parametrize("q_len,splits", [(1, 64), (2, 5)])
-def test_merge_in_launch_equals_the_merge_kernel(monkeypatch, q_len, splits):
-    """Decode rows merge their splits inside the attention launch (the last program of a row tile to arrive):
-    the same output as the separate merge kernel, with sinks and the output gate, over contexts that leave most
-    splits empty, and every arrival counter back at zero for the next launch (called twice)."""
+@pytest.mark.parametrize("window", [None, 40])
+def test_merge_reads_only_the_splits_with_keys(monkeypatch, window):
+    """Splits past a short context store nothing and the merge reads only the ones with keys: with the partial
+    buffers poisoned (NaN), every output is still finite and equal to the reference, with sinks, the output gate
+    and a sliding window (whose earlier tiles no split holds)."""
     dtype = torch.float32 if DEVICE == "cpu" else torch.bfloat16
     d, heads, kv_heads = (16, 8, 2) if DEVICE == "cpu" else (128, 32, 4)
-    q, kc, vc, tables, seq_lens, kv_start = random_case(DEVICE, dtype, 3, q_len, heads, kv_heads, d, max_len=200,
-                                                         seed=7)
+    q, kc, vc, tables, seq_lens, _ = random_case(DEVICE, dtype, 3, 1, heads, kv_heads, d, max_len=200, seed=7)
+    zeros = torch.zeros_like(seq_lens)
     gate = torch.randn_like(q)
     sinks = torch.randn(heads, device=DEVICE)
-
-    def run() -> torch.Tensor:
-        with torch.no_grad():
-            return paged_attention(q, kc, vc, tables, seq_lens, kv_start, q_len, d**-0.5, True, num_splits=splits,
-                                   sinks=sinks, gate=gate)
-
-    assert pa._merge_in_launch(q.device, 3, kv_heads, q_len * heads // kv_heads, 16)
-    fused = [run(), run()]
-    assert int(pa._arrivals(q.device).abs().sum()) == 0
-    monkeypatch.setattr(pa, "MERGE_IN_LAUNCH_ROWS", 0)
-    separate = run()
-    for out in fused:
-        torch.testing.assert_close(out, separate, rtol=1e-5 if DEVICE == "cpu" else 2e-2, atol=1e-5)
-    ref = paged_attention_ref(q, kc, vc, tables, seq_lens, kv_start, q_len, d**-0.5, True, sinks) * torch.sigmoid(gate)
-    assert float((fused[0].float() - ref.float()).norm() / ref.float().norm()) < 1e-2
+    empty, empty_like = torch.empty, torch.empty_like
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: empty(*a, **k).fill_(float("nan")))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: empty_like(*a, **k).fill_(float("nan")))
+    with torch.no_grad():
+        out = paged_attention(q, kc, vc, tables, seq_lens, zeros, 1, d**-0.5, True, num_splits=64, sinks=sinks,
+                              window=window, gate=gate)
+    monkeypatch.undo()
+    ref = paged_attention_ref(q, kc, vc, tables, seq_lens, zeros, 1, d**-0.5, True, sinks, window) * torch.sigmoid(gate)
+    assert torch.isfinite(out).all()
+    assert float((out.float() - ref.float()).norm() / ref.float().norm()) < 1e-2
 
 
 def attend_one(keys: torch.Tensor, values: torch.Tensor, q: torch.Tensor, scale: float,
