@@ -290,19 +290,22 @@ def run_block(block: SparseMoeBlock, shape: dict, t: int, reps: int, paths: list
 # T is not a compile-time constant of the kernels: each config compiles once per shape (~1 s), then times per T
 SWEEP_DOT = [mg.GemmConfig(16, bn, bk, w, 3)
              for bn, bk, w in itertools.product((16, 32, 64, 128), (64, 128, 256), (4, 8))]
-SWEEP_ROW = [mg.GemmConfig(1, bn, bk, w, 3) for bn, bk, w in itertools.product((4, 8, 16, 32), (256, 512), (4, 8))]
+SWEEP_ROW = [mg.GemmConfig(1, bn, bk, w, 3) for bn, bk, w in itertools.product((2, 4, 8, 16), (128, 256, 512), (4, 8))]
 
 
 def sweep(block: SparseMoeBlock, shape: dict, t: int, reps: int, pool: int | None = None) -> dict:
-    """Each grouped GEMM alone, over launch configs, for one routing draw (graph replay of CALLS launches)."""
+    """Each grouped GEMM alone, over launch configs (graph replay of CALLS launches, each routed by its own draw:
+    with one draw for all, a step's experts stayed in L2 from the launch before and the sweep timed L2)."""
     e, k, h, i = shape["experts"], shape["top_k"], shape["hidden"], shape["inter"]
-    weights, ids = routing_draws(t, e, k, 1, seed=1000 + t, pool=pool)[0]
     x = torch.randn(t, h, device=DEVICE, dtype=DTYPE)
     shared = block._folded_shared(x)
     slots = k + int(shared is not None)
     out: dict = {}
     with torch.inference_mode():
-        layout = mg.moe_align(ids, e, shared is not None)
+        layouts = [mg.moe_align(ids, e, shared is not None)
+                   for _, ids in routing_draws(t, e, k, CALLS, seed=1000 + t, pool=pool)]
+        turn = itertools.count()
+        layout = layouts[0]
         act = torch.randn(t * slots, i, device=DEVICE, dtype=DTYPE)
         y = torch.empty(t * slots, h, device=DEVICE, dtype=DTYPE)
         gu, dn = block.experts.gate_up_proj, block.experts.down_proj
@@ -313,6 +316,7 @@ def sweep(block: SparseMoeBlock, shape: dict, t: int, reps: int, pool: int | Non
             results = []
             for cfg in [default] + (SWEEP_ROW if t == 1 else SWEEP_DOT):
                 def fn(cfg=cfg, gated=gated):
+                    layout = layouts[next(turn) % CALLS]
                     if gated:
                         mg._grouped_gemm(x, gu, None, shared.gate if shared else None, shared.up if shared else None,
                                          act, layout, slots, e, True, cfg)

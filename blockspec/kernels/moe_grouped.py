@@ -510,6 +510,18 @@ def max_items(tokens: int, slots: int, experts: int) -> int:
     return min(experts, pairs) + pairs // CHUNK
 
 
+# One-token configs measured per expert shape (n output columns, k, gated) where they beat the heuristic by more
+# than noise: bench/moe_kernels.py --sweep --tokens 1 on an H100, each call of the timed graph routed anew (an
+# earlier sweep reused one routing, so the experts stayed in L2 and it timed L2), bench/results/
+# moe_kernels_t1_cold_sweep_h100_9b31817.json. Qwen3-Coder-30B-A3B gate_up 21.0 vs 23.0 us, down 11.7 vs 12.2;
+# engine AR 277.5 -> 287.7 tok/s on the same machine (hybrid_gpu_moe_base_h100_9b31817.json ->
+# hybrid_gpu_moe_one_token_tuned_h100_9b31817.json). Qwen3.6-35B-A3B's shapes were best at the heuristic's config.
+_TUNED_ONE_TOKEN = {
+    (768, 2048, True): GemmConfig(1, 2, 512, 4, 3),
+    (2048, 768, False): GemmConfig(1, 16, 256, 4, 3),
+}
+
+
 def gemm_config(tokens: int, n: int, k: int, items: int, gated: bool, quantized: bool = False) -> GemmConfig:
     """Launch config for `tokens` tokens, n output columns, reduction length k, up to `items` work items.
 
@@ -525,8 +537,12 @@ def gemm_config(tokens: int, n: int, k: int, items: int, gated: bool, quantized:
       quantized GEMMs do for 4-bit weights at one row: the dequantized tile goes straight into the MMA (the
       row-reduction path would widen it to float32 first), and BLOCK_K >= 32 (an MXFP4 scale group). Not
       tuned on a GPU yet (bench/moe_kernels.py --quant).
-    `items` is the worst case; a step that touches fewer experts has fewer live programs.
+    `items` is the worst case; a step that touches fewer experts has fewer live programs. Shapes in
+    _TUNED_ONE_TOKEN take their measured one-token config instead.
     """
+    tuned = _TUNED_ONE_TOKEN.get((n, k, gated)) if tokens == 1 and not quantized else None
+    if tuned is not None:
+        return tuned
     if tokens == 1 and not quantized:
         block_n = 8 if items * _cdiv(n, 8) >= _MIN_PROGRAMS else 4
         return GemmConfig(1, block_n, min(256, max(64, _next_pow2(k))), 4, 3)

@@ -96,8 +96,8 @@ def shared_ref(x: torch.Tensor, sw: SharedWeights, gate_w: torch.Tensor) -> tupl
     return gate, F.linear(F.silu(F.linear(x, sw.gate)) * F.linear(x, sw.up), sw.down)
 
 
-@pytest.mark.parametrize("tokens,n,k,items", [(1, 512, 2048, 9), (1, 2048, 512, 9), (16, 768, 2048, 120),
-                                              (256, 512, 2048, 293), (4, 32, 64, 8)])
+@pytest.mark.parametrize("tokens,n,k,items", [(1, 512, 2048, 9), (1, 2048, 512, 9), (1, 768, 2048, 8),
+                                              (16, 768, 2048, 120), (256, 512, 2048, 293), (4, 32, 64, 8)])
 def test_gemm_config(tokens, n, k, items):
     cfg = gemm_config(tokens, n, k, items, gated=True)
     for v in (cfg.block_n, cfg.block_k, cfg.num_warps):
@@ -107,6 +107,14 @@ def test_gemm_config(tokens, n, k, items):
     else:  # tl.dot needs >= 16 in every dimension; BLOCK_K does not depend on the token count
         assert cfg.use_dot and min(cfg.block_m, cfg.block_n, cfg.block_k) >= 16
         assert cfg.block_k == gemm_config(2, n, k, items, gated=True).block_k
+
+
+def test_measured_one_token_configs_apply_to_their_shape_only():
+    """A tuned one-token shape takes its measured config; more tokens or quantized experts keep the heuristic."""
+    for (n, k, gated), cfg in mg._TUNED_ONE_TOKEN.items():
+        assert gemm_config(1, n, k, 8, gated) == cfg and not cfg.use_dot
+        assert gemm_config(16, n, k, 120, gated).use_dot
+        assert gemm_config(1, n, k, 8, gated, quantized=True) != cfg
 
 
 def test_max_items_bounds_the_work():
