@@ -163,8 +163,10 @@ def _cdiv(a: int, b: int) -> int:
 
 
 # Launch configs measured per projection shape on an H100 (bench/tune_skinny.py: --model 4b/35b/coder30b --rows 1
-# and --model 27b/coder30b --rows 16; bench/results/tune_skinny_*_h100.json), where they beat the heuristic below
+# and --model 27b/coder30b --rows 16; bench/results/tune_skinny_*_h100*.json), where they beat the heuristic below
 # by more than noise: (1 for one row | 16 for the 2-16-row dot path, n output columns, k, gated) -> config.
+# Weights under ~50 MB were timed L2-resident before 491e80a; tune_skinny_{coder30b,35b}_m{1,16}_cold_h100_491e80a
+# re-timed the MoE models' projections streamed from HBM.
 _TUNED = {
     (1, 12288, 2560, False): (4, 512, 4, 3),  # Qwen3.5-4B Gated DeltaNet [qkv | z]: 22.9 vs 23.7 us
     (1, 10240, 2560, False): (4, 512, 4, 3),  # 4B gated attention q|gate|k|v: 19.8 vs 20.4
@@ -173,7 +175,9 @@ _TUNED = {
     (1, 248320, 2560, False): (4, 512, 4, 3),  # 4B LM head (the tied embedding): 401 vs 407
     (1, 12288, 2048, False): (8, 1024, 4, 3),  # Qwen3.6-35B-A3B [qkv | z]: 18.5 vs 20.3
     (1, 9216, 2048, False): (16, 256, 4, 3),  # 35B-A3B attention: 7.2 vs 11.1
-    (1, 5120, 2048, False): (16, 256, 4, 3),  # Qwen3-Coder-30B-A3B q|k|v: 5.1 vs 6.6 (L2-resident: relative only)
+    # Qwen3-Coder-30B-A3B q|k|v, weights rotated past L2 (tune_skinny's default since 491e80a; the earlier
+    # (16, 256, 4, 3) was picked on an L2-resident weight): 9.2 vs 10.3 us
+    (1, 5120, 2048, False): (4, 1024, 8, 3),
     (16, 5120, 2048, False): (64, 256, 4, 3),  # Coder-30B q|k|v, verify block: 8.3 vs 9.5
     (16, 16384, 5120, False): (64, 128, 4, 3),  # Qwen3.6-27B [qkv | z], verify block: 61.4 vs 62.8
     (16, 5120, 6144, False): (64, 128, 4, 5),  # 27B out_proj / o_proj (+ residual): 25.9 vs 27.9
@@ -197,7 +201,8 @@ def _launch_config(m: int, n: int, k: int, gated: bool = False) -> tuple[int, in
       W row per stage; 256 where fewer programs than SMs), 3 stages of cp.async pipelining.
     - 2 <= m <= 16 on weights above SMALL_WEIGHT (bench/tune_skinny.py sweep on the Qwen3-8B shapes, H100):
       BLOCK_N 32 with deep pipelining, 5 stages of BLOCK_K 256 for long rows (K > 4096) and the LM head,
-      128 otherwise; the gated [gate; up] pair (two tiles per stage) 3 stages of 128.
+      128 otherwise; the gated [gate; up] pair (two tiles per stage) 3 stages of 128. A narrow weight whose
+      32-column tiles would leave half the SMs idle takes 16 x 256.
     """
     tuned = _TUNED.get((1 if m == 1 else 16, n, k, gated))
     if tuned is not None:
@@ -209,6 +214,8 @@ def _launch_config(m: int, n: int, k: int, gated: bool = False) -> tuple[int, in
     if (2 if gated else 1) * n * k > SMALL_WEIGHT:
         if gated:
             return 32, 128, 4, 3
+        if _cdiv(n, 32) < _NUM_SMS // 2:  # narrow (an MoE model's o_proj 4096 -> 2048): 32 would idle half the SMs
+            return 16, 256, 4, 5  # 9.7 vs 11.3 us for 2048 x 4096 (tune_skinny_coder30b_m16_cold; 35B-A3B alike)
         return 32, 256 if k > 4096 or n >= 65536 else 128, 4, 5
     block_n = next((b for b in (64, 32) if _cdiv(n, b) >= _MIN_PROGRAMS), 16)
     # a narrow weight (an MoE router: 128-256 columns) leaves a few programs each walking all of K: halve their
