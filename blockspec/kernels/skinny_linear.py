@@ -165,7 +165,7 @@ def _cdiv(a: int, b: int) -> int:
 # Launch configs measured per projection shape on an H100 (bench/tune_skinny.py: --model 4b/35b/coder30b --rows 1
 # and --model 27b/coder30b --rows 16; bench/results/tune_skinny_*_h100*.json), where they beat the heuristic below
 # by more than noise: (1 for one row | 16 for the 2-16-row dot path, n output columns, k, gated) -> config.
-# Weights under ~50 MB were timed L2-resident before 491e80a; tune_skinny_{coder30b,35b}_m{1,16}_cold_h100_491e80a
+# Weights under ~50 MB were timed L2-resident before 6b17b85; tune_skinny_{coder30b,35b}_m{1,16}_cold_h100_491e80a
 # re-timed the MoE models' projections streamed from HBM.
 _TUNED = {
     (1, 12288, 2560, False): (4, 512, 4, 3),  # Qwen3.5-4B Gated DeltaNet [qkv | z]: 22.9 vs 23.7 us
@@ -175,7 +175,7 @@ _TUNED = {
     (1, 248320, 2560, False): (4, 512, 4, 3),  # 4B LM head (the tied embedding): 401 vs 407
     (1, 12288, 2048, False): (8, 1024, 4, 3),  # Qwen3.6-35B-A3B [qkv | z]: 18.5 vs 20.3
     (1, 9216, 2048, False): (16, 256, 4, 3),  # 35B-A3B attention: 7.2 vs 11.1
-    # Qwen3-Coder-30B-A3B q|k|v, weights rotated past L2 (tune_skinny's default since 491e80a; the earlier
+    # Qwen3-Coder-30B-A3B q|k|v, weights rotated past L2 (tune_skinny's default since 6b17b85; the earlier
     # (16, 256, 4, 3) was picked on an L2-resident weight): 9.2 vs 10.3 us
     (1, 5120, 2048, False): (4, 1024, 8, 3),
     (16, 5120, 2048, False): (64, 256, 4, 3),  # Coder-30B q|k|v, verify block: 8.3 vs 9.5
