@@ -522,7 +522,8 @@ _TUNED_ONE_TOKEN = {
 }
 
 
-def gemm_config(tokens: int, n: int, k: int, items: int, gated: bool, quantized: bool = False) -> GemmConfig:
+def gemm_config(tokens: int, n: int, k: int, items: int, gated: bool, quantized: bool = False,
+                itemsize: int = 2) -> GemmConfig:
     """Launch config for `tokens` tokens, n output columns, reduction length k, up to `items` work items.
 
     A hand heuristic (no autotune: CUDA graphs are captured right after warm-up), after skinny_linear's:
@@ -548,7 +549,9 @@ def gemm_config(tokens: int, n: int, k: int, items: int, gated: bool, quantized:
     if tokens == 1 and not quantized:
         block_n = 8 if items * _cdiv(n, 8) >= _MIN_PROGRAMS else 4
         return GemmConfig(1, block_n, min(256, max(64, _next_pow2(k))), 4, 3)
-    if gated and not quantized:  # 32 x 256 tiles: Coder-30B 44.4 vs 47.6 us, 35B-A3B 61.3 vs 62.8 (T = 16, cold)
+    # 32 x 256 tiles for 2-byte experts: Coder-30B 44.4 vs 47.6 us, 35B-A3B 61.3 vs 62.8 (T = 16, cold); float32
+    # ones keep 128 (three stages of 32 x 256 float32 tiles need 245 KB of shared memory, more than an SM has)
+    if gated and not quantized and itemsize <= 2:
         block_n = 32 if items * _cdiv(n, 32) >= _MIN_PROGRAMS else 16
         return GemmConfig(16, block_n, min(256, max(16, _next_pow2(k))), 4, 3)
     block_k = min(128, max(32 if quantized else 16, _next_pow2(k)))
@@ -861,8 +864,8 @@ def moe_experts(x: torch.Tensor, gate_up, down, weights: torch.Tensor, ids: torc
         raise ValueError("a quantized shared expert folds in only where the NVFP4 rows kernel takes the experts "
                          "(see shared_foldable)")
     if configs is None:
-        configs = (gemm_config(t, i, h, layout.max_items, True, quantized=quantized),
-                   gemm_config(t, h, i, layout.max_items, False, quantized=quantized))
+        configs = (gemm_config(t, i, h, layout.max_items, True, quantized=quantized, itemsize=x.element_size()),
+                   gemm_config(t, h, i, layout.max_items, False, quantized=quantized, itemsize=x.element_size()))
     act = torch.empty(t * slots, i, dtype=x.dtype, device=x.device)
     y = torch.empty(t * slots, h, dtype=x.dtype, device=x.device)
     _grouped_gemm(x, gate_up, None, shared.gate if has_shared else None, shared.up if has_shared else None,

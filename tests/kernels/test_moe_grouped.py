@@ -109,6 +109,14 @@ def test_gemm_config(tokens, n, k, items):
         assert cfg.block_k == gemm_config(2, n, k, items, gated=True).block_k
 
 
+def test_float32_gate_up_tiles_fit_shared_memory():
+    """A float32 block's gate_up keeps 128-wide K tiles: three stages of the bf16 32 x 256 ones would need 245 KB."""
+    cfg = gemm_config(16, 256, 1024, 40, True, itemsize=4)
+    stage_bytes = (cfg.block_m + 2 * cfg.block_n) * cfg.block_k * 4
+    assert cfg.num_stages * stage_bytes <= 227 * 1024
+    assert gemm_config(16, 256, 1024, 40, True).block_k == 256
+
+
 def test_measured_one_token_configs_apply_to_their_shape_only():
     """A tuned one-token shape takes its measured config; more tokens or quantized experts keep the heuristic."""
     for (n, k, gated), cfg in mg._TUNED_ONE_TOKEN.items():
