@@ -239,6 +239,16 @@ def cases() -> list[tuple[str, tuple, dict]]:
             W_STRIDE=5760 * 1440, S_STRIDE=5760 * 90, Z_STRIDE=5760 * 90, HAS_BIAS=True, CLAMPED=True, LIMIT=7.0,
             ALPHA=1.702, PDL=t == 1)), dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                                              ptx_has=pdl_ptx if t == 1 else ())))
+    route = {n: "*bf16" for n in ("L", "X", "WS", "W_OUT", "SW_OUT")}
+    route.update({n: "*i32" for n in ("IDS_OUT", "SORTED", "ITEM_EXPERT", "ITEM_START", "ITEM_COUNT", "NUM_ITEMS")})
+    route.update(T="i32", P="i32")
+    for t, shared in ((1, False), (16, False), (16, True)):  # a decode token, a verify block (128 experts)
+        slots = 8 + int(shared)
+        out.append((f"route_align T={t} shared={shared}", (mg._route_align_kernel, route, dict(
+            E=128, EP=128, TOP_K=8, KP=8, H=2048, RENORM=True, SHARED=shared, BLOCK_T=t, BLOCK_H=256, SLOTS=slots,
+            NB=256 if shared else 128, CHUNK=mg.CHUNK, BLOCK_P=mg.BLOCK_P, ONE_TOKEN=t == 1, ONE_BLOCK=t > 1,
+            PDL=True)), dict(num_warps=4, no_spill=True, ptx_has=pdl_ptx,
+                             div16=("L", "X", "WS", "W_OUT", "SW_OUT", "IDS_OUT", "SORTED", "ITEM_EXPERT"))))
     det = {n: "*bf16" for n in ("X", "W", "B", "Y")} | {"M": "i32", "N_OUT": "i32"}
     for gated, res in ((False, False), (True, False), (False, True)):
         out.append((f"deterministic_linear gated={gated} residual={res}", (dl._deterministic_linear_kernel, det, dict(

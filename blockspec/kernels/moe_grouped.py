@@ -61,6 +61,33 @@ if HAVE_TRITON:
     from blockspec.kernels.skinny_linear import _accumulate  # the skinny GEMM's K-tile step, shared
 
     @triton.jit
+    def _route_probs(L, offs_t, t_mask, E: tl.constexpr, EP: tl.constexpr):
+        """Softmax in float32 over the logits as stored, as route() computes it ([BLOCK_T, EP]; padded rows
+        uniform over zero logits, finite, never stored; padded experts 0)."""
+        offs_e = tl.arange(0, EP)
+        lmask = t_mask[:, None] & (offs_e[None, :] < E)
+        logits = tl.load(L + offs_t[:, None].to(tl.int64) * E + offs_e[None, :], mask=lmask,
+                         other=float("-inf")).to(tl.float32)
+        logits = tl.where(t_mask[:, None], logits, 0.0)
+        mx = tl.max(logits, axis=1)
+        p = tl.exp(logits - mx[:, None])
+        return p / tl.sum(p, axis=1)[:, None]
+
+    @triton.jit
+    def _shared_gate(X, WS, SW_OUT, offs_t, t_mask, H: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+        """sigmoid(x . w_gate) per token, rounded where F.linear and torch.sigmoid round."""
+        acc = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
+        offs_h = tl.arange(0, BLOCK_H)
+        for h0 in range(0, H, BLOCK_H):
+            hs = h0 + offs_h
+            xv = tl.load(X + offs_t[:, None].to(tl.int64) * H + hs[None, :],
+                         mask=t_mask[:, None] & (hs[None, :] < H), other=0.0)
+            wv = tl.load(WS + hs, mask=hs < H, other=0.0)
+            acc += xv.to(tl.float32) * wv.to(tl.float32)[None, :]
+        g = tl.sum(acc, axis=1).to(SW_OUT.dtype.element_ty).to(tl.float32)
+        tl.store(SW_OUT + offs_t, (1.0 / (1.0 + tl.exp(-g))).to(SW_OUT.dtype.element_ty), mask=t_mask)
+
+    @triton.jit
     def _route_block(L, X, WS, W_OUT, IDS_OUT, SW_OUT, t0, T,
                      E: tl.constexpr, EP: tl.constexpr, TOP_K: tl.constexpr, KP: tl.constexpr,
                      H: tl.constexpr, RENORM: tl.constexpr, DO_TOPK: tl.constexpr, SHARED: tl.constexpr,
@@ -75,13 +102,7 @@ if HAVE_TRITON:
         id_sel = tl.zeros([BLOCK_T, KP], dtype=tl.int32)
         if DO_TOPK:
             offs_e = tl.arange(0, EP)
-            lmask = t_mask[:, None] & (offs_e[None, :] < E)
-            logits = tl.load(L + offs_t[:, None].to(tl.int64) * E + offs_e[None, :], mask=lmask,
-                             other=float("-inf")).to(tl.float32)
-            logits = tl.where(t_mask[:, None], logits, 0.0)  # padded rows: finite, never stored
-            mx = tl.max(logits, axis=1)
-            p = tl.exp(logits - mx[:, None])
-            probs = p / tl.sum(p, axis=1)[:, None]
+            probs = _route_probs(L, offs_t, t_mask, E, EP)
             offs_k = tl.arange(0, KP)
             w_sel = tl.zeros([BLOCK_T, KP], dtype=tl.float32)
             for j in tl.static_range(TOP_K):
@@ -96,17 +117,40 @@ if HAVE_TRITON:
             tl.store(W_OUT + out_off, w_sel.to(dtype), mask=out_mask)
             tl.store(IDS_OUT + out_off, id_sel, mask=out_mask)
         if SHARED:
-            acc = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
-            offs_h = tl.arange(0, BLOCK_H)
-            for h0 in range(0, H, BLOCK_H):
-                hs = h0 + offs_h
-                xv = tl.load(X + offs_t[:, None].to(tl.int64) * H + hs[None, :],
-                             mask=t_mask[:, None] & (hs[None, :] < H), other=0.0)
-                wv = tl.load(WS + hs, mask=hs < H, other=0.0)
-                acc += xv.to(tl.float32) * wv.to(tl.float32)[None, :]
-            g = tl.sum(acc, axis=1).to(SW_OUT.dtype.element_ty).to(tl.float32)
-            tl.store(SW_OUT + offs_t, (1.0 / (1.0 + tl.exp(-g))).to(SW_OUT.dtype.element_ty), mask=t_mask)
+            _shared_gate(X, WS, SW_OUT, offs_t, t_mask, H, BLOCK_T, BLOCK_H)
         return id_sel
+
+    @triton.jit
+    def _route_selection(L, X, WS, W_OUT, IDS_OUT, SW_OUT, T, E: tl.constexpr, EP: tl.constexpr,
+                         TOP_K: tl.constexpr, H: tl.constexpr, RENORM: tl.constexpr, SHARED: tl.constexpr,
+                         BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+        """_route_block for one block of several tokens, returning the selection [BLOCK_T, EP] that
+        _align_selection groups: at each selected expert the slot it fills, elsewhere (and on padded rows) -1.
+        The rounds mark it in the probabilities' own layout and the outputs are scattered from it, rounded as
+        _route_block rounds them (the renormalising sum over the selected column entries)."""
+        dtype = W_OUT.dtype.element_ty
+        offs_t = tl.arange(0, BLOCK_T)
+        t_mask = offs_t < T
+        offs_e = tl.arange(0, EP)
+        probs = _route_probs(L, offs_t, t_mask, E, EP)
+        sel = tl.full([BLOCK_T, EP], -1, dtype=tl.int32)
+        work = probs
+        for j in tl.static_range(TOP_K):
+            _, best = tl.max(work, axis=1, return_indices=True, return_indices_tie_break_left=True)
+            hit = offs_e[None, :] == best[:, None]
+            sel = tl.where(hit, j, sel)
+            work = tl.where(hit, -1.0, work)
+        w = probs
+        if RENORM:  # padded rows too (their uniform probabilities: no division by zero), never stored
+            w = probs / tl.sum(tl.where(sel >= 0, probs, 0.0), axis=1)[:, None]
+        sel = tl.where(t_mask[:, None], sel, -1)
+        chosen = sel >= 0
+        out_off = offs_t[:, None].to(tl.int64) * TOP_K + sel
+        tl.store(W_OUT + out_off, w.to(dtype), mask=chosen)
+        tl.store(IDS_OUT + out_off, offs_e[None, :] + 0 * sel, mask=chosen)
+        if SHARED:
+            _shared_gate(X, WS, SW_OUT, offs_t, t_mask, H, BLOCK_T, BLOCK_H)
+        return sel
 
     @triton.jit
     def _route_kernel(L, X, WS, W_OUT, IDS_OUT, SW_OUT, T,
@@ -191,44 +235,36 @@ if HAVE_TRITON:
                     per_program, TOP_K, SLOTS, E, NB, CHUNK, BLOCK_P, False)
 
     @triton.jit
-    def _align_registers(ids, T, SORTED, ITEM_EXPERT, ITEM_START, ITEM_COUNT, NUM_ITEMS, E: tl.constexpr,
-                         TOP_K: tl.constexpr, KP: tl.constexpr, SHARED: tl.constexpr, SLOTS: tl.constexpr,
-                         SP: tl.constexpr, NB: tl.constexpr, BLOCK_T: tl.constexpr):
-        """_align_body for a step whose tokens all fit one route block (T <= BLOCK_T <= CHUNK), from the ids
-        still in registers ([BLOCK_T, KP]): no write-read round trip through memory and no barrier, which a
-        verify block's routing waited on every layer. A pair's place is its expert's run start + the pairs
-        of earlier tokens with the same expert (a token's experts are distinct); each expert with pairs is
-        one work item (it has at most T <= CHUNK pairs), ascending by id: the layout _align_body builds."""
+    def _align_selection(sel, T, SORTED, ITEM_EXPERT, ITEM_START, ITEM_COUNT, NUM_ITEMS, E: tl.constexpr,
+                         EP: tl.constexpr, TOP_K: tl.constexpr, SHARED: tl.constexpr, SLOTS: tl.constexpr,
+                         BLOCK_T: tl.constexpr):
+        """_align_body for a step whose tokens all fit one route block (T <= BLOCK_T <= CHUNK), from the
+        routing's selection still in registers ([BLOCK_T, EP], see _route_block): no write-read round trip
+        through memory. Column e holds expert e's pairs, one a token at most: its run starts after the
+        earlier experts' pairs (a scan of the column counts), a pair's place in it is the number of earlier
+        tokens in the column (a scan down the column); each expert with pairs is one work item (at most
+        T <= CHUNK pairs), ascending by id, the shared expert E last: the layout _align_body builds."""
         offs_t = tl.arange(0, BLOCK_T)
-        offs_s = tl.arange(0, SP)
-        offs_j = tl.arange(0, KP)
-        # the pair experts [BLOCK_T, SP]: slot s < TOP_K is ids[t, s], slot TOP_K the shared expert E
-        e2 = tl.sum(tl.where(offs_s[None, :, None] == offs_j[None, None, :], ids[:, None, :], 0), axis=2)
-        if SHARED:
-            e2 = tl.where(offs_s[None, :] == TOP_K, E, e2)
-        valid = (offs_t[:, None] < T) & (offs_s[None, :] < SLOTS)
-        e2 = tl.where(valid, e2, 0)
-        rank = tl.zeros([BLOCK_T, SP], dtype=tl.int32)
-        for u in tl.static_range(BLOCK_T):  # pairs of token u with the same expert, for every later token
-            row = tl.sum(tl.where(offs_t[:, None] == u, e2, 0), axis=0)  # [SP]
-            row_valid = (offs_s < SLOTS) & (u < T)
-            hit = (e2[:, :, None] == row[None, None, :]) & row_valid[None, None, :]
-            rank += tl.where(offs_t[:, None] > u, tl.sum(hit.to(tl.int32), axis=2), 0)
-        flat_e = tl.reshape(e2, [BLOCK_T * SP])
-        flat_valid = tl.reshape(valid, [BLOCK_T * SP])
-        flat_rank = tl.reshape(rank, [BLOCK_T * SP])
-        flat_pair = tl.reshape(offs_t[:, None] * SLOTS + offs_s[None, :], [BLOCK_T * SP])
-        counts = tl.histogram(flat_e, NB, mask=flat_valid)
+        offs_e = tl.arange(0, EP)
+        chosen = (sel >= 0).to(tl.int32)
+        counts = tl.sum(chosen, axis=0)
         run_start = tl.cumsum(counts, 0) - counts
-        start = tl.gather(run_start, flat_e, 0)
-        tl.store(SORTED + start + flat_rank, flat_pair, mask=flat_valid)
-        has = (counts > 0).to(tl.int32)
-        item = tl.gather(tl.cumsum(has, 0) - has, flat_e, 0)
-        first = flat_valid & (flat_rank == 0)
-        tl.store(ITEM_EXPERT + item, flat_e, mask=first)
-        tl.store(ITEM_START + item, start, mask=first)
-        tl.store(ITEM_COUNT + item, tl.gather(counts, flat_e, 0), mask=first)
-        tl.store(NUM_ITEMS, tl.sum(has, axis=0))
+        place = run_start[None, :] + tl.cumsum(chosen, axis=0) - chosen
+        tl.store(SORTED + place, offs_t[:, None] * SLOTS + sel, mask=chosen > 0)
+        has = counts > 0
+        item = tl.cumsum(has.to(tl.int32), 0) - has.to(tl.int32)
+        tl.store(ITEM_EXPERT + item, offs_e, mask=has)
+        tl.store(ITEM_START + item, run_start, mask=has)
+        tl.store(ITEM_COUNT + item, counts, mask=has)
+        items = tl.sum(has.to(tl.int32), axis=0)
+        if SHARED:  # every token's slot TOP_K: one run after all routed pairs, in token order
+            routed = tl.sum(counts, axis=0)
+            tl.store(SORTED + routed + offs_t, offs_t * SLOTS + TOP_K, mask=offs_t < T)
+            tl.store(ITEM_EXPERT + items, E)
+            tl.store(ITEM_START + items, routed)
+            tl.store(ITEM_COUNT + items, T)
+            items += 1
+        tl.store(NUM_ITEMS, items)
 
     @triton.jit
     def _route_align_kernel(L, X, WS, W_OUT, IDS_OUT, SW_OUT, SORTED, ITEM_EXPERT, ITEM_START, ITEM_COUNT,
@@ -237,12 +273,12 @@ if HAVE_TRITON:
                             H: tl.constexpr, RENORM: tl.constexpr, SHARED: tl.constexpr, BLOCK_T: tl.constexpr,
                             BLOCK_H: tl.constexpr, SLOTS: tl.constexpr, NB: tl.constexpr, CHUNK: tl.constexpr,
                             BLOCK_P: tl.constexpr, ONE_TOKEN: tl.constexpr, ONE_BLOCK: tl.constexpr = False,
-                            SP: tl.constexpr = 1, PDL: tl.constexpr = False):
+                            PDL: tl.constexpr = False):
         # One program routes every token, then groups the pairs: one launch instead of two for small steps.
         # One token (ONE_TOKEN, a decode step) needs no sort: its slots are distinct experts, so work item j
         # is slot j (pair j), written from the ids in registers. Tokens that fit one route block (ONE_BLOCK,
-        # a verify block) are grouped from the ids in registers too (_align_registers); more go through
-        # memory, after a barrier (_align_body).
+        # a verify block) are grouped from the routing's selection in registers (_route_selection,
+        # _align_selection); more go through memory, after a barrier (_align_body).
         wait_for_inputs(PDL)
         release_dependents(PDL)  # one program: the grouped GEMM's programs find every other SM free
         if ONE_TOKEN:
@@ -259,10 +295,10 @@ if HAVE_TRITON:
             tl.store(ITEM_COUNT + offs_s, tl.full([NB], 1, tl.int32), mask=s_mask)
             tl.store(NUM_ITEMS, SLOTS)
         elif ONE_BLOCK:
-            ids = _route_block(L, X, WS, W_OUT, IDS_OUT, SW_OUT, 0, T, E, EP, TOP_K, KP, H, RENORM, True, SHARED,
-                               BLOCK_T, BLOCK_H)
-            _align_registers(ids, T, SORTED, ITEM_EXPERT, ITEM_START, ITEM_COUNT, NUM_ITEMS, E, TOP_K, KP, SHARED,
-                             SLOTS, SP, NB, BLOCK_T)
+            sel = _route_selection(L, X, WS, W_OUT, IDS_OUT, SW_OUT, T, E, EP, TOP_K, H, RENORM, SHARED, BLOCK_T,
+                                   BLOCK_H)
+            _align_selection(sel, T, SORTED, ITEM_EXPERT, ITEM_START, ITEM_COUNT, NUM_ITEMS, E, EP, TOP_K, SHARED,
+                             SLOTS, BLOCK_T)
         else:
             t0 = 0
             while t0 < T:
@@ -763,7 +799,7 @@ def moe_route_align(logits: torch.Tensor, top_k: int, renormalize: bool, x: torc
         shared_w if shared else dummy, layout.sorted_pairs, layout.item_expert, layout.item_start,
         layout.item_count, layout.num_items, t, layout.sorted_pairs.numel(), **route_consts,
         **{k: v for k, v in align_consts.items() if k not in ("TOP_K", "E")}, ONE_TOKEN=t == 1,
-        ONE_BLOCK=t <= min(route_consts["BLOCK_T"], CHUNK), SP=_next_pow2(align_consts["SLOTS"]), PDL=on,
+        ONE_BLOCK=t <= min(route_consts["BLOCK_T"], CHUNK), PDL=on,
         num_warps=4 if t == 1 else ROUTE_ALIGN_WARPS, launch_pdl=on)
     return weights, ids, shared_w, layout
 

@@ -184,10 +184,12 @@ def test_align_groups_pairs_by_expert(t, e, k, shared, monkeypatch):
 
 
 @kernel
+@pytest.mark.parametrize("shared", [True, False], ids=["shared", "routed"])
 @pytest.mark.parametrize("single_program", [True, False])
 @pytest.mark.parametrize("t,e,k", [(1, 16, 4), (3, 16, 4), (16, 16, 4), (80, 16, 4), (16, 256, 8), (7, 128, 8)])
-def test_route_align_one_launch_or_two(t, e, k, single_program, monkeypatch):
-    """The single program groups one route block's pairs from registers (t <= 16), more through memory."""
+def test_route_align_one_launch_or_two(t, e, k, single_program, shared, monkeypatch):
+    """The single program groups one route block's pairs from registers (t <= 16: from the routing's selection
+    matrix), more through memory; with and without the folded shared expert's slot."""
     monkeypatch.setattr(mg, "ROUTE_ALIGN_MAX_PAIRS", 10 ** 6 if single_program else 0)
     monkeypatch.setattr(mg, "ROUTE_ALIGN_MAX_EXPERTS", 10 ** 6 if single_program else 0)
     monkeypatch.setattr(mg, "BLOCK_P", 64)
@@ -196,12 +198,13 @@ def test_route_align_one_launch_or_two(t, e, k, single_program, monkeypatch):
     logits = torch.randn(t, e, generator=g).to(DEVICE)
     x = torch.randn(t, h, generator=g).to(DEVICE)
     gate_w = torch.randn(1, h, generator=g).to(DEVICE)
-    w, ids, sw, layout = moe_route_align(logits, k, True, x, gate_w)
+    w, ids, sw, layout = moe_route_align(logits, k, True, x, gate_w if shared else None)
     want_w, want_ids = route(logits, k, True)
     assert torch.equal(ids.long(), want_ids)
     torch.testing.assert_close(w, want_w)
-    torch.testing.assert_close(sw, torch.sigmoid(F.linear(x, gate_w))[:, 0])
-    _check_layout(layout, ids, e, shared=True, slot_order=single_program and t == 1)
+    if shared:
+        torch.testing.assert_close(sw, torch.sigmoid(F.linear(x, gate_w))[:, 0])
+    _check_layout(layout, ids, e, shared=shared, slot_order=single_program and t == 1)
 
 
 # (T, E, k, shared, dtype): tokens share experts in each
