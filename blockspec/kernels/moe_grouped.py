@@ -585,8 +585,9 @@ def gemm_config(tokens: int, n: int, k: int, items: int, gated: bool, quantized:
     if tokens == 1 and not quantized:
         block_n = 8 if items * _cdiv(n, 8) >= _MIN_PROGRAMS else 4
         return GemmConfig(1, block_n, min(256, max(64, _next_pow2(k))), 4, 3)
-    # 32 x 256 tiles for 2-byte experts: Coder-30B 44.4 vs 47.6 us, 35B-A3B 61.3 vs 62.8 (T = 16, cold); float32
-    # ones keep 128 (three stages of 32 x 256 float32 tiles need 245 KB of shared memory, more than an SM has)
+    # 32 x 256 tiles for 2-byte experts: Coder-30B 44.4 vs 47.6 us, 35B-A3B 61.3 vs 62.8 (T = 16, cold), 80 KB of
+    # shared memory (Triton keeps num_stages - 1 tiles in flight: within the 99 KB of RTX cards); float32 experts,
+    # never timed on it, keep the tiles they had
     if gated and not quantized and itemsize <= 2:
         block_n = 32 if items * _cdiv(n, 32) >= _MIN_PROGRAMS else 16
         return GemmConfig(16, block_n, min(256, max(16, _next_pow2(k))), 4, 3)
