@@ -567,11 +567,13 @@ def gemm_config(tokens: int, n: int, k: int, items: int, gated: bool, quantized:
     - One token (every expert has one row): the row-reduction path, BLOCK_N 8 (4 while that leaves too
       few programs), BLOCK_K 256, 4 warps: the best or within 4% of it for both Qwen3.6-35B-A3B and
       Qwen3-Coder-30B-A3B GEMMs in `bench/moe_kernels.py --sweep` on an H100 (bench/results/
-      moe_kernels_sweep_h100.json; the old 16 x 512 x 8 warps took 1.2-1.7x longer on gate_up).
+      moe_kernels_sweep_h100.json, a sweep whose experts stayed in L2; the old 16 x 512 x 8 warps took
+      1.2-1.7x longer on gate_up). Re-timed streaming from HBM, Coder-30B's shapes do better elsewhere:
+      _TUNED_ONE_TOKEN.
     - More tokens: tl.dot over 16-row tiles (the smallest tl.dot tile; decode experts rarely see more),
       BLOCK_K 128 whatever the token count (so a row rounds the same in any batch), BLOCK_N 64/32/16; a bf16
-      gate_up 32 x 256 (bench/moe_kernels.py --sweep --tokens 16 --pool 18 / 40, each call routed anew:
-      bench/results/moe_kernels_pool{18,40}_cold_sweep_h100_491e80a.json).
+      gate_up 32 x 256, also whatever the token count (bench/moe_kernels.py --sweep --tokens 16 --pool 18 / 40,
+      each call routed anew: bench/results/moe_kernels_pool{18,40}_cold_sweep_h100_491e80a.json).
     - Quantized experts: the tl.dot path at every token count (one token padded to 16 rows), as the dense
       quantized GEMMs do for 4-bit weights at one row: the dequantized tile goes straight into the MMA (the
       row-reduction path would widen it to float32 first), and BLOCK_K >= 32 (an MXFP4 scale group). Not
