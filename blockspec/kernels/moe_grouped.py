@@ -239,7 +239,7 @@ if HAVE_TRITON:
                          EP: tl.constexpr, TOP_K: tl.constexpr, SHARED: tl.constexpr, SLOTS: tl.constexpr,
                          BLOCK_T: tl.constexpr):
         """_align_body for a step whose tokens all fit one route block (T <= BLOCK_T <= CHUNK), from the
-        routing's selection still in registers ([BLOCK_T, EP], see _route_block): no write-read round trip
+        routing's selection still in registers ([BLOCK_T, EP], see _route_selection): no write-read round trip
         through memory. Column e holds expert e's pairs, one a token at most: its run starts after the
         earlier experts' pairs (a scan of the column counts), a pair's place in it is the number of earlier
         tokens in the column (a scan down the column); each expert with pairs is one work item (at most
@@ -251,12 +251,12 @@ if HAVE_TRITON:
         run_start = tl.cumsum(counts, 0) - counts
         place = run_start[None, :] + tl.cumsum(chosen, axis=0) - chosen
         tl.store(SORTED + place, offs_t[:, None] * SLOTS + sel, mask=chosen > 0)
-        has = counts > 0
-        item = tl.cumsum(has.to(tl.int32), 0) - has.to(tl.int32)
-        tl.store(ITEM_EXPERT + item, offs_e, mask=has)
-        tl.store(ITEM_START + item, run_start, mask=has)
-        tl.store(ITEM_COUNT + item, counts, mask=has)
-        items = tl.sum(has.to(tl.int32), axis=0)
+        has = (counts > 0).to(tl.int32)
+        item = tl.cumsum(has, 0) - has
+        tl.store(ITEM_EXPERT + item, offs_e, mask=has > 0)
+        tl.store(ITEM_START + item, run_start, mask=has > 0)
+        tl.store(ITEM_COUNT + item, counts, mask=has > 0)
+        items = tl.sum(has, axis=0)
         if SHARED:  # every token's slot TOP_K: one run after all routed pairs, in token order
             routed = tl.sum(counts, axis=0)
             tl.store(SORTED + routed + offs_t, offs_t * SLOTS + TOP_K, mask=offs_t < T)
@@ -581,10 +581,10 @@ def gemm_config(tokens: int, n: int, k: int, items: int, gated: bool, quantized:
     `items` is the worst case; a step that touches fewer experts has fewer live programs. Shapes in
     _TUNED_ONE_TOKEN take their measured one-token config instead.
     """
-    tuned = _TUNED_ONE_TOKEN.get((n, k, gated)) if tokens == 1 and not quantized else None
-    if tuned is not None:
-        return tuned
     if tokens == 1 and not quantized:
+        tuned = _TUNED_ONE_TOKEN.get((n, k, gated))
+        if tuned is not None:
+            return tuned
         block_n = 8 if items * _cdiv(n, 8) >= _MIN_PROGRAMS else 4
         return GemmConfig(1, block_n, min(256, max(64, _next_pow2(k))), 4, 3)
     # 32 x 256 tiles for 2-byte experts: Coder-30B 44.4 vs 47.6 us, 35B-A3B 61.3 vs 62.8 (T = 16, cold), 80 KB of
@@ -903,8 +903,9 @@ def moe_experts(x: torch.Tensor, gate_up, down, weights: torch.Tensor, ids: torc
         raise ValueError("a quantized shared expert folds in only where the NVFP4 rows kernel takes the experts "
                          "(see shared_foldable)")
     if configs is None:
-        configs = (gemm_config(t, i, h, layout.max_items, True, quantized=quantized, itemsize=x.element_size()),
-                   gemm_config(t, h, i, layout.max_items, False, quantized=quantized, itemsize=x.element_size()))
+        tiles = dict(quantized=quantized, itemsize=x.element_size())
+        configs = (gemm_config(t, i, h, layout.max_items, True, **tiles),
+                   gemm_config(t, h, i, layout.max_items, False, **tiles))
     act = torch.empty(t * slots, i, dtype=x.dtype, device=x.device)
     y = torch.empty(t * slots, h, dtype=x.dtype, device=x.device)
     _grouped_gemm(x, gate_up, None, shared.gate if has_shared else None, shared.up if has_shared else None,

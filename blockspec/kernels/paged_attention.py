@@ -130,25 +130,20 @@ if HAVE_TRITON:
         return m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
 
     @triton.jit
-    def _gated_output(y, GATE, gate_offs, mask, HAS_GATE: tl.constexpr):
-        """y times sigmoid(gate) where HAS_GATE, rounded as the two PyTorch ops (sigmoid in the activation
-        dtype, then the product) would round it."""
-        if HAS_GATE:
-            g = tl.load(GATE + gate_offs, mask=mask, other=0.0).to(tl.float32)
-            sg = (1.0 / (1.0 + tl.exp(-g))).to(y.dtype)
-            y = (y.to(tl.float32) * sg.to(tl.float32)).to(y.dtype)
-        return y
-
-    @triton.jit
-    def _split_share(seq_len, kv_start, q0, window, num_splits, BLOCK_N: tl.constexpr, WINDOWED: tl.constexpr):
-        """The default split of a sequence's visible key range [lo, seq_len) into BLOCK_N tiles: (first tile,
-        tiles, tiles a split, splits with keys). At least a tile a split, so a short context leaves the last
-        splits of the launch without keys and one launch shape serves every context inside a CUDA graph; the
-        attention and merge kernels both derive which splits hold keys from this alone."""
+    def _first_tile(kv_start, q0, window, BLOCK_N: tl.constexpr, WINDOWED: tl.constexpr):
+        """The first BLOCK_N key tile any query of the block sees."""
         lo = kv_start
         if WINDOWED:  # the first query sees keys after q0 - window: earlier tiles are skipped
             lo = tl.maximum(lo, q0 + 1 - window)
-        first_tile = lo // BLOCK_N
+        return lo // BLOCK_N
+
+    @triton.jit
+    def _split_share(seq_len, kv_start, q0, window, num_splits, BLOCK_N: tl.constexpr, WINDOWED: tl.constexpr):
+        """The default split of a sequence's visible key range into BLOCK_N tiles: (first tile, tiles, tiles a
+        split, splits with keys). At least a tile a split, so a short context leaves the last splits of the
+        launch without keys and one launch shape serves every context inside a CUDA graph; the attention and
+        merge kernels both derive which splits hold keys from this alone."""
+        first_tile = _first_tile(kv_start, q0, window, BLOCK_N, WINDOWED)
         tiles = tl.cdiv(seq_len, BLOCK_N) - first_tile
         per_split = tl.maximum(tl.cdiv(tiles, tl.maximum(tl.minimum(num_splits, tiles), 1)), 1)
         return first_tile, tiles, per_split, tl.cdiv(tl.maximum(tiles, 0), per_split)
@@ -186,14 +181,11 @@ if HAVE_TRITON:
         q_pos = q0 + qi
         d = tl.arange(0, HEAD_DIM)
         if SPLIT_TILES > 0:
-            lo = kv_start
-            if WINDOWED:  # the first query sees keys after q0 - window: earlier tiles are skipped
-                lo = tl.maximum(lo, q0 + 1 - window)
             hi = seq_len
             if CAUSAL:  # the tile's last query sees nothing past its own position
                 last_q = tl.minimum(((tl.program_id(1) % ROW_TILES) * BLOCK_M + BLOCK_M - 1) // GROUP, q_len - 1)
                 hi = tl.minimum(hi, q0 + last_q + 1)
-            t0 = tl.maximum(split * SPLIT_TILES, lo // BLOCK_N)
+            t0 = tl.maximum(split * SPLIT_TILES, _first_tile(kv_start, q0, window, BLOCK_N, WINDOWED))
             t1 = tl.minimum((split + 1) * SPLIT_TILES, tl.cdiv(hi, BLOCK_N))
             live = split * (SPLIT_TILES * BLOCK_N) < seq_len
         else:
@@ -289,7 +281,10 @@ if HAVE_TRITON:
             m_run = m_new
         den = tl.maximum(den, 1e-30)
         y = (num / den).to(Out.dtype.element_ty)
-        y = _gated_output(y, GATE, (b * q_len + qi) * stride_gt + head * stride_gh + d, d < HEAD_DIM, HAS_GATE)
+        if HAS_GATE:
+            g = tl.load(GATE + (b * q_len + qi) * stride_gt + head * stride_gh + d).to(tl.float32)
+            sg = (1.0 / (1.0 + tl.exp(-g))).to(Out.dtype.element_ty)
+            y = (y.to(tl.float32) * sg.to(tl.float32)).to(Out.dtype.element_ty)
         release_dependents(PDL)
         tl.store(Out + (b * q_len + qi) * stride_t + head * stride_h + d, y)
 
