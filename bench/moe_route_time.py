@@ -56,13 +56,15 @@ def shape_rows(name: str, e: int, k: int, h: int, shared: bool, t: int) -> list[
 
     want = one()
     rows = []
-    for warps in (4, 8, 16):
-        mg.ROUTE_ALIGN_WARPS = warps
+    knob = "ROUTE_ONE_TOKEN_WARPS" if t == 1 else "ROUTE_ALIGN_WARPS"
+    default = getattr(mg, knob)
+    for warps in (1, 2, 4) if t == 1 else (4, 8, 16):
+        setattr(mg, knob, warps)
         got = one()
         same = torch.equal(got[1], want[1]) and torch.equal(got[3].sorted_pairs, want[3].sorted_pairs)
         rows.append({"shape": name, "tokens": t, "path": f"one launch, {warps} warps", "equal": same,
                      "us": round(time_us(one), 2)})
-    mg.ROUTE_ALIGN_WARPS = 4
+    setattr(mg, knob, default)
     rows.append({"shape": name, "tokens": t, "path": "route (1 token a program) + align", "equal": True,
                  "us": round(time_us(two), 2)})
     return rows
@@ -76,7 +78,7 @@ def main() -> None:
     rows = [r for name, shape in SHAPES.items() for r in shape_rows(name, *shape, args.tokens)]
     out = {"commit": os.environ.get("COMMIT", "unknown"), "device": torch.cuda.get_device_name(), "rows": rows}
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "moe_route_time.json").write_text(json.dumps(out, indent=1))
+    (Path(args.out) / f"moe_route_time_t{args.tokens}.json").write_text(json.dumps(out, indent=1))
     print(f"{out['device']}  commit {out['commit']}  tokens {args.tokens}")
     print("| shape | path | us a call | same layout |\n|---|---|---|---|")
     for r in rows:

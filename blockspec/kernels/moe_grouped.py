@@ -500,6 +500,7 @@ CHUNK = 64  # pairs per work item: 4 tiles of 16 rows; only the shared expert re
 BLOCK_P = 128  # pairs per align program
 ROUTE_ALIGN_MAX_PAIRS = 512  # up to here one program routes and groups a whole step (one launch, not two)
 ROUTE_ALIGN_WARPS = 4  # warps of that program for more than one token (bench/moe_route_time.py)
+ROUTE_ONE_TOKEN_WARPS = 4  # and for one token (bench/moe_route_time.py --tokens 1)
 # Past this many experts a block of several tokens routes one token a program, then groups: one program's top-k
 # over 256 experts (+ the shared gate) for 16 tokens took 38 us a layer in the 35B-A3B verify graph on an H200,
 # the two launches 16 (bench/results/hybrid_gpu_moe_profile_h200_5a32f84.json; moe_route_time: 13.9 vs 9.9);
@@ -803,7 +804,7 @@ def moe_route_align(logits: torch.Tensor, top_k: int, renormalize: bool, x: torc
         layout.item_count, layout.num_items, t, layout.sorted_pairs.numel(), **route_consts,
         **{k: v for k, v in align_consts.items() if k not in ("TOP_K", "E")}, ONE_TOKEN=t == 1,
         ONE_BLOCK=t <= min(route_consts["BLOCK_T"], CHUNK), PDL=on,
-        num_warps=4 if t == 1 else ROUTE_ALIGN_WARPS, launch_pdl=on)
+        num_warps=ROUTE_ONE_TOKEN_WARPS if t == 1 else ROUTE_ALIGN_WARPS, launch_pdl=on)
     return weights, ids, shared_w, layout
 
 
