@@ -499,8 +499,8 @@ FIXED_ROUTE_TOKENS = 16  # moe_route's tile under --deterministic
 CHUNK = 64  # pairs per work item: 4 tiles of 16 rows; only the shared expert reaches it below T = 64
 BLOCK_P = 128  # pairs per align program
 ROUTE_ALIGN_MAX_PAIRS = 512  # up to here one program routes and groups a whole step (one launch, not two)
-ROUTE_ALIGN_WARPS = 4  # warps of that program for more than one token (bench/moe_route_time.py)
-ROUTE_ONE_TOKEN_WARPS = 4  # and for one token (bench/moe_route_time.py --tokens 1)
+ROUTE_ALIGN_WARPS = 8  # warps of that program for more than one token (bench/moe_route_time.py)
+ROUTE_ONE_TOKEN_WARPS = 1  # and for one token (bench/moe_route_time.py --tokens 1)
 # Past this many experts a block of several tokens routes one token a program, then groups: one program's top-k
 # over 256 experts (+ the shared gate) for 16 tokens took 38 us a layer in the 35B-A3B verify graph on an H200,
 # the two launches 16 (bench/results/hybrid_gpu_moe_profile_h200_5a32f84.json; moe_route_time: 13.9 vs 9.9);
