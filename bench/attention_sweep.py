@@ -66,15 +66,14 @@ def measure(name: str, batch: int, q_len: int, ctx: int, args) -> dict:
     k0, v0 = caches[0]
     ref = pa.paged_attention_ref(q.float(), k0.float(), v0.float(), table, seq_lens, kv_start, q_len, hd**-0.5, True)
 
-    def run(splits: int | None, tile: tuple[int, int] | None, min_tiles: int | None = None):
+    def run(splits: int | None, tile: tuple[int, int] | None):
         def fn(i: int) -> torch.Tensor:
             kc, vc = caches[i]
             return pa.paged_attention(q, kc, vc, table, seq_lens, kv_start, q_len, hd**-0.5, True,
-                                      num_splits=splits, tile=tile, min_tiles=min_tiles)
+                                      num_splits=splits, tile=tile)
         err = float((fn(0).float() - ref).norm() / ref.norm())
         if err > 2e-2:
-            raise AssertionError(f"{name} b{batch} q{q_len} ctx{ctx} splits {splits} tile {tile} min tiles "
-                                 f"{min_tiles}: rel err {err}")
+            raise AssertionError(f"{name} b{batch} q{q_len} ctx{ctx} splits {splits} tile {tile}: rel err {err}")
         return time_graph([lambda i=i: fn(i) for i in range(copies)], args.iters)[0], err
 
     row = {"model": name, "batch": batch, "q_len": q_len, "context": ctx, "kv_bytes": kv_bytes}
@@ -85,7 +84,6 @@ def measure(name: str, batch: int, q_len: int, ctx: int, args) -> dict:
     sweep = [] if not args.sweep else [
         {"splits": s, "tile": t, "us": run(s, t)[0]} for s, t in itertools.product(SPLITS, TILES)]
     row["sweep"] = sweep
-    row["min_tiles"] = [{"min_tiles": mt, "us": run(None, None, mt)[0]} for mt in args.min_tiles]
     best = min(sweep, key=lambda r: r["us"]) if sweep else None
     row["best"] = best
     row["default_GBps"] = kv_bytes / row["default_us"] / 1e3
@@ -99,11 +97,8 @@ def main() -> None:
                     "(minutes: each variant compiles)")
     ap.add_argument("--models", default=",".join(SHAPES))
     ap.add_argument("--q-lens", default="1,16", help="queries a sequence: 1 (decode), 16 (a k = 15 verify block)")
-    ap.add_argument("--min-tiles", default="", help="also time the default launch with each of these least key "
-                    "tiles a split (e.g. 1,2,4; kernels/paged_attention.min_split_tiles)")
     ap.add_argument("--out", default=os.environ.get("OUT", str(Path(__file__).parent / "results")))
     args = ap.parse_args()
-    args.min_tiles = [int(v) for v in args.min_tiles.split(",") if v]
     if not torch.cuda.is_available():
         sys.exit("attention_sweep.py needs a CUDA GPU")
     rows = []
@@ -119,15 +114,13 @@ def main() -> None:
     (out / "attention_sweep.json").write_text(json.dumps(result, indent=1))
     print(f"{result['device']}  commit {result['commit']}  bf16, causal, page {PAGE}; us per call (median)")
     print("| model | batch | q_len | context | default us (splits, tile) | earlier us | earlier / default "
-          "| best swept | min tiles: us |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| best swept |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         cfg = r["default_config"]
         best = f"{r['best']['us']:.1f} ({r['best']['splits']}, {tuple(r['best']['tile'])})" if r["best"] else "-"
-        mins = ", ".join(f"{m['min_tiles']}: {m['us']:.1f}" for m in r["min_tiles"]) or "-"
         print(f"| {r['model']} | {r['batch']} | {r['q_len']} | {r['context']} | {r['default_us']:.1f} "
-              f"({cfg['splits']}, {cfg['tile']}) | {r['old_us']:.1f} | {r['old_us'] / r['default_us']:.2f} | {best} "
-              f"| {mins} |")
+              f"({cfg['splits']}, {cfg['tile']}) | {r['old_us']:.1f} | {r['old_us'] / r['default_us']:.2f} | {best} |")
 
 
 if __name__ == "__main__":

@@ -138,15 +138,15 @@ if HAVE_TRITON:
         return lo // BLOCK_N
 
     @triton.jit
-    def _split_share(seq_len, kv_start, q0, window, num_splits, BLOCK_N: tl.constexpr, WINDOWED: tl.constexpr,
-                     MIN_TILES: tl.constexpr):
+    def _split_share(seq_len, kv_start, q0, window, num_splits, BLOCK_N: tl.constexpr, WINDOWED: tl.constexpr):
         """The default split of a sequence's visible key range into BLOCK_N tiles: (first tile, tiles, tiles a
-        split, splits with keys). At least MIN_TILES tiles a split, so a short context leaves the last splits of
-        the launch without keys and one launch shape serves every context inside a CUDA graph; the attention and
-        merge kernels both derive which splits hold keys from this alone."""
+        split, splits with keys). At least a tile a split, so a short context leaves the last splits of the
+        launch without keys and one launch shape serves every context inside a CUDA graph; the attention and
+        merge kernels both derive which splits hold keys from this alone. (At least 2-8 tiles a split measured
+        slower at batch 1 for decode and verify blocks alike: attention_sweep_min_tiles_h100_cfe33e7.json.)"""
         first_tile = _first_tile(kv_start, q0, window, BLOCK_N, WINDOWED)
         tiles = tl.cdiv(seq_len, BLOCK_N) - first_tile
-        per_split = tl.maximum(tl.cdiv(tiles, tl.maximum(tl.minimum(num_splits, tiles), 1)), MIN_TILES)
+        per_split = tl.maximum(tl.cdiv(tiles, tl.maximum(tl.minimum(num_splits, tiles), 1)), 1)
         return first_tile, tiles, per_split, tl.cdiv(tl.maximum(tiles, 0), per_split)
 
     @triton.jit
@@ -157,7 +157,7 @@ if HAVE_TRITON:
         scale, q_len, num_splits, window,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, HAS_Q_START: tl.constexpr,
-        ROW_TILES: tl.constexpr, SPLIT_TILES: tl.constexpr, MIN_TILES: tl.constexpr = 1, PDL: tl.constexpr = False,
+        ROW_TILES: tl.constexpr, SPLIT_TILES: tl.constexpr, PDL: tl.constexpr = False,
     ):
         """One (sequence, KV head, tile of BLOCK_M query rows, split of the key range): its rows are the
         (query, head of the group) pairs tile * BLOCK_M.. of that KV head, all queries' heads in one matrix.
@@ -192,7 +192,7 @@ if HAVE_TRITON:
             live = split * (SPLIT_TILES * BLOCK_N) < seq_len
         else:
             first_tile, tiles, per_split, _ = _split_share(seq_len, kv_start, q0, window, num_splits, BLOCK_N,
-                                                           WINDOWED, MIN_TILES)
+                                                           WINDOWED)
             t0 = first_tile + split * per_split
             t1 = tl.minimum(t0 + per_split, first_tile + tiles)
             if t1 <= t0:  # a split without keys (past a short context): the merge reads nothing of it
@@ -241,7 +241,7 @@ if HAVE_TRITON:
                              GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
                              BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, WINDOWED: tl.constexpr,
                              HAS_Q_START: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_GATE: tl.constexpr,
-                             MIN_TILES: tl.constexpr = 1, PDL: tl.constexpr = False):
+                             PDL: tl.constexpr = False):
         """Combine the splits' partial softmaxes of one query row (log-sum-exp weights), the sink's logit
         joining the normaliser; with HAS_GATE the output times sigmoid(gate), rounded as the two PyTorch ops
         (sigmoid in the activation dtype, then the product) would round it. Only the splits with keys are read
@@ -257,7 +257,7 @@ if HAVE_TRITON:
             q0 = tl.load(Q_START + b)
         else:
             q0 = seq_len - q_len
-        n_live = _split_share(seq_len, tl.load(KV_START + b), q0, window, num_splits, BLOCK_N, WINDOWED, MIN_TILES)[3]
+        n_live = _split_share(seq_len, tl.load(KV_START + b), q0, window, num_splits, BLOCK_N, WINDOWED)[3]
         wait_for_inputs(PDL)  # the lengths above are the step's, not the attention launch's: read before it ends
         ml_base = (b * tl.num_programs(1) + kvh) * num_splits * BLOCK_M + row
         part = Part + b * stride_ob + kvh * stride_oh + row * stride_om
@@ -415,7 +415,7 @@ def _decode_tile(rows: int) -> tuple[int, int]:
 def _split_partials(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     seq_lens: torch.Tensor, kv_start: torch.Tensor, q_start: torch.Tensor | None, q_len: int,
                     scale: float, causal: bool, window: int | None, num_splits: int, block_m: int,
-                    split_tiles: int, block_n: int = _KEY_TILE, num_warps: int = 4, min_tiles: int = 1
+                    split_tiles: int, block_n: int = _KEY_TILE, num_warps: int = 4
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """The partial softmaxes of every (sequence, KV head, row tile, split): (o, m, l, rows per KV head) for a merge
     kernel. split_tiles 0: each sequence's key range shared evenly among num_splits; > 0: fixed absolute splits
@@ -437,7 +437,7 @@ def _split_partials(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         scale, q_len, num_splits, window or 0,
         GROUP=group, HEAD_DIM=head_dim, PAGE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal,
         WINDOWED=window is not None, HAS_Q_START=q_start is not None, ROW_TILES=row_tiles, SPLIT_TILES=split_tiles,
-        MIN_TILES=min_tiles, PDL=on, num_warps=num_warps, num_stages=2, launch_pdl=on,
+        PDL=on, num_warps=num_warps, num_stages=2, launch_pdl=on,
     )
     return o, m, ll, total_m
 
@@ -446,7 +446,6 @@ _SPLITS = 8  # the fewest key-range splits of a (sequence, KV head, row tile)
 _MAX_SPLITS = 64
 _MAX_BLOCK_SPLITS = 32  # the most for verify and drafter blocks (more rows a KV head than _FEW_ROWS)
 _FEW_ROWS = 16  # query rows a KV head up to which a block counts as decode rows (8 warps a program)
-_BLOCK_MIN_TILES = 1  # `min_split_tiles` of a block of more rows (bench/attention_sweep.py --min-tiles)
 
 
 def split_count(device: torch.device, programs: int, rows: int = 1) -> int:
@@ -465,13 +464,6 @@ def split_count(device: torch.device, programs: int, rows: int = 1) -> int:
     return max(_SPLITS, min(cap, -(-2 * sm_count(device) // programs)))
 
 
-def min_split_tiles(rows: int) -> int:
-    """Key tiles a split takes at the least, for `rows` query rows a KV head. A split's partial output is rows x
-    head_dim float32, written and read back by the merge: for a verify block (128 rows a KV head on Qwen3-Coder-30B)
-    one 64-key tile of K and V is less than that, so short contexts take fewer, longer splits there."""
-    return 1 if rows <= _FEW_ROWS else _BLOCK_MIN_TILES
-
-
 def default_launch(device: torch.device, b_count: int, num_kv: int, q_len: int, group: int, head_dim: int
                    ) -> tuple[int, int]:
     """(query rows a tile, splits) that paged_attention picks. Row tiles of at most 8192 / head_dim rows (a
@@ -486,12 +478,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     seq_lens: torch.Tensor, kv_start: torch.Tensor, q_len: int, scale: float, causal: bool,
                     num_splits: int | None = None, sinks: torch.Tensor | None = None, window: int | None = None,
                     q_start: torch.Tensor | None = None, gate: torch.Tensor | None = None,
-                    tile: tuple[int, int] | None = None, min_tiles: int | None = None) -> torch.Tensor:
+                    tile: tuple[int, int] | None = None) -> torch.Tensor:
     """Triton paged attention on CUDA (the reference elsewhere); same contract as paged_attention_ref. q may be
     a strided view (unit stride along head_dim: a slice of the fused projection). `gate` [B * q_len, H, D] (a
     view as q): the output times sigmoid(gate), Qwen3-Next / 3.5's gated attention, in the merge launch.
-    num_splits None: `split_count`; tile None: `_decode_tile`; min_tiles None: `min_split_tiles` (all three set by
-    bench/attention_sweep.py to compare)."""
+    num_splits None: `split_count`; tile None: `_decode_tile` (both set by bench/attention_sweep.py to compare)."""
     if not use_triton(q):
         out = paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, kv_start, q_len, scale, causal,
                                   sinks, window, q_start)
@@ -503,9 +494,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     block_m, splits = default_launch(q.device, b_count, num_kv, q_len, group, head_dim)
     num_splits = num_splits or splits
     block_n, num_warps = tile or _decode_tile(q_len * group)
-    min_tiles = min_tiles or min_split_tiles(q_len * group)
     o, m, ll, total_m = _split_partials(q, k_cache, v_cache, block_tables, seq_lens, kv_start, q_start, q_len, scale,
-                                        causal, window, num_splits, block_m, 0, block_n, num_warps, min_tiles)
+                                        causal, window, num_splits, block_m, 0, block_n, num_warps)
     out = torch.empty_like(q)
     gate_t = q if gate is None else gate
     on = pdl(q)
@@ -515,7 +505,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         out.stride(0), out.stride(1), gate_t.stride(0), gate_t.stride(1), q_len, num_splits, window or 0,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_M=total_m, BLOCK_N=block_n, CHUNK=_MERGE_CHUNK,
         WINDOWED=window is not None, HAS_Q_START=q_start is not None, HAS_SINKS=sinks is not None,
-        HAS_GATE=gate is not None, MIN_TILES=min_tiles, PDL=on, num_warps=_merge_warps(head_dim), launch_pdl=on)
+        HAS_GATE=gate is not None, PDL=on, num_warps=_merge_warps(head_dim), launch_pdl=on)
     return out
 
 

@@ -189,36 +189,6 @@ def test_merge_reads_only_the_splits_with_keys(monkeypatch, window):
     assert float((out.float() - ref.float()).norm() / ref.float().norm()) < 1e-2
 
 
-@pytest.mark.skipif(DEVICE is None, reason="Triton kernel needs a CUDA GPU (or TRITON_INTERPRET=1)")
-@pytest.mark.parametrize("min_tiles,window", [(2, None), (4, None), (3, 40)])
-def test_min_split_tiles_match_reference(monkeypatch, min_tiles, window):
-    """Splits of at least min_tiles key tiles (`min_split_tiles`, verify blocks): contexts of 3 to 300 keys over 16
-    splits leave every split with several tiles, a partial last one or none; the attention and the merge must agree
-    on which hold keys (partials poisoned with NaN), with and without a sliding window."""
-    dtype = torch.float32 if DEVICE == "cpu" else torch.bfloat16
-    d, heads, kv_heads = (16, 8, 2) if DEVICE == "cpu" else (128, 32, 4)
-    q_len = 3
-    empty, empty_like = torch.empty, torch.empty_like
-    for max_len, seed in ((4, 0), (140, 1), (300, 2)):
-        q, kc, vc, tables, seq_lens, _ = random_case(DEVICE, dtype, 3, q_len, heads, kv_heads, d, max_len=max_len,
-                                                     seed=seed)
-        zeros = torch.zeros_like(seq_lens)
-        monkeypatch.setattr(torch, "empty", lambda *a, **k: empty(*a, **k).fill_(float("nan")))
-        monkeypatch.setattr(torch, "empty_like", lambda *a, **k: empty_like(*a, **k).fill_(float("nan")))
-        with torch.no_grad():
-            out = paged_attention(q, kc, vc, tables, seq_lens, zeros, q_len, d**-0.5, True, num_splits=16,
-                                  window=window, min_tiles=min_tiles)
-        monkeypatch.undo()
-        ref = paged_attention_ref(q, kc, vc, tables, seq_lens, zeros, q_len, d**-0.5, True, None, window)
-        assert torch.isfinite(out).all()
-        assert float((out.float() - ref.float()).norm() / ref.float().norm()) < 1e-2
-
-
-def test_min_split_tiles_for_blocks_only():
-    assert pa.min_split_tiles(pa._FEW_ROWS) == 1
-    assert pa.min_split_tiles(pa._FEW_ROWS + 1) == pa._BLOCK_MIN_TILES
-
-
 def attend_one(keys: torch.Tensor, values: torch.Tensor, q: torch.Tensor, scale: float,
                sink: torch.Tensor | None) -> torch.Tensor:
     """One query head over its visible keys [n, D]; a sink is one more logit whose value is zero."""
