@@ -86,48 +86,40 @@ if HAVE_TRITON:
             count = tl.load(COUNTS + n)
         else:
             count = L
-        # Unrolled over the tokens, with no branch: each token's loads, norms and gates do not depend on the state,
-        # so they are issued ahead of the state's chain (a loop with a per-token `if` ran them one token at a
-        # time). Every token computes the same next state in every mode; a token past the count keeps the old one
-        # by a select, so a commit reproduces the verify pass's states bit for bit.
-        for t in tl.static_range(L):
-            kf = tl.load(k_row + t * sk_t, mask=mask_k, other=0.0).to(tl.float32)
-            vf = tl.load(v_row + t * sv_t, mask=mask_v, other=0.0).to(tl.float32)
-            a = tl.load(a_row + t * sa_t).to(tl.float32)
-            b = tl.load(b_row + t * sb_t)
-            kn = kf * tl.rsqrt(tl.sum(kf * kf, axis=0) + 1e-6)
-            beta = (1.0 / (1.0 + tl.exp(-b.to(tl.float32)))).to(b.dtype).to(tl.float32)  # sigmoid in b's dtype
-            # softplus as torch's (threshold 20): log1p(exp(x)) as log(w) * u / (w - 1), w = 1 + u, which
-            # keeps log1p's precision for tiny u where log(1 + u) does not
-            x = a + dt_b
-            u = tl.exp(tl.minimum(x, 20.0))
-            w = 1.0 + u
-            softplus = tl.where(x > 20.0, x, tl.where(w == 1.0, u, tl.log(w) * (u / (w - 1.0))))
-            s_dec = s * tl.exp(neg_a * softplus)
-            kv = tl.sum(s_dec * kn[:, None], axis=0)
-            delta = (vf - kv) * beta
-            s_new = s_dec + kn[:, None] * delta[None, :]
-            if HAS_COUNTS:
-                s = tl.where(t < count, s_new, s)
-            else:
-                s = s_new
-            if HAS_OUT:
-                qf = tl.load(q_row + t * sq_t, mask=mask_k, other=0.0).to(tl.float32)
-                qn = qf * tl.rsqrt(tl.sum(qf * qf, axis=0) + 1e-6) * scale
-                o = tl.sum(s * qn[:, None], axis=0)
-                if HAS_NORM:
-                    dtype = Z.dtype.element_ty
-                    zf = tl.load(z_row + t * sz_t, mask=mask_v, other=0.0).to(tl.float32)
-                    nw = tl.load(NW + offs_v, mask=mask_v, other=0.0)
-                    o = _gated_norm(o.to(dtype).to(tl.float32), zf, nw, mask_v, eps, DV, ROUND_WN, dtype)
-                if HAS_COUNTS:  # tokens past the count: zeros, so the output is defined
-                    o = tl.where(t < count, o, 0.0)
-                tl.store(o_row + t * (H * DV), o.to(OUT.dtype.element_ty), mask=mask_v)
-            if HAS_CKPT:
-                if HAS_COUNTS:  # checkpoints past the count are left alone
-                    tl.store(ck_row + t * (H * DK * DV), s.to(CKPT.dtype.element_ty), mask=s_mask & (t < count))
-                else:
+        # One code path for every token of decode, verify and commit (a dynamic `if` even without counts):
+        # a commit then reproduces the verify pass's states bit for bit.
+        for t in range(L):
+            if t < count:
+                kf = tl.load(k_row + t * sk_t, mask=mask_k, other=0.0).to(tl.float32)
+                vf = tl.load(v_row + t * sv_t, mask=mask_v, other=0.0).to(tl.float32)
+                a = tl.load(a_row + t * sa_t).to(tl.float32)
+                b = tl.load(b_row + t * sb_t)
+                kn = kf * tl.rsqrt(tl.sum(kf * kf, axis=0) + 1e-6)
+                beta = (1.0 / (1.0 + tl.exp(-b.to(tl.float32)))).to(b.dtype).to(tl.float32)  # sigmoid in b's dtype
+                # softplus as torch's (threshold 20): log1p(exp(x)) as log(w) * u / (w - 1), w = 1 + u, which
+                # keeps log1p's precision for tiny u where log(1 + u) does not
+                x = a + dt_b
+                u = tl.exp(tl.minimum(x, 20.0))
+                w = 1.0 + u
+                softplus = tl.where(x > 20.0, x, tl.where(w == 1.0, u, tl.log(w) * (u / (w - 1.0))))
+                s = s * tl.exp(neg_a * softplus)
+                kv = tl.sum(s * kn[:, None], axis=0)
+                delta = (vf - kv) * beta
+                s = s + kn[:, None] * delta[None, :]
+                if HAS_OUT:
+                    qf = tl.load(q_row + t * sq_t, mask=mask_k, other=0.0).to(tl.float32)
+                    qn = qf * tl.rsqrt(tl.sum(qf * qf, axis=0) + 1e-6) * scale
+                    o = tl.sum(s * qn[:, None], axis=0)
+                    if HAS_NORM:
+                        dtype = Z.dtype.element_ty
+                        zf = tl.load(z_row + t * sz_t, mask=mask_v, other=0.0).to(tl.float32)
+                        nw = tl.load(NW + offs_v, mask=mask_v, other=0.0)
+                        o = _gated_norm(o.to(dtype).to(tl.float32), zf, nw, mask_v, eps, DV, ROUND_WN, dtype)
+                    tl.store(o_row + t * (H * DV), o.to(OUT.dtype.element_ty), mask=mask_v)
+                if HAS_CKPT:
                     tl.store(ck_row + t * (H * DK * DV), s.to(CKPT.dtype.element_ty), mask=s_mask)
+            elif HAS_OUT:  # tokens past the count: zeros, so the output is defined
+                tl.store(o_row + t * (H * DV), tl.zeros([BV], dtype=OUT.dtype.element_ty), mask=mask_v)
         if HAS_WRITE:  # the same program read this tile: read == write slot needs no barrier
             write = tl.load(WRITE + n).to(tl.int64)
             tl.store(SSM + write * (H * DK * DV) + tile, s.to(SSM.dtype.element_ty), mask=s_mask)
