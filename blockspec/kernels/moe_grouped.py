@@ -499,8 +499,11 @@ FIXED_ROUTE_TOKENS = 16  # moe_route's tile under --deterministic
 CHUNK = 64  # pairs per work item: 4 tiles of 16 rows; only the shared expert reaches it below T = 64
 BLOCK_P = 128  # pairs per align program
 ROUTE_ALIGN_MAX_PAIRS = 512  # up to here one program routes and groups a whole step (one launch, not two)
-ROUTE_ALIGN_WARPS = 8  # warps of that program for more than one token (bench/moe_route_time.py)
-ROUTE_ONE_TOKEN_WARPS = 1  # and for one token (bench/moe_route_time.py --tokens 1)
+# Warps of that program (bench/moe_route_time.py, H100, moe_route_time_t{1,16}_h100_2f16e03.json): a block of more
+# than one token 8 (Coder-30B's 16: 6.2 / 5.8 / 7.0 us at 4 / 8 / 16); one token 1, its top-k in one warp with no
+# barrier (Coder-30B 2.1 / 2.7 / 2.8 us at 1 / 2 / 4, Qwen3.6-35B-A3B 3.1 / 3.9 / 3.4)
+ROUTE_ALIGN_WARPS = 8
+ROUTE_ONE_TOKEN_WARPS = 1
 # Past this many experts a block of several tokens routes one token a program, then groups: one program's top-k
 # over 256 experts (+ the shared gate) for 16 tokens took 38 us a layer in the 35B-A3B verify graph on an H200,
 # the two launches 16 (bench/results/hybrid_gpu_moe_profile_h200_5a32f84.json; moe_route_time: 13.9 vs 9.9);
