@@ -28,10 +28,10 @@ blocks, NVFP4 with a global scale per expert, MXFP4; int4 with 16-bit scales rea
 `scale_zero`, built with the layer, never per call): the grouped GEMMs read the stacked packed tensors and
 dequantize each (expert, N tile, K tile) in registers with the dense quantized GEMMs' tiles
 (kernels/quant_tiles.py), per-row scales and the global scale applied to the accumulator; bytes read are the
-packed weights and their scales. NVFP4 experts at 2-64 tokens take quant_gemv's rows kernel over the same
-layout instead (a 35B-A3B MoE block of 16 tokens over ~40 experts, H100: 130.7 us on the dot path, 79.4 on
-it), with a quantized shared expert of their layout folded in as expert E there; elsewhere a quantized shared
-expert keeps its QuantLinear path.
+packed weights and their scales. NVFP4 experts take quant_gemv's kernels over the same layout instead: one
+token its GEMV over each routed expert, 2-64 tokens its rows kernel (a 35B-A3B MoE block of 16 tokens over ~40
+experts, H100: 130.7 us on the dot path, 79.4 on it); both fold a quantized shared expert of their layout in
+as expert E. Elsewhere a quantized shared expert keeps its QuantLinear path.
 Biases ([E, N], GPT-OSS) and GPT-OSS's clamped SwiGLU ride in the same epilogues, for any weights.
 
 Determinism: every pair's output row is computed on its own (row-independent tiles, no split-K) and written
@@ -687,13 +687,17 @@ def fused_supported(x: torch.Tensor, gate_up, down) -> bool:
 def shared_foldable(shared: SharedWeights | quant_gemv.Nvfp4Shared, gate_up, down, x: torch.Tensor | None = None,
                     biases: bool = False, clamped: bool = False) -> bool:
     """The shared expert rides along as expert E when it has the routed experts' shapes and dtype (unquantized
-    experts), or, quantized (`quant_gemv.Nvfp4Shared`), where the NVFP4 rows kernel takes x's step (2 or more
-    tokens; one token keeps it beside the routed experts)."""
+    experts), or, quantized (`quant_gemv.Nvfp4Shared`), where the NVFP4 one-token or rows kernel takes x's step
+    (1 to quant_gemv.MOE_ROWS_MAX_TOKENS tokens; a prefill keeps it beside the routed experts)."""
     if isinstance(shared, quant_gemv.Nvfp4Shared):
-        if x is None or isinstance(gate_up, torch.Tensor) or not quant_gemv.moe_rows_step(x):
-            return False  # (before the operands: a decode step or a prefill asks every layer)
+        if x is None or isinstance(gate_up, torch.Tensor) or not (x.shape[0] == 1 or quant_gemv.moe_rows_step(x)):
+            return False  # (before the operands: a prefill asks every layer)
         gu, dn = quant_operand(gate_up, x.dtype), quant_operand(down, x.dtype)
-        return gu is not None and dn is not None and quant_gemv.moe_rows_applies(x, gu, dn, shared, biases, clamped)
+        if gu is None or dn is None:
+            return False
+        if x.shape[0] == 1:
+            return quant_gemv.moe_applies(x, gu, dn, shared, biases, clamped)
+        return quant_gemv.moe_rows_applies(x, gu, dn, shared, biases, clamped)
     if not all(isinstance(t, torch.Tensor) for t in (gate_up, down, shared.gate, shared.up, shared.down)):
         return False
     i, h = gate_up.shape[1] // 2, gate_up.shape[2]
@@ -890,11 +894,11 @@ def moe_experts(x: torch.Tensor, gate_up, down, weights: torch.Tensor, ids: torc
     weights = weights if weights.is_contiguous() else weights.contiguous()
     gate_up_bias = _check_bias(gate_up_bias, e, two_i, x.dtype, "gate_up_bias")
     down_bias = _check_bias(down_bias, e, h, x.dtype, "down_bias")
-    if configs is None and quant_gemv.moe_applies(x, gate_up, down, has_shared,
+    if configs is None and quant_gemv.moe_applies(x, gate_up, down, shared,
                                                   gate_up_bias is not None or down_bias is not None, limit is not None):
-        act = quant_gemv.nvfp4_moe(x, ids, gate_up, gated=True)  # one token, NVFP4: no alignment needed
-        y = quant_gemv.nvfp4_moe(act, ids, down, gated=False)
-        return _combine(x, y, weights, shared_weight, residual, k, slots, False, shared_out)
+        act = quant_gemv.nvfp4_moe(x, ids, gate_up, gated=True, shared=shared)  # one token: no alignment needed
+        y = quant_gemv.nvfp4_moe(act, ids, down, gated=False, shared=shared)
+        return _combine(x, y, weights, shared_weight, residual, k, slots, has_shared, shared_out)
     if layout is None:
         layout = moe_align(ids, e, has_shared)
     if configs is None and quant_gemv.moe_rows_applies(x, gate_up, down, shared, gate_up_bias is not None

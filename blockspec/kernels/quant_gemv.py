@@ -461,17 +461,86 @@ if HAVE_TRITON:
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# A quantized shared expert read as expert id E by the MoE kernels below
+
+
+@dataclass(frozen=True)
+class Nvfp4Shared:
+    """A quantized shared expert (Qwen3-Next, Qwen3.5/3.6-MoE) read by the one-token and the rows kernels as expert
+    id E, which every token picks in its last slot: its fused [gate; up] and its down projection
+    (models.layers.quant_linear.QuantLinear), laid out as one routed expert's slices are (`shared_fits`)."""
+
+    gate_up: object
+    down: object
+
+
+def shared_fits(shared: Nvfp4Shared, gate_up, down) -> bool:
+    """Whether the shared expert's layers hold the routed experts' NVFP4 layout (QuantOperand gate_up / down):
+    their shapes, group size, a global scale where they have one, contiguous, no act-order permutation."""
+    def fits(layer, w) -> bool:
+        return (getattr(layer, "scheme", None) == "nvfp4" and layer.group_size == w.meta.group
+                and (layer.out_features, layer.in_features) == (w.n, w.k) and getattr(layer, "perm", None) is None
+                and getattr(layer, "bias", None) is None and (layer.global_scale is not None) == w.meta.has_gs
+                and layer.qweight.is_contiguous() and layer.scales.is_contiguous()
+                and layer.qweight.device == w.qweight.device and _shared_offsets(w, layer) is not None)
+
+    return fits(shared.gate_up, gate_up) and fits(shared.down, down)
+
+
+def _shared_offsets(w, layer) -> tuple[int, int, int] | None:
+    """From the stacked expert tensors (QuantOperand w) to a shared expert layer's weights and scales (in 16
+    bytes) and global scale (in elements), which the kernels read as expert E; None where they do not divide
+    so."""
+    def off(a: torch.Tensor, b: torch.Tensor, unit: int) -> int | None:
+        delta = b.data_ptr() - a.data_ptr()
+        return None if delta % unit else delta // unit
+
+    offs = (off(w.qweight, layer.qweight, 16), off(w.scales, layer.scales, 16),
+            off(w.global_scale, layer.global_scale, 4) if w.global_scale is not None else 0)
+    return None if None in offs else offs
+
+
+def _offset_args(w, shared_layer) -> tuple[int, int, int]:
+    """The kernels' SQW_OFF16, SS_OFF16, SGS_OFF for `shared_layer` (None: no shared expert, zeros)."""
+    offsets = (0, 0, 0) if shared_layer is None else _shared_offsets(w, shared_layer)
+    if offsets is None:
+        raise ValueError("the shared expert's tensors are not 16-byte aligned to the experts' (see shared_fits)")
+    return offsets
+
+
+if HAVE_TRITON:
+    @triton.jit
+    def _expert_offsets(e, W_STRIDE: tl.constexpr, S_STRIDE: tl.constexpr, SQW_OFF16, SS_OFF16, SGS_OFF,
+                        SHARED: tl.constexpr, E: tl.constexpr):
+        """Expert e's weights, scales (bytes after the stacked tensors' starts) and global scale (elements);
+        SHARED: expert id E is the shared expert, its tensors 16 SQW_OFF16 / 16 SS_OFF16 bytes and SGS_OFF
+        elements away (multiples of 16 keep the weight loads 16-byte vectors: an offset of unknown alignment
+        made them byte loads, 134 registers a thread instead of 71)."""
+        w_off = e * W_STRIDE
+        s_off = e * S_STRIDE
+        gs_off = e
+        if SHARED:
+            is_shared = e == E
+            # in 64 bits before the multiply: an offset that fits 32 bits (and is passed so) need not times 16
+            w_off = tl.where(is_shared, SQW_OFF16.to(tl.int64) * 16, w_off)
+            s_off = tl.where(is_shared, SS_OFF16.to(tl.int64) * 16, s_off)
+            gs_off = tl.where(is_shared, SGS_OFF.to(tl.int64), gs_off)
+        return w_off, s_off, gs_off
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # One token through NVFP4 experts: the wide kernel over each routed expert's stacked weight
 
 
-def moe_applies(x: torch.Tensor, gate_up, down, shared: bool, biases: bool, clamped: bool) -> bool:
+def moe_applies(x: torch.Tensor, gate_up, down, shared, biases: bool, clamped: bool) -> bool:
     """One bf16 token on a CUDA GPU through NVFP4 experts (kernels/moe_grouped.QuantOperand with the PTX
-    unpacker) whose widths fill whole spans, with no folded shared expert, biases or clamped activation (the
-    grouped kernels keep those)."""
+    unpacker) whose widths fill whole spans, with no biases or clamped activation, and no shared expert folded in
+    or an `Nvfp4Shared` that `shared_fits` (the grouped kernels keep the rest)."""
     return (HAVE_TRITON and not INTERPRET and x.is_cuda and x.dtype == torch.bfloat16 and x.shape[0] == 1
-            and not (shared or biases or clamped)
+            and not (biases or clamped)
             and all(getattr(w, "meta", None) is not None and w.meta.scheme == "nvfp4" and w.fast
-                    and w.k % (2 * SPAN_BYTES) == 0 for w in (gate_up, down)))
+                    and w.k % (2 * SPAN_BYTES) == 0 for w in (gate_up, down))
+            and (shared is None or (isinstance(shared, Nvfp4Shared) and shared_fits(shared, gate_up, down))))
 
 
 def _moe_spans(k: int) -> int:
@@ -481,17 +550,23 @@ def _moe_spans(k: int) -> int:
 
 if HAVE_TRITON:
     @triton.jit
-    def _moe_kernel(X, IDS, QW, S, GS, OUT, N_W: tl.constexpr, K: tl.constexpr, W_STRIDE: tl.constexpr,
-                    S_STRIDE: tl.constexpr, HAS_GS: tl.constexpr, GATED: tl.constexpr, X_PER_SLOT: tl.constexpr,
+    def _moe_kernel(X, IDS, QW, S, GS, SQW_OFF16, SS_OFF16, SGS_OFF, OUT, N_W: tl.constexpr, K: tl.constexpr,
+                    W_STRIDE: tl.constexpr, S_STRIDE: tl.constexpr, TOP_K: tl.constexpr, E: tl.constexpr,
+                    SHARED: tl.constexpr, HAS_GS: tl.constexpr, GATED: tl.constexpr, X_PER_SLOT: tl.constexpr,
                     BN: tl.constexpr, SPANS: tl.constexpr, PDL: tl.constexpr = False):
-        """Program (slot, block): BN rows of the slot's expert (IDS[slot]) against x (X, or row `slot` of X
-        with X_PER_SLOT). GATED (gate|up, N_W = 2I rows): tile column c reads gate row c // 2 (c even) or up
-        row I + c // 2 (c odd), so a lane's two C registers are one output's gate and up, and it writes
-        SiLU(gate) * up to OUT [slots, I], rounded as silu_mul_ref; else OUT [slots, N_W]."""
+        """Program (slot, block): BN rows of the slot's expert (IDS[slot]; SHARED: slot TOP_K is the shared
+        expert, id E, see `_expert_offsets`) against x (X, or row `slot` of X with X_PER_SLOT). GATED (gate|up,
+        N_W = 2I rows): tile column c reads gate row c // 2 (c even) or up row I + c // 2 (c odd), so a lane's
+        two C registers are one output's gate and up, and it writes SiLU(gate) * up to OUT [slots, I], rounded
+        as silu_mul_ref; else OUT [slots, N_W]."""
         slot = tl.program_id(0)
         blk = tl.program_id(1)
         wait_for_inputs(PDL)  # before the expert id: the routing launch just before writes IDS
-        e = tl.load(IDS + slot).to(tl.int64)
+        if SHARED:
+            e = tl.where(slot < TOP_K, tl.load(IDS + tl.minimum(slot, TOP_K - 1)), E).to(tl.int64)
+        else:
+            e = tl.load(IDS + slot).to(tl.int64)
+        w_off, s_off, gs_off = _expert_offsets(e, W_STRIDE, S_STRIDE, SQW_OFF16, SS_OFF16, SGS_OFF, SHARED, E)
         cols = tl.arange(0, BN)
         if GATED:
             HALF: tl.constexpr = N_W // 2  # I
@@ -505,8 +580,8 @@ if HAVE_TRITON:
         NG: tl.constexpr = K // 16
         x = X + slot * K if X_PER_SLOT else X
         x32 = x.to(tl.pointer_type(tl.int32))
-        qw = QW + e * W_STRIDE
-        s = S + e * S_STRIDE
+        qw = QW + w_off
+        s = S + s_off
         rows64 = rows.to(tl.int64)
         acc1 = tl.zeros([BN, 64], dtype=tl.float32)
         acc2 = tl.zeros([BN, 64], dtype=tl.float32)
@@ -515,7 +590,7 @@ if HAVE_TRITON:
                 acc1, acc2 = _wide_span(acc1, acc2, qw, x32, s, rows64, n_mask, b0 + 64 * u, KB, NG, BN)
         y = _c_sums(acc1, acc2, BN) * _FP4_BIAS  # [BN, t, c]: tile column 2 t + c of the 8 (every lane right)
         if HAS_GS:
-            y = y * tl.load(GS + e)
+            y = y * tl.load(GS + gs_off)
         dtype = OUT.dtype.element_ty
         release_dependents(PDL)
         r = tl.arange(0, BN)[:, None]
@@ -533,21 +608,24 @@ if HAVE_TRITON:
             tl.store(OUT + slot * N_W + out, y.to(dtype), mask=((r3 % 8) == 0) & (out < N_W))
 
 
-def nvfp4_moe(x: torch.Tensor, ids: torch.Tensor, w, gated: bool) -> torch.Tensor:
-    """One token's routed experts through one stacked NVFP4 projection w (QuantOperand): gated, x [1, H] ->
-    SiLU(gate) * up [k, I] for the k experts of ids [1, k]; else x [k, I] (one row a slot) -> [k, H]. The
-    caller checked `moe_applies`."""
-    slots = ids.shape[-1]
+def nvfp4_moe(x: torch.Tensor, ids: torch.Tensor, w, gated: bool, shared: Nvfp4Shared | None = None
+              ) -> torch.Tensor:
+    """One token's experts through one stacked NVFP4 projection w (QuantOperand): gated, x [1, H] -> SiLU(gate)
+    * up [slots, I] for the k experts of ids [1, k] (+ `shared` in slot k); else x [slots, I] (one row a slot)
+    -> [slots, H]. The caller checked `moe_applies`."""
+    top_k = ids.shape[-1]
+    slots = top_k + int(shared is not None)
     n_out = w.n // 2 if gated else w.n
     out = torch.empty(slots, n_out, dtype=x.dtype, device=x.device)
     ids = ids.reshape(-1)
+    offsets = _offset_args(w, None if shared is None else shared.gate_up if gated else shared.down)
     on = pdl(x)
     _moe_kernel[(slots, triton.cdiv(w.n, WIDE.block))](
         x, ids if ids.is_contiguous() else ids.contiguous(), w.qweight, w.scales,
-        w.global_scale if w.global_scale is not None else w.scales, out, N_W=w.n, K=w.k,
-        W_STRIDE=w.strides[0], S_STRIDE=w.strides[1], HAS_GS=w.global_scale is not None, GATED=gated,
-        X_PER_SLOT=not gated, BN=WIDE.block, SPANS=_moe_spans(w.k), PDL=on, num_warps=WIDE.warps, num_stages=1,
-        launch_pdl=on)
+        w.global_scale if w.global_scale is not None else w.scales, *offsets, out, N_W=w.n, K=w.k,
+        W_STRIDE=w.strides[0], S_STRIDE=w.strides[1], TOP_K=top_k, E=w.experts, SHARED=shared is not None,
+        HAS_GS=w.global_scale is not None, GATED=gated, X_PER_SLOT=not gated, BN=WIDE.block,
+        SPANS=_moe_spans(w.k), PDL=on, num_warps=WIDE.warps, num_stages=1, launch_pdl=on)
     return out
 
 
@@ -559,29 +637,6 @@ MOE_ROWS_MAX_TOKENS = 64  # a step of up to this many tokens (k + 1 = 16 at batc
 # 40 (35B-A3B, ~3 tokens an expert): 16 tokens a pass (two mma blocks) 92.5 us a block, 8 a pass 79.4 (the grouped
 # dot path 130.7); 2-16 warps, 1-4 spans a step and 2 K parts for either projection within +-5%
 MOE_ROWS = GemvConfig(warps=4, spans=2, parts=1)
-
-
-@dataclass(frozen=True)
-class Nvfp4Shared:
-    """A quantized shared expert (Qwen3-Next, Qwen3.5/3.6-MoE) read by the rows kernel as expert id E, which every
-    token picks: its fused [gate; up] and its down projection (models.layers.quant_linear.QuantLinear), laid out
-    as one routed expert's slices are (`shared_fits`)."""
-
-    gate_up: object
-    down: object
-
-
-def shared_fits(shared: Nvfp4Shared, gate_up, down) -> bool:
-    """Whether the shared expert's layers hold the routed experts' NVFP4 layout (QuantOperand gate_up / down):
-    their shapes, group size, a global scale where they have one, contiguous, no act-order permutation."""
-    def fits(layer, w) -> bool:
-        return (getattr(layer, "scheme", None) == "nvfp4" and layer.group_size == w.meta.group
-                and (layer.out_features, layer.in_features) == (w.n, w.k) and getattr(layer, "perm", None) is None
-                and getattr(layer, "bias", None) is None and (layer.global_scale is not None) == w.meta.has_gs
-                and layer.qweight.is_contiguous() and layer.scales.is_contiguous()
-                and layer.qweight.device == w.qweight.device and _shared_offsets(w, layer) is not None)
-
-    return fits(shared.gate_up, gate_up) and fits(shared.down, down)
 
 
 def moe_rows_step(x: torch.Tensor) -> bool:
@@ -616,9 +671,7 @@ if HAVE_TRITON:
         gate and up, and SiLU(gate) * up (rounded as silu_mul_ref) goes to OUT [P, I] at the pair's sorted
         place. Else (down: x = X [P, K], the activations in sorted order) OUT [P, N_W] at the pair's own row
         (pair = token * SLOTS + slot), as the grouped kernels lay them out for the combine. SHARED: expert id E
-        is the shared expert, whose weights and scales sit 16 SQW_OFF16 and 16 SS_OFF16 bytes after QW and S and
-        whose global scale SGS_OFF elements after GS (multiples of 16 keep the weight loads 16-byte vectors: an
-        offset of unknown alignment made them byte loads, 134 registers a thread instead of 71)."""
+        is the shared expert (`_expert_offsets`)."""
         item = tl.program_id(0)
         blk = tl.program_id(1)
         wait_for_inputs(PDL)  # before the layout: the routing launch just before writes it
@@ -643,15 +696,7 @@ if HAVE_TRITON:
         KB: tl.constexpr = K // 2
         NG: tl.constexpr = K // 16
         x32 = X.to(tl.pointer_type(tl.int32))
-        w_off = e * W_STRIDE
-        s_off = e * S_STRIDE
-        gs_off = e
-        if SHARED:
-            is_shared = e == E
-            # in 64 bits before the multiply: an offset that fits 32 bits (and is passed so) need not times 16
-            w_off = tl.where(is_shared, SQW_OFF16.to(tl.int64) * 16, w_off)
-            s_off = tl.where(is_shared, SS_OFF16.to(tl.int64) * 16, s_off)
-            gs_off = tl.where(is_shared, SGS_OFF.to(tl.int64), gs_off)
+        w_off, s_off, gs_off = _expert_offsets(e, W_STRIDE, S_STRIDE, SQW_OFF16, SS_OFF16, SGS_OFF, SHARED, E)
         qw = QW + w_off
         s = S + s_off
         gs = GS + gs_off
@@ -698,19 +743,6 @@ if HAVE_TRITON:
             tl.store(OUT + pair * N_W + row, y.to(dtype), mask=live & (row < N_W))
 
 
-def _shared_offsets(w, layer) -> tuple[int, int, int] | None:
-    """From the stacked expert tensors (QuantOperand w) to a shared expert layer's weights and scales (in 16
-    bytes) and global scale (in elements), which the rows kernel reads as expert E; None where they do not
-    divide so."""
-    def off(a: torch.Tensor, b: torch.Tensor, unit: int) -> int | None:
-        delta = b.data_ptr() - a.data_ptr()
-        return None if delta % unit else delta // unit
-
-    offs = (off(w.qweight, layer.qweight, 16), off(w.scales, layer.scales, 16),
-            off(w.global_scale, layer.global_scale, 4) if w.global_scale is not None else 0)
-    return None if None in offs else offs
-
-
 def nvfp4_moe_rows(x: torch.Tensor, layout, w, gated: bool, slots: int, tokens: int,
                    shared: Nvfp4Shared | None = None) -> torch.Tensor:
     """The pairs of moe_grouped's `layout` through one stacked NVFP4 projection w (QuantOperand): gated, x [T, H]
@@ -723,9 +755,7 @@ def nvfp4_moe_rows(x: torch.Tensor, layout, w, gated: bool, slots: int, tokens: 
     per_block = cfg.rows_block // 2 if gated else cfg.rows_block  # gated: 8 outputs a 16-row group
     gs = w.global_scale if w.global_scale is not None else w.scales
     sw = None if shared is None else shared.gate_up if gated else shared.down
-    offsets = (0, 0, 0) if sw is None else _shared_offsets(w, sw)
-    if offsets is None:
-        raise ValueError("the shared expert's tensors are not 16-byte aligned to the experts' (see shared_fits)")
+    offsets = _offset_args(w, sw)
     on = pdl(x)
     _moe_rows_kernel[(layout.max_items, triton.cdiv(n_out, per_block))](
         x, w.qweight, w.scales, gs, *offsets, out,

@@ -200,7 +200,7 @@ def test_moe_dispatch_rule() -> None:
     experts = nvfp4_experts(4, 256, 128, "cpu")
     gu, d = quant_operand(experts.gate_up_proj, torch.bfloat16), quant_operand(experts.down_proj, torch.bfloat16)
     x = torch.randn(1, 256, dtype=torch.bfloat16)
-    assert not qg.moe_applies(x, gu, d, False, False, False)  # CPU: the grouped kernels / reference
+    assert not qg.moe_applies(x, gu, d, None, False, False)  # CPU: the grouped kernels / reference
     assert qg._moe_spans(256) == 2 and qg._moe_spans(512) == 4 and qg._moe_spans(128) == 1
 
 
@@ -276,7 +276,7 @@ def test_moe_rows_dispatch_rule() -> None:
     experts = nvfp4_experts(4, 256, 128, "cpu")
     gu, d = quant_operand(experts.gate_up_proj, torch.bfloat16), quant_operand(experts.down_proj, torch.bfloat16)
     x = torch.randn(16, 256, dtype=torch.bfloat16)
-    assert not qg.moe_rows_applies(x, gu, d, False, False, False)  # CPU: the grouped kernels / reference
+    assert not qg.moe_rows_applies(x, gu, d, None, False, False)  # CPU: the grouped kernels / reference
     assert qg._fit_k(qg.MOE_ROWS, 2048) == qg.MOE_ROWS and qg._fit_k(qg.MOE_ROWS, 128) == qg.GemvConfig(4, 1, 1)
     assert qg._fit_k(qg.MOE_ROWS, 96) is None
 
@@ -338,10 +338,10 @@ def shared_ref(x: torch.Tensor, gate_up: QuantLinear, down: QuantLinear) -> torc
 
 
 @gpu
-@pytest.mark.parametrize("t", [2, 16])
-def test_moe_rows_fold_the_shared_expert(t: int, monkeypatch) -> None:
-    """A quantized shared expert as expert E of the rows launches (every token's last slot), weighted in the
-    combine, against the routed reference plus its own."""
+@pytest.mark.parametrize("t", [1, 2, 16])
+def test_moe_fold_the_shared_expert(t: int, monkeypatch) -> None:
+    """A quantized shared expert as expert E of the one-token (t = 1) or the rows launches (every token's last
+    slot), weighted in the combine, against the routed reference plus its own."""
     e, h, i, k = 32, 256, 128, 4
     experts = nvfp4_experts(e, h, i, "cuda")
     shared = qg.Nvfp4Shared(nvfp4_linear(2 * i, h, 1, [i, i]), nvfp4_linear(h, i, 2))
@@ -351,7 +351,7 @@ def test_moe_rows_fold_the_shared_expert(t: int, monkeypatch) -> None:
     gu, dn = quant_operand(experts.gate_up_proj, x.dtype), quant_operand(experts.down_proj, x.dtype)
     assert qg.shared_fits(shared, gu, dn)
     assert not qg.shared_fits(qg.Nvfp4Shared(shared.down, shared.gate_up), gu, dn)  # shapes swapped
-    calls = count_calls(monkeypatch, "nvfp4_moe_rows")
+    calls = count_calls(monkeypatch, "nvfp4_moe" if t == 1 else "nvfp4_moe_rows")
     got = moe_experts(x, experts.gate_up_proj, experts.down_proj, weights, ids, shared, sw)
     assert len(calls) == 2
     want = reference(experts, x, weights, ids) + sw[:, None] * shared_ref(x, shared.gate_up, shared.down)
@@ -359,11 +359,12 @@ def test_moe_rows_fold_the_shared_expert(t: int, monkeypatch) -> None:
 
 
 @gpu
-def test_moe_rows_reach_a_shared_expert_gigabytes_away() -> None:
+@pytest.mark.parametrize("t", [1, 8])
+def test_moe_reach_a_shared_expert_gigabytes_away(t: int) -> None:
     """The shared expert is read at its offset from the stacked experts, which in a real model is gigabytes (an
     offset /16 that fits 32 bits but not times 16 faulted in the 35B-A3B engine): its weights placed in a buffer
-    more than 2^31 bytes from the experts."""
-    e, h, i, k, t = 16, 256, 128, 4, 8
+    more than 2^31 bytes from the experts, for the one-token kernel and the rows kernel."""
+    e, h, i, k = 16, 256, 128, 4
     experts = nvfp4_experts(e, h, i, "cuda")
     shared = qg.Nvfp4Shared(nvfp4_linear(2 * i, h, 5, [i, i]), nvfp4_linear(h, i, 6))
     far = torch.empty(2**31 + 2**22, dtype=torch.uint8, device="cuda")
@@ -392,20 +393,20 @@ def test_moe_rows_reach_a_shared_expert_gigabytes_away() -> None:
 @gpu
 def test_block_folds_a_quantized_shared_expert_into_the_rows_launches(monkeypatch) -> None:
     """SparseMoeBlock with NVFP4 experts and an NVFP4 shared expert of their size: a verify block takes the rows
-    kernel with the shared expert folded in (two launches for all of it), one token keeps it beside; both as the
-    block's reference path."""
+    kernel and one token the one-token kernel, the shared expert folded in (two launches for all of it), a
+    prefill keeps it beside; each as the block's reference path."""
     e, h, i, k = 64, 256, 128, 8
     block = SparseMoeBlock(h, e, k, i, True, shared_intermediate_size=i).to(torch.bfloat16).cuda().eval()
     block.experts = nvfp4_experts(e, h, i, "cuda")
     block.shared_expert.gate_up_proj = nvfp4_linear(2 * i, h, 3, [i, i])
     block.shared_expert.down_proj = nvfp4_linear(h, i, 4)
-    calls = count_calls(monkeypatch, "nvfp4_moe_rows")
-    for t, launches in ((16, 2), (1, 0)):
+    calls = count_calls(monkeypatch, "nvfp4_moe_rows", "nvfp4_moe")
+    for t, folded in ((16, True), (1, True), (qg.MOE_ROWS_MAX_TOKENS + 1, False)):
         x = torch.randn(t, h, dtype=torch.bfloat16, device="cuda")
-        assert isinstance(block._folded_shared(x), qg.Nvfp4Shared) == (t > 1)
+        assert isinstance(block._folded_shared(x), qg.Nvfp4Shared) == folded
         calls.clear()
         got = block(x)
-        assert len(calls) == launches
+        assert len(calls) == (2 if folded else 0)
         block.experts.backend = "reference"
         want = block(x)
         block.experts.backend = "auto"

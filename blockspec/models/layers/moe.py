@@ -18,9 +18,9 @@ Three ways to run the routed experts, picked per call by `experts_forward`:
   then also routes with one kernel and folds a same-sized shared expert into the grouped launches.
   Biases and GPT-OSS's clamped SwiGLU ride in the kernels' epilogues, and quantized experts
   (layers.quant_linear.QuantExperts: the same `gate_up_proj` / `down_proj` names, holding packed layouts)
-  are dequantized in registers. A quantized shared expert in the routed experts' NVFP4 layout rides in a verify
-  block's launches too (kernels/quant_gemv.py's rows kernel); otherwise it runs beside them on its QuantLinears,
-  its output added in the combine launch.
+  are dequantized in registers. A quantized shared expert in the routed experts' NVFP4 layout rides in a decode
+  step's or a verify block's launches too (kernels/quant_gemv.py's one-token and rows kernels); otherwise it runs
+  beside them on its QuantLinears, its output added in the combine launch.
 """
 
 from __future__ import annotations
@@ -319,8 +319,8 @@ class SparseMoeBlock(nn.Module):
 
     def _folded_shared(self, x: torch.Tensor) -> SharedWeights | Nvfp4Shared | None:
         """The shared expert's weights where it can ride in the routed launches as expert E for x's step: both
-        unquantized, or both NVFP4 on the rows kernel (kernels/moe_grouped.shared_foldable); its gate a plain
-        bias-free Linear (its weight goes to the routing kernel)."""
+        unquantized, or both NVFP4 on quant_gemv's MoE kernels (kernels/moe_grouped.shared_foldable); its gate a
+        plain bias-free Linear (its weight goes to the routing kernel)."""
         se, gate = self.shared_expert, self.shared_expert_gate
         if se is None or not isinstance(gate, Linear) or gate.bias is not None:
             return None
