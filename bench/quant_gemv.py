@@ -30,7 +30,9 @@ from blockspec.kernels import quant_linear as ql  # noqa: E402
 SHAPES = [("qkv", 6144, 4096), ("o", 4096, 4096), ("down", 4096, 12288), ("gate_up", 24576, 4096),
           ("27b_gate_up", 2 * 17408, 5120), ("lm_head", 151936, 4096),
           # Qwen3.6-35B-A3B: a Gated DeltaNet layer's in_proj (q|k|v|z) and out_proj, an attention layer's q|gate|k|v
-          ("35b_in_proj", 12288, 2048), ("35b_out_proj", 2048, 4096), ("35b_qkv", 9216, 2048)]
+          ("35b_in_proj", 12288, 2048), ("35b_out_proj", 2048, 4096), ("35b_qkv", 9216, 2048),
+          # Qwen3.6-27B's attention q|gate|k|v, Qwen3.5-4B's Gated DeltaNet in_proj
+          ("27b_qkv", 14336, 5120), ("4b_in_proj", 12288, 2560)]
 
 
 def gemv_fn(x, layers, cfg: quant_gemv.GemvConfig | None = None):

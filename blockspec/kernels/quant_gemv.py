@@ -62,6 +62,10 @@ class GemvConfig:
 
 
 WIDE_ROWS = 16384  # from here one K part: many programs already (gate|up, LM heads)
+# one row takes the one-part kernel from fewer outputs: Qwen3.6-35B-A3B's in_proj 12288 x 2048 9.8 us against 11.7
+# on the dot path, its q|gate|k|v 9216 x 2048 9.3 against 10.6 (H100, bench/quant_gemv.py, weights streamed from
+# HBM); Qwen3-8B's q|k|v 6144 x 4096 keeps the dot path (11.6 against 15.2)
+GEMV_WIDE_ROWS = 8192
 WIDE = GemvConfig(warps=2, spans=4, parts=1)
 # narrow layers: K in 4 parts over 16 warps (32 rows a program), while the programs fit one wave
 NARROW = GemvConfig(warps=16, spans=4, parts=4)
@@ -97,16 +101,16 @@ def _fit_k(cfg: GemvConfig, k: int) -> GemvConfig | None:
 
 def launch_config(meta, m: int = 1) -> GemvConfig | None:
     """The launch for m rows of an NVFP4 layer, or None where quant_linear's dot path measured faster (H100,
-    bench/quant_gemv.py --sweep). One row: one K part for >= WIDE_ROWS outputs; 4 parts over 16 warps for
+    bench/quant_gemv.py --sweep). One row: one K part for >= GEMV_WIDE_ROWS outputs; 4 parts over 16 warps for
     layers narrow enough that their programs fit one wave (Qwen3-8B o_proj 10.2 -> 8.9 us, down 25.8 -> 21.7);
-    between the two (qkv: 15.6 against 11.6) the dot path. 2 to MAX_ROWS rows: the rows kernel (above)."""
+    between the two (Qwen3-8B qkv: 15.6 against 11.6) the dot path. 2 to MAX_ROWS rows: the rows kernel (above)."""
     if m > 1:
         if m > MAX_ROWS:
             return None
         cfg = ROWS_WIDE if meta.n >= WIDE_ROWS else ROWS_FEW if m <= 8 else \
             ROWS_LONG_K if meta.k >= 2 * meta.n else None
         return None if cfg is None else _fit_k(cfg, meta.k)
-    cfg = WIDE if meta.n >= WIDE_ROWS else NARROW if meta.n * NARROW.parts <= NARROW.block * NUM_SMS else None
+    cfg = WIDE if meta.n >= GEMV_WIDE_ROWS else NARROW if meta.n * NARROW.parts <= NARROW.block * NUM_SMS else None
     return cfg if cfg is not None and _tiles_k(cfg, meta.k) else None
 
 

@@ -36,7 +36,7 @@ from blockspec.errors import ConfigError
 from blockspec.kernels.deterministic_gated_deltanet import conv_windows
 from blockspec.kernels.gated_deltanet import causal_conv_update, gated_rms_norm, gdn_recurrent
 from blockspec.kernels.rms_norm import rms_norm
-from blockspec.kernels.skinny_linear import skinny_linear_pair
+from blockspec.kernels.skinny_linear import skinny_linear, skinny_linear_pair
 from blockspec.models.layers import delta_rule, delta_rule_fla, deterministic_deltanet
 from blockspec.models.layers.attention import current_metadata
 from blockspec.models.layers.linear import FusedLinear, Linear, folded_linear
@@ -202,7 +202,14 @@ class GatedDeltaNet(nn.Module):
         w, eps = norm.kernel_weight(), norm.eps
         if isinstance(self.in_proj_qkvz, nn.Linear) and isinstance(self.in_proj_ba, nn.Linear):
             qkvz, ba = skinny_linear_pair(h, self.in_proj_qkvz.weight, self.in_proj_ba.weight, norm_weight=w, eps=eps)
-        else:  # a quantized input projection: the norm once, then each projection on its own kernel
+        elif h.shape[0] == 1 and isinstance(self.in_proj_ba, nn.Linear):
+            # a quantized q|k|v|z beside a plain b|a (as checkpoints leave it): one decode row's b|a GEMM takes the
+            # norm in and writes the normed row the quantized GEMM reads, one launch for both (a verify block's
+            # norm stays on its own: folded into a few-column GEMM's programs it costs more, as the MoE router's)
+            x = torch.empty_like(h)
+            ba = skinny_linear(h, self.in_proj_ba.weight, norm_weight=w, eps=eps, norm_out=x)
+            qkvz = folded_linear(x, self.in_proj_qkvz)
+        else:  # quantized input projections: the norm once, then each projection on its own kernel
             x = rms_norm(h, w, eps)[0]
             qkvz, ba = folded_linear(x, self.in_proj_qkvz), folded_linear(x, self.in_proj_ba)
         return folded_linear(self._decode_core(qkvz, ba, sd), self.out_proj, residual=h)
