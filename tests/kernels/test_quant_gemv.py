@@ -47,6 +47,8 @@ def test_dispatch_rule_keeps_cpu_narrow_and_folded_layers_off_the_gemv() -> None
     assert qg.launch_config(ql.quant_meta(make_layer("nvfp4", 4096, 4096, torch.bfloat16))) == qg.NARROW
     assert qg.launch_config(ql.quant_meta(make_layer("nvfp4", 6144, 4096, torch.bfloat16))) is None  # qkv: dot
     assert qg.launch_config(ql.quant_meta(make_layer("nvfp4", 9216, 2048, torch.bfloat16))) == qg.WIDE  # 35B q|g|k|v
+    assert qg.launch_config(ql.quant_meta(make_layer("nvfp4", 2048, 4096, torch.bfloat16))) == qg.NARROWEST
+    assert qg.launch_config(ql.quant_meta(make_layer("nvfp4", 2048, 2048, torch.bfloat16))) == qg.NARROW  # K short
     assert qg.launch_config(ql.quant_meta(make_layer("nvfp4", 4096, 1024, torch.bfloat16))) is None  # K short
 
 
@@ -68,7 +70,7 @@ def test_rows_dispatch_rule() -> None:
 @gpu
 @pytest.mark.parametrize("n,k,global_scale", [(qg.WIDE_ROWS + 24, 512, True), (qg.WIDE_ROWS, 1024, False),
                                               (24576, 4096, True), (4096 - 24, 2048, True), (4096, 12288, False),
-                                              (qg.GEMV_WIDE_ROWS + 8, 2048, True)])
+                                              (qg.GEMV_WIDE_ROWS + 8, 2048, True), (2048 - 40, 4096, True)])
 def test_gemv_matches_the_reference(n: int, k: int, global_scale: bool) -> None:
     layer = make_layer("nvfp4", n, k, torch.bfloat16, global_scale=global_scale, seed=n + k).to("cuda")
     meta = ql.quant_meta(layer)
