@@ -108,8 +108,8 @@ def launch_config(meta, m: int = 1) -> GemvConfig | None:
     """The launch for m rows of an NVFP4 layer, or None where quant_linear's dot path measured faster (H100,
     bench/quant_gemv.py --sweep). One row: one K part for >= GEMV_WIDE_ROWS outputs; 4 parts over 16 warps for
     layers narrow enough that their programs fit one wave (Qwen3-8B o_proj 10.2 -> 8.9 us, down 25.8 -> 21.7), 8
-    over 32 for the narrowest (NARROWEST_ROWS);
-    between the two (Qwen3-8B qkv: 15.6 against 11.6) the dot path. 2 to MAX_ROWS rows: the rows kernel (above)."""
+    over 32 for the narrowest (NARROWEST_ROWS); between the two (Qwen3-8B qkv: 15.6 against 11.6) the dot path.
+    2 to MAX_ROWS rows: the rows kernel (above)."""
     if m > 1:
         if m > MAX_ROWS:
             return None
