@@ -164,11 +164,13 @@ def cases() -> list[tuple[str, tuple, dict]]:
             K=k, HAS_GS=True, BN=cfg.block, SPANS=cfg.spans, P=cfg.parts, TWO=two, HAS_RES=res, PDL=True)),
             dict(div16=("X", "QW", "S", "Y"), num_warps=cfg.warps, num_stages=1, no_spill=True,
                  ptx_has=pdl_ptx + ("mma.sync.aligned.m16n8k16",))))
-    moe = {"X": "*bf16", "IDS": "*i64", "QW": "*u8", "S": "*u8", "GS": "*fp32", "OUT": "*bf16"}
-    for gated, n_w, k in ((True, 1024, 2048), (False, 2048, 512)):  # 35B-A3B's NVFP4 experts, one token
-        out.append((f"quant_gemv moe gated={gated}", (qv._moe_kernel, moe, dict(
-            N_W=n_w, K=k, W_STRIDE=n_w * k // 2, S_STRIDE=n_w * k // 16, HAS_GS=True, GATED=gated,
-            X_PER_SLOT=not gated, BN=8 * qv.WIDE.warps, SPANS=qv._moe_spans(k), PDL=True)),
+    moe = {"X": "*bf16", "IDS": "*i64", "QW": "*u8", "S": "*u8", "GS": "*fp32", "SQW_OFF16": "i64", "SS_OFF16": "i64",
+           "SGS_OFF": "i64", "OUT": "*bf16"}
+    # 35B-A3B's NVFP4 experts, one token, with and without the shared expert as slot k
+    for gated, n_w, k, shared in ((True, 1024, 2048, True), (False, 2048, 512, True), (True, 1024, 2048, False)):
+        out.append((f"quant_gemv moe gated={gated} SHARED={shared}", (qv._moe_kernel, moe, dict(
+            N_W=n_w, K=k, W_STRIDE=n_w * k // 2, S_STRIDE=n_w * k // 16, TOP_K=8, E=256, SHARED=shared, HAS_GS=True,
+            GATED=gated, X_PER_SLOT=not gated, BN=8 * qv.WIDE.warps, SPANS=qv._moe_spans(k), PDL=True)),
             dict(div16=("X", "QW", "S", "OUT"), num_warps=qv.WIDE.warps, num_stages=1, no_spill=True,
                  ptx_has=pdl_ptx + ("mma.sync.aligned.m16n8k16",))))
     moe_rows = {"X": "*bf16", "QW": "*u8", "S": "*u8", "GS": "*fp32", "SQW_OFF16": "i64", "SS_OFF16": "i64",

@@ -69,11 +69,6 @@ GEMV_WIDE_ROWS = 8192
 WIDE = GemvConfig(warps=2, spans=4, parts=1)
 # narrow layers: K in 4 parts over 16 warps (32 rows a program), while the programs fit one wave
 NARROW = GemvConfig(warps=16, spans=4, parts=4)
-# up to 2048 outputs, K in 8 parts over 32 warps: Qwen3.6-35B-A3B's out_proj / o_proj 2048 x 4096 7.2 us against 8.2
-# (H100, bench/quant_gemv.py --sweep, bench/results/quant_gemv_35b_h100_deea5f5.json; Qwen3-8B's 4096-wide o_proj
-# keeps NARROW: 8.1 at its best against 8.4)
-NARROWEST_ROWS = 2048
-NARROWEST = GemvConfig(warps=32, spans=4, parts=8)
 
 
 MAX_ROWS = 16  # two blocks of 8 tokens: a k = 15 verify block
@@ -107,17 +102,16 @@ def _fit_k(cfg: GemvConfig, k: int) -> GemvConfig | None:
 def launch_config(meta, m: int = 1) -> GemvConfig | None:
     """The launch for m rows of an NVFP4 layer, or None where quant_linear's dot path measured faster (H100,
     bench/quant_gemv.py --sweep). One row: one K part for >= GEMV_WIDE_ROWS outputs; 4 parts over 16 warps for
-    layers narrow enough that their programs fit one wave (Qwen3-8B o_proj 10.2 -> 8.9 us, down 25.8 -> 21.7), 8
-    over 32 for the narrowest (NARROWEST_ROWS); between the two (Qwen3-8B qkv: 15.6 against 11.6) the dot path.
-    2 to MAX_ROWS rows: the rows kernel (above)."""
+    layers narrow enough that their programs fit one wave (Qwen3-8B o_proj 10.2 -> 8.9 us, down 25.8 -> 21.7);
+    between the two (Qwen3-8B qkv: 15.6 against 11.6) the dot path. 2 to MAX_ROWS rows: the rows kernel (above).
+    Not taken: 32 warps x 8 K parts for 2048-output layers (35B-A3B out_proj 7.2 against 8.2 us in the sweep) spills
+    224 bytes a thread at 1,024 threads a program (64 registers), against bench/compile_sm90.py's no-spill rule."""
     if m > 1:
         if m > MAX_ROWS:
             return None
         cfg = ROWS_WIDE if meta.n >= WIDE_ROWS else ROWS_FEW if m <= 8 else \
             ROWS_LONG_K if meta.k >= 2 * meta.n else None
         return None if cfg is None else _fit_k(cfg, meta.k)
-    if meta.n <= NARROWEST_ROWS and _tiles_k(NARROWEST, meta.k):
-        return NARROWEST
     cfg = WIDE if meta.n >= GEMV_WIDE_ROWS else NARROW if meta.n * NARROW.parts <= NARROW.block * NUM_SMS else None
     return cfg if cfg is not None and _tiles_k(cfg, meta.k) else None
 
