@@ -55,24 +55,24 @@ def shape_rows(name: str, e: int, k: int, h: int, shared: bool, t: int) -> list[
         mg.moe_align(ids, e, shared)
 
     want = one()
+
+    def same_as_want(got: tuple) -> bool:
+        return torch.equal(got[1], want[1]) and torch.equal(got[3].sorted_pairs, want[3].sorted_pairs)
+
     rows = []
     knob = "ROUTE_ONE_TOKEN_WARPS" if t == 1 else "ROUTE_ALIGN_WARPS"
     default = getattr(mg, knob)
     for warps in (1, 2, 4) if t == 1 else (4, 8, 16):
         setattr(mg, knob, warps)
-        got = one()
-        same = torch.equal(got[1], want[1]) and torch.equal(got[3].sorted_pairs, want[3].sorted_pairs)
-        rows.append({"shape": name, "tokens": t, "path": f"one launch, {warps} warps", "equal": same,
+        rows.append({"shape": name, "tokens": t, "path": f"one launch, {warps} warps", "equal": same_as_want(one()),
                      "us": round(time_us(one), 2)})
     setattr(mg, knob, default)
     if t > 1 and e > mg.ROUTE_ALIGN_MAX_EXPERTS:  # past the one-launch limit: what the one launch would take
         limit = mg.ROUTE_ALIGN_MAX_EXPERTS
         mg.ROUTE_ALIGN_MAX_EXPERTS = e
         try:
-            got = one()
-            same = torch.equal(got[1], want[1]) and torch.equal(got[3].sorted_pairs, want[3].sorted_pairs)
             rows.append({"shape": name, "tokens": t, "path": f"one launch past the limit, {mg.ROUTE_ALIGN_WARPS} "
-                         "warps", "equal": same, "us": round(time_us(one), 2)})
+                         "warps", "equal": same_as_want(one()), "us": round(time_us(one), 2)})
         finally:
             mg.ROUTE_ALIGN_MAX_EXPERTS = limit
     rows.append({"shape": name, "tokens": t, "path": "route (1 token a program) + align", "equal": True,

@@ -693,11 +693,7 @@ def shared_foldable(shared: SharedWeights | quant_gemv.Nvfp4Shared, gate_up, dow
         if x is None or isinstance(gate_up, torch.Tensor) or not (x.shape[0] == 1 or quant_gemv.moe_rows_step(x)):
             return False  # (before the operands: a prefill asks every layer)
         gu, dn = quant_operand(gate_up, x.dtype), quant_operand(down, x.dtype)
-        if gu is None or dn is None:
-            return False
-        if x.shape[0] == 1:
-            return quant_gemv.moe_applies(x, gu, dn, shared, biases, clamped)
-        return quant_gemv.moe_rows_applies(x, gu, dn, shared, biases, clamped)
+        return gu is not None and dn is not None and quant_gemv.moe_step_applies(x, gu, dn, shared, biases, clamped)
     if not all(isinstance(t, torch.Tensor) for t in (gate_up, down, shared.gate, shared.up, shared.down)):
         return False
     i, h = gate_up.shape[1] // 2, gate_up.shape[2]

@@ -506,6 +506,11 @@ def _shared_offsets(w, layer) -> tuple[int, int, int] | None:
     return None if None in offs else offs
 
 
+def _shared_ok(shared, gate_up, down) -> bool:
+    """No shared expert to fold in, or an `Nvfp4Shared` in the experts' layout (`shared_fits`)."""
+    return shared is None or (isinstance(shared, Nvfp4Shared) and shared_fits(shared, gate_up, down))
+
+
 def _offset_args(w, shared_layer) -> tuple[int, int, int]:
     """The kernels' SQW_OFF16, SS_OFF16, SGS_OFF for `shared_layer` (None: no shared expert, zeros)."""
     offsets = (0, 0, 0) if shared_layer is None else _shared_offsets(w, shared_layer)
@@ -546,7 +551,7 @@ def moe_applies(x: torch.Tensor, gate_up, down, shared, biases: bool, clamped: b
             and not (biases or clamped)
             and all(getattr(w, "meta", None) is not None and w.meta.scheme == "nvfp4" and w.fast
                     and w.k % (2 * SPAN_BYTES) == 0 for w in (gate_up, down))
-            and (shared is None or (isinstance(shared, Nvfp4Shared) and shared_fits(shared, gate_up, down))))
+            and _shared_ok(shared, gate_up, down))
 
 
 def _moe_spans(k: int) -> int:
@@ -658,7 +663,14 @@ def moe_rows_applies(x: torch.Tensor, gate_up, down, shared, biases: bool, clamp
     return (moe_rows_step(x) and not (biases or clamped)
             and all(getattr(w, "meta", None) is not None and w.meta.scheme == "nvfp4" and w.fast
                     and _fit_k(MOE_ROWS, w.k) is not None for w in (gate_up, down))
-            and (shared is None or (isinstance(shared, Nvfp4Shared) and shared_fits(shared, gate_up, down))))
+            and _shared_ok(shared, gate_up, down))
+
+
+def moe_step_applies(x: torch.Tensor, gate_up, down, shared, biases: bool, clamped: bool) -> bool:
+    """Whether one of these MoE kernels takes x's step: the one-token GEMV (`moe_applies`) or the rows kernel
+    (`moe_rows_applies`)."""
+    applies = moe_applies if x.shape[0] == 1 else moe_rows_applies
+    return applies(x, gate_up, down, shared, biases, clamped)
 
 
 if HAVE_TRITON:
