@@ -157,11 +157,32 @@ def cases() -> list[tuple[str, tuple, dict]]:
             K=k, HAS_GS=has_gs, BN=cfg.block, SPANS=cfg.spans, HAS_RES=res, PDL=True, **extra)),
             dict(div16=("X", "QW", "S", "Y"), num_warps=cfg.warps, num_stages=1, no_spill=True,
                  ptx_has=pdl_ptx + ("mma.sync.aligned.m16n8k16",))))
+    gemv_int4 = {**gemv, "S": "*i32"}  # int4: the scale|zero words
+    # int4 (G = 128 and 32) and SwiGLU folded (gate|up), both kernels
+    for int4, group, gated, k, cfg in ((True, 128, False, 4096, qv.WIDE), (True, 32, True, 4096, qv.WIDE),
+                                       (True, 128, False, 12288, qv.NARROW), (False, 16, True, 4096, qv.WIDE),
+                                       (True, 128, True, 4096, qv.NARROW)):
+        kern, extra = (qv._wide_kernel, {}) if cfg.parts == 1 else (qv._parts_kernel, dict(P=cfg.parts))
+        out.append((f"quant_gemv int4={int4} G={group} GATED={gated} K={k} {cfg}", (
+            kern, gemv_int4 if int4 else gemv, dict(K=k, HAS_GS=not int4, BN=cfg.block, SPANS=cfg.spans, PDL=True,
+                                                    INT4=int4, G2=group // 2, GATED=gated, **extra)),
+            dict(div16=("X", "QW", "S", "Y"), num_warps=cfg.warps, num_stages=1, no_spill=True,
+                 ptx_has=pdl_ptx + ("mma.sync.aligned.m16n8k16",))))
     rows = {**gemv, "M": "i32"}
     for k, two, cfg, res in ((4096, False, qv.ROWS_FEW, False), (12288, True, qv.ROWS_LONG_K, True),
                              (4096, True, qv.ROWS_WIDE, True), (5120, False, qv._fit_k(qv.ROWS_FEW, 5120), False)):
         out.append((f"quant_gemv rows K={k} TWO={two} HAS_RES={res} {cfg}", (qv._rows_kernel, rows, dict(
             K=k, HAS_GS=True, BN=cfg.block, SPANS=cfg.spans, P=cfg.parts, TWO=two, HAS_RES=res, PDL=True)),
+            dict(div16=("X", "QW", "S", "Y"), num_warps=cfg.warps, num_stages=1, no_spill=True,
+                 ptx_has=pdl_ptx + ("mma.sync.aligned.m16n8k16",))))
+    for int4, group, gated, k, two, cfg in ((True, 128, False, 12288, True, qv.ROWS_LONG_K),
+                                            (True, 64, True, 4096, True, qv.ROWS_WIDE),
+                                            (True, 128, False, 4096, False, qv.ROWS_FEW),
+                                            (False, 16, True, 4096, True, qv.ROWS_WIDE)):
+        out.append((f"quant_gemv rows int4={int4} G={group} GATED={gated} K={k} TWO={two} {cfg}", (
+            qv._rows_kernel, {**(gemv_int4 if int4 else gemv), "M": "i32"}, dict(
+                K=k, HAS_GS=not int4, BN=cfg.block, SPANS=cfg.spans, P=cfg.parts, TWO=two, PDL=True, INT4=int4,
+                G2=group // 2, GATED=gated)),
             dict(div16=("X", "QW", "S", "Y"), num_warps=cfg.warps, num_stages=1, no_spill=True,
                  ptx_has=pdl_ptx + ("mma.sync.aligned.m16n8k16",))))
     moe = {"X": "*bf16", "IDS": "*i64", "QW": "*u8", "S": "*u8", "GS": "*fp32", "SQW_OFF16": "i64", "SS_OFF16": "i64",

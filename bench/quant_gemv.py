@@ -1,12 +1,13 @@
-"""The NVFP4 mma kernels (blockspec/kernels/quant_gemv.py: the one-row GEMV, the 2-16-row kernel) against
-quant_linear's dot path for the same rows on the Qwen3-8B projection shapes (issue 14), and where the dispatch
-draws its lines (quant_gemv.launch_config). GPU only. Timings as bench/quant_gemm.py takes them (CUDA-graph
-replays, weights rotated past the L2, % of the copy bandwidth measured in the same run). Prints a table last;
-JSON to $OUT (else bench/results/).
+"""The mma kernels (blockspec/kernels/quant_gemv.py: the one-row GEMV, the 2-16-row kernel) against quant_linear's
+dot path for the same rows, NVFP4 and int4 g128, on the Qwen3-8B projection shapes and the hybrids' (issue 14), and
+where the dispatch draws its lines (quant_gemv.launch_config). GPU only. Timings as bench/quant_gemm.py takes them
+(CUDA-graph replays, weights rotated past the L2, % of the copy bandwidth measured in the same run). --gated times
+the gate|up shapes with SwiGLU: folded into the mma kernels' epilogue against the dot path plus the SwiGLU launch
+the decoder ran before. Prints a table last; JSON to $OUT (else bench/results/).
 
-  python bench/quant_gemv.py                  # one row
-  python bench/quant_gemv.py --rows 1,8,16    # + verify blocks
-  python bench/quant_gemv.py --sweep          # + launch configs (warps, spans a step, K parts) per shape
+  python bench/quant_gemv.py                          # one row, NVFP4 and int4
+  python bench/quant_gemv.py --rows 1,8,16 --gated    # + verify blocks, + SwiGLU folded
+  python bench/quant_gemv.py --sweep                  # + launch configs (warps, spans a step, K parts) per shape
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from first_gpu import copy_bandwidth  # noqa: E402
 
 from blockspec.kernels import quant_gemv  # noqa: E402
 from blockspec.kernels import quant_linear as ql  # noqa: E402
+from blockspec.kernels.activation import silu_mul  # noqa: E402
 
 SHAPES = [("qkv", 6144, 4096), ("o", 4096, 4096), ("down", 4096, 12288), ("gate_up", 24576, 4096),
           ("27b_gate_up", 2 * 17408, 5120), ("lm_head", 151936, 4096),
@@ -35,13 +37,23 @@ SHAPES = [("qkv", 6144, 4096), ("o", 4096, 4096), ("down", 4096, 12288), ("gate_
           ("27b_qkv", 14336, 5120), ("4b_in_proj", 12288, 2560)]
 
 
-def gemv_fn(x, layers, cfg: quant_gemv.GemvConfig | None = None):
+GATED_SHAPES = ("gate_up", "27b_gate_up")  # [gate; up] projections (SwiGLU after them)
+
+
+def gemv_fn(x, layers, cfg: quant_gemv.GemvConfig | None = None, gated: bool = False):
     """One call a replay on the next weight of the rotation (cfg: the dispatch's, else forced)."""
     turn = itertools.cycle(layers)
     meta = ql.quant_meta(layers[0])
     m = x.shape[0]
-    cfg = cfg or quant_gemv.launch_config(meta, m) or (quant_gemv.WIDE if m == 1 else quant_gemv.ROWS)
-    return lambda: quant_gemv.nvfp4_gemv(x, next(turn), meta, cfg)
+    cfg = cfg or quant_gemv.launch_config(meta, m, gated) or \
+        (quant_gemv.WIDE if m == 1 else quant_gemv._fit_k(quant_gemv.ROWS_FEW, meta.k))
+    return lambda: quant_gemv.gemv(x, next(turn), meta, cfg, gated=gated)
+
+
+def dot_fn(x, layers, gated: bool):
+    """quant_linear's dot path, and (gated) the SwiGLU launch after it, as the decoder ran them unfolded."""
+    plain = qgm.quant_fn(x, layers, "plain", None)
+    return (lambda: silu_mul(plain())) if gated else plain
 
 
 SWEEP = [quant_gemv.GemvConfig(w, s, p) for w in (2, 4, 8, 16, 32) for s in (2, 4, 8) for p in (1, 2, 4, 8)
@@ -50,16 +62,16 @@ SWEEP_ROWS = [quant_gemv.GemvConfig(w, s, p) for w in (4, 8, 16) for s in (1, 2,
               if p <= w]
 
 
-def sweep(x, layer, layers, ref, k) -> dict:
+def sweep(x, layer, layers, ref, k, gated: bool) -> dict:
     best = None
     for cfg in SWEEP if x.shape[0] == 1 else SWEEP_ROWS:
-        if k % (128 * cfg.spans * cfg.parts):
+        if k % (128 * cfg.spans * cfg.parts) or (gated and x.shape[0] == 1 and cfg.block // cfg.parts % 2):
             continue
-        err = qgm.rel_err(gemv_fn(x, [layer], cfg)(), ref)
+        err = qgm.rel_err(gemv_fn(x, [layer], cfg, gated)(), ref)
         if err > 2e-2:
             print(f"  {cfg}: WRONG rel err {err:.3g}", flush=True)
             continue
-        us = qgm.bench(gemv_fn(x, layers, cfg))
+        us = qgm.bench(gemv_fn(x, layers, cfg, gated))
         print(f"  {cfg}: {us:.1f} us", flush=True)
         if best is None or us < best["us"]:
             best = dict(us=us, warps=cfg.warps, spans=cfg.spans, parts=cfg.parts)
@@ -70,37 +82,46 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--shapes", default=",".join(s[0] for s in SHAPES))
+    ap.add_argument("--schemes", default="nvfp4,int4", help="nvfp4 and / or int4 (g128, asymmetric)")
     ap.add_argument("--rows", default="1", help="rows of x (comma-separated): 1 the GEMV, 2-16 the rows kernel")
+    ap.add_argument("--gated", action="store_true", help="the gate|up shapes with SwiGLU too")
     args = ap.parse_args()
     torch.manual_seed(0)
     bw = copy_bandwidth()
     rows = []
-    for name, n, k in [s for s in SHAPES if s[0] in args.shapes.split(",")]:
-        layer = qgm.random_layer("nvfp4", n, k)
-        layers = qgm.rotation(layer)
-        for m in map(int, args.rows.split(",")):
-            x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
-            ref = ql.quant_linear_ref(x, layer)
-            err = qgm.rel_err(gemv_fn(x, [layer])(), ref)
-            dot = qgm.bench(qgm.quant_fn(x, layers, "plain", None))
-            gemv = qgm.bench(gemv_fn(x, layers))
-            nbytes = qgm.bytes_read(layer)
-            rows.append(dict(shape=name, n=n, k=k, m=m, bytes=nbytes, dot_us=dot, gemv_us=gemv, rel_err=err,
-                             dot_pct=qgm.pct(nbytes, dot, bw), gemv_pct=qgm.pct(nbytes, gemv, bw),
-                             dispatched=quant_gemv.launch_config(ql.quant_meta(layer), m) is not None))
-            if args.sweep:
-                rows[-1]["best"] = sweep(x, layer, layers, ref, k)
-            print(rows[-1], flush=True)
-        del layers
-    out = Path(os.environ.get("OUT", "bench/results")) / "quant_gemv.json"
-    out.write_text(json.dumps(dict(device=torch.cuda.get_device_name(), commit=os.environ.get("COMMIT", "?"),
-                                   copy_gbs=bw / 1e9, dtype="bfloat16", scheme="nvfp4", rows=rows), indent=1))
-    print(f"{'shape':12} {'N':>6} {'K':>6} {'M':>3} {'dot us':>7} {'%copy':>6} {'mma us':>8} {'%copy':>6} {'err':>7}"
-          "  taken")
+    for scheme in args.schemes.split(","):
+        for name, n, k in [s for s in SHAPES if s[0] in args.shapes.split(",")]:
+            layer = qgm.random_layer(scheme, n, k)
+            layers = qgm.rotation(layer)
+            meta = ql.quant_meta(layer)
+            for m in map(int, args.rows.split(",")):
+                x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+                for gated in (False, True) if args.gated and name in GATED_SHAPES else (False,):
+                    ref = ql.quant_linear_ref(x, layer)
+                    ref = silu_mul(ref) if gated else ref
+                    err = qgm.rel_err(gemv_fn(x, [layer], gated=gated)(), ref)
+                    dot = qgm.bench(dot_fn(x, layers, gated))
+                    gemv = qgm.bench(gemv_fn(x, layers, gated=gated))
+                    nbytes = qgm.bytes_read(layer)
+                    rows.append(dict(scheme=scheme, shape=name, n=n, k=k, m=m, gated=gated, bytes=nbytes, dot_us=dot,
+                                     gemv_us=gemv, rel_err=err, dot_pct=qgm.pct(nbytes, dot, bw),
+                                     gemv_pct=qgm.pct(nbytes, gemv, bw),
+                                     dispatched=quant_gemv.launch_config(meta, m, gated) is not None))
+                    if args.sweep:
+                        rows[-1]["best"] = sweep(x, layer, layers, ref, k, gated)
+                    print(rows[-1], flush=True)
+            del layers
+    out = Path(os.environ.get("OUT", "bench/results"))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "quant_gemv.json").write_text(json.dumps(dict(
+        device=torch.cuda.get_device_name(), commit=os.environ.get("COMMIT", "?"), copy_gbs=bw / 1e9,
+        dtype="bfloat16", schemes=args.schemes, int4=qgm.SCHEME_VARIANTS["int4"], rows=rows), indent=1))
+    print(f"{'scheme':6} {'shape':12} {'N':>6} {'K':>6} {'M':>3} {'swiglu':>6} {'dot us':>7} {'%copy':>6} "
+          f"{'mma us':>8} {'%copy':>6} {'err':>7}  taken")
     for r in rows:
-        print(f"{r['shape']:12} {r['n']:6} {r['k']:6} {r['m']:3} {r['dot_us']:7.1f} {r['dot_pct']:6.1f} "
-              f"{r['gemv_us']:8.1f} "
-              f"{r['gemv_pct']:6.1f} {r['rel_err']:7.1e}  {'mma' if r['dispatched'] else 'dot'}"
+        print(f"{r['scheme']:6} {r['shape']:12} {r['n']:6} {r['k']:6} {r['m']:3} {'yes' if r['gated'] else '':>6} "
+              f"{r['dot_us']:7.1f} {r['dot_pct']:6.1f} {r['gemv_us']:8.1f} {r['gemv_pct']:6.1f} {r['rel_err']:7.1e}  "
+              f"{'mma' if r['dispatched'] else 'dot'}"
               + (f"  best {r['best']['us']:.1f} us ({qgm.pct(r['bytes'], r['best']['us'], bw):.1f}%): "
                  f"warps {r['best']['warps']} spans {r['best']['spans']} "
                  f"parts {r['best']['parts']}" if r.get("best") else ""))

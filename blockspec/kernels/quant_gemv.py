@@ -1,4 +1,4 @@
-"""1-16 decode / verify rows through an NVFP4 layer on tensor cores, the weights never leaving registers.
+"""1-16 decode / verify rows through an NVFP4 (or int4) layer on tensor cores, the weights never leaving registers.
 
 quant_linear's one-row paths dequantize a tile and either reduce it with float32 multiplies or hand it to
 `tl.dot`, which stages it through shared memory into the mma operand layout. Here each lane loads 16 bytes of
@@ -26,9 +26,18 @@ sorted pairs, 8 a pass), a gate|up group of 16 weight rows holding 8 outputs' ga
 * up is its epilogue; a quantized shared expert of the same layout is expert id E.
 
 The E2M1 decode is quant_tiles' PTX (w * scale * 2^-26 as bf16 pairs, exact), the 2^26 and the global scale
-are applied to the float32 sums. Measured on an H100 (bench/quant_gemv.py, bench/results/quant_gemv_h100_*.json,
-% of copy bandwidth): Qwen3-8B gate|up 37.8 -> 27.0 us (50 -> 70%), o 10.2 -> 8.9, down 25.8 -> 21.7; qkv stays
-on quant_linear's dot path (15.6 against 11.6 us): `launch_config` holds the lines.
+are applied to the float32 sums. int4 (groups of >= 32 weights, so that a lane's 16 bytes share one scale|zero
+word) decodes each pair to bf16 (q - z) * s, rounded once as dequantize() rounds it (quant_tiles.int4_decode_ptx);
+quant_linear's dot path decodes int4 cheaply too and stays faster for most shapes (`launch_config`).
+
+SwiGLU folds into every kernel's epilogue (`gated`, a [gate; up] layer of N = 2I rows -> [M, I]): a program reads
+the gate rows of its outputs in one half of its tile rows and their up rows in the other (each warp still streams
+adjacent rows; interleaving them within a warp measured ~10% slower), or, in the rows kernel, as each 16-row
+group's lo and hi rows, and one launch replaces the GEMM and the SwiGLU kernel after it.
+
+Measured on an H100 (bench/quant_gemv.py, bench/results/quant_gemv_h100_*.json, % of copy bandwidth): NVFP4
+Qwen3-8B gate|up 37.8 -> 27.0 us (50 -> 70%), o 10.2 -> 8.9, down 25.8 -> 21.7; qkv stays on quant_linear's dot
+path (15.6 against 11.6 us): `launch_config` holds the lines.
 """
 
 from __future__ import annotations
@@ -38,7 +47,7 @@ from dataclasses import dataclass
 import torch
 
 from blockspec.kernels._triton import HAVE_TRITON, INTERPRET, pdl
-from blockspec.kernels.quant_tiles import E2M1_REGS, FP4_GLOBAL_BIAS, e2m1_decode_ptx
+from blockspec.kernels.quant_tiles import E2M1_REGS, FP4_GLOBAL_BIAS, INT4_REGS, e2m1_decode_ptx, int4_decode_ptx
 
 NUM_SMS = 132  # H100 / H200
 SPAN_BYTES = 64  # weight bytes a row per mma step group: 4 lanes x 16
@@ -78,6 +87,13 @@ MAX_ROWS = 16  # two blocks of 8 tokens: a k = 15 verify block
 # reads all 16 rows of x (as much L2 traffic as the weight once K is split), so only long-K layers (down:
 # 30.2 -> 25.5) leave the dot path, which measured as fast or faster on qkv and o.
 ROWS_WIDE = GemvConfig(warps=4, spans=2, parts=1)
+# int4 g128 (H100, bench/quant_gemv.py --schemes int4 --sweep, quant_gemv_int4_h100_*.json): quant_linear's dot path
+# decodes int4 cheaply and stays faster on the Qwen3-8B qkv / o / down at 1 and 16 rows (8.6 / 7.0 / 15.0 us against
+# the best mma configs' 13.0 / 7.5 / 18.4) and on gate|up at 16 rows (with SwiGLU 37.4 against 39.3). One row of
+# gate|up with SwiGLU folded takes the mma GEMV, two spans a step: Qwen3-8B 25.6 us against the dot path and a SwiGLU
+# launch's 30.1 (unfolded 25.1 against 25.7: left to the dot path); not from K = 5120 (Qwen3.6-27B: 51.2 against 48.6)
+INT4_WIDE = GemvConfig(warps=2, spans=2, parts=1)
+INT4_MAX_K = 4096
 ROWS_FEW = GemvConfig(warps=16, spans=4, parts=8)  # 2-8 rows
 ROWS_LONG_K = GemvConfig(warps=8, spans=2, parts=8)  # 9-16 rows, K >= 2 N
 
@@ -99,13 +115,17 @@ def _fit_k(cfg: GemvConfig, k: int) -> GemvConfig | None:
     return None
 
 
-def launch_config(meta, m: int = 1) -> GemvConfig | None:
-    """The launch for m rows of an NVFP4 layer, or None where quant_linear's dot path measured faster (H100,
-    bench/quant_gemv.py --sweep). One row: one K part for >= GEMV_WIDE_ROWS outputs; 4 parts over 16 warps for
+def launch_config(meta, m: int = 1, gated: bool = False) -> GemvConfig | None:
+    """The launch for m rows of the layer, or None where quant_linear's dot path measured faster (H100,
+    bench/quant_gemv.py --sweep). int4: one row of a gate|up with SwiGLU only (INT4_WIDE). NVFP4, one row: one K part
+    for >= GEMV_WIDE_ROWS outputs; 4 parts over 16 warps for
     layers narrow enough that their programs fit one wave (Qwen3-8B o_proj 10.2 -> 8.9 us, down 25.8 -> 21.7);
     between the two (Qwen3-8B qkv: 15.6 against 11.6) the dot path. 2 to MAX_ROWS rows: the rows kernel (above).
     Not taken: 32 warps x 8 K parts for 2048-output layers (35B-A3B out_proj 7.2 against 8.2 us in the sweep) spills
     224 bytes a thread at 1,024 threads a program (64 registers), against bench/compile_sm90.py's no-spill rule."""
+    if meta.scheme == "int4":
+        return INT4_WIDE if (m == 1 and gated and meta.n >= WIDE_ROWS and meta.k <= INT4_MAX_K
+                             and _tiles_k(INT4_WIDE, meta.k)) else None
     if m > 1:
         if m > MAX_ROWS:
             return None
@@ -113,29 +133,40 @@ def launch_config(meta, m: int = 1) -> GemvConfig | None:
             ROWS_LONG_K if meta.k >= 2 * meta.n else None
         return None if cfg is None else _fit_k(cfg, meta.k)
     cfg = WIDE if meta.n >= GEMV_WIDE_ROWS else NARROW if meta.n * NARROW.parts <= NARROW.block * NUM_SMS else None
-    return cfg if cfg is not None and _tiles_k(cfg, meta.k) else None
+    # gated: a warp's tile rows pair up as (gate, up) of one output
+    return cfg if cfg is not None and _tiles_k(cfg, meta.k) and not (gated and cfg.block // cfg.parts % 2) else None
 
 
-# quant_tiles' E2M1 decode of the 4 bytes in $16 into t0..t3, scaled by the pair $21 (pairs of bytes 0..3), then
-# the two mma steps into ($0..$3, from $8..$11) and ($4..$7, from $12..$15), A = $17..$20
-_E2M1_MMA = "{\n" + E2M1_REGS + e2m1_decode_ptx("$16") + "".join(
-    f"fma.rn.bf16x2 t{i}, t{i}, $21, nz;\n" for i in range(4)) + """\
+# the two mma steps of 4 decoded bytes t0..t3 into ($0..$3, from $8..$11) and ($4..$7, from $12..$15), A = $17..$20
+_MMA_PAIR = """\
 mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0, $1, $2, $3},
     {$17, $18, $19, $20}, {t0, t2}, {$8, $9, $10, $11};
 mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$4, $5, $6, $7},
     {$17, $18, $19, $20}, {t1, t3}, {$12, $13, $14, $15};
 }"""
+# quant_tiles' E2M1 decode of the 4 bytes in $16 into t0..t3, scaled by the pair $21 (pairs of bytes 0..3)
+_E2M1_MMA = "{\n" + E2M1_REGS + e2m1_decode_ptx("$16") + "".join(
+    f"fma.rn.bf16x2 t{i}, t{i}, $21, nz;\n" for i in range(4)) + _MMA_PAIR
+# int4: the scale pair $21, the zero pair -(128 + z) $25
+_INT4_MMA = "{\n" + INT4_REGS + int4_decode_ptx("$16", "$25", "$21") + _MMA_PAIR
+
+
+def layer_fits(layer, meta) -> bool:
+    """A layout the kernels decode: NVFP4, or int4 with bf16 scales (their pairs are the mma's operands) and groups
+    of >= 32 weights (each lane's 16 bytes then lie in one group)."""
+    return meta.scheme == "nvfp4" or (meta.scheme == "int4" and meta.group >= 32
+                                      and layer.scales.dtype == torch.bfloat16)
 
 
 def applies(x: torch.Tensor, layer, meta, residual, norm_weight, gated: bool) -> GemvConfig | None:
-    """The launch where these kernels take the call, else None: 1 to MAX_ROWS bf16 rows on a CUDA GPU, an
-    NVFP4 layer of a width they measured faster on (`launch_config`), no bias and no norm or SwiGLU fold
-    (quant_linear's kernel keeps those; the residual add is folded here too)."""
+    """The launch where these kernels take the call, else None: 1 to MAX_ROWS bf16 rows on a CUDA GPU, a layer they
+    decode (`layer_fits`) of a width they measured faster on (`launch_config`), no bias and no norm fold
+    (quant_linear's kernel keeps those); the residual add, or SwiGLU over [gate; up] (`gated`), is folded here."""
     if not (HAVE_TRITON and not INTERPRET and x.is_cuda and x.dtype == torch.bfloat16 and x.shape[0] >= 1
-            and meta.scheme == "nvfp4" and layer.bias is None and norm_weight is None and not gated
-            and (residual is None or residual.is_contiguous())):
+            and layer_fits(layer, meta) and layer.bias is None and norm_weight is None
+            and (residual is None or (residual.is_contiguous() and not gated))):
         return None
-    return launch_config(meta, x.shape[0])
+    return launch_config(meta, x.shape[0], gated)
 
 
 if HAVE_TRITON:
@@ -145,6 +176,7 @@ if HAVE_TRITON:
     from blockspec.kernels._triton import release_dependents, wait_for_inputs
 
     _E2M1_MMA_C = tl.constexpr(_E2M1_MMA)
+    _INT4_MMA_C = tl.constexpr(_INT4_MMA)
     _FP4_BIAS = tl.constexpr(FP4_GLOBAL_BIAS)
 
     @triton.jit
@@ -157,11 +189,39 @@ if HAVE_TRITON:
         return tl.reshape(tl.broadcast_to(s2[:, :, :, None], [BN, 4, 2, 8]), [BN, 64])
 
     @triton.jit
-    def _span_mma(acc1, acc2, w, xp, sa, sb, BN: tl.constexpr):
-        """acc1, acc2 += the span's products (module docstring)."""
-        acc1, acc2 = tl.inline_asm_elementwise(
-            _E2M1_MMA_C, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r",
-            [acc1, acc2, w, xp, _scale_pairs(sa, sb, BN)], dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
+    def _int4_words(S, row_off, col0, mask, NG: tl.constexpr, G2: tl.constexpr):
+        """int4: the scale|zero word (scale bits | zero << 16) of each lane's 16 bytes from byte col0 + 16 t of its
+        row (one group: G2 >= 16 bytes a group), [BN, 4]; row_off [1, BN] is the rows' first word, col0 a scalar
+        or [1, BN]. Loaded [t, row] and transposed, as the NVFP4 scales are (`_wide_span`)."""
+        g = (col0 + 16 * tl.arange(0, 4)[:, None]) // G2
+        if mask is None:  # rows clamped by the caller
+            sz = tl.load(S + row_off + g)
+        else:
+            sz = tl.load(S + row_off + g, mask=mask, other=0)
+        return tl.trans(sz)
+
+    @triton.jit
+    def _int4_pairs(sz, BN: tl.constexpr):
+        """Each lane's int4 scale|zero words [BN, 4] -> the bf16 pairs s and -(128 + z) beside every weight byte
+        [BN, 64] int32 (bf16 holds 128 + z exactly for z < 128: the bits 0x4300 + z)."""
+        s = sz & 0xFFFF
+        z = 0xC300 + ((sz >> 16) & 0xFF)
+        s2 = tl.reshape(tl.broadcast_to((s | (s << 16))[:, :, None], [BN, 4, 16]), [BN, 64])
+        z2 = tl.reshape(tl.broadcast_to((z | (z << 16))[:, :, None], [BN, 4, 16]), [BN, 64])
+        return s2, z2
+
+    @triton.jit
+    def _span_mma(acc1, acc2, w, xp, sa, sb, BN: tl.constexpr, INT4: tl.constexpr = False):
+        """acc1, acc2 += the span's products (module docstring); INT4: sa holds the lanes' scale|zero words."""
+        if INT4:
+            s2, z2 = _int4_pairs(sa, BN)
+            acc1, acc2 = tl.inline_asm_elementwise(
+                _INT4_MMA_C, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r",
+                [acc1, acc2, w, xp, s2, z2], dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
+        else:
+            acc1, acc2 = tl.inline_asm_elementwise(
+                _E2M1_MMA_C, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r",
+                [acc1, acc2, w, xp, _scale_pairs(sa, sb, BN)], dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
         return acc1, acc2
 
     @triton.jit
@@ -183,50 +243,98 @@ if HAVE_TRITON:
 
     @triton.jit
     def _wide_span(acc1, acc2, QW, x32, S, rows64, n_mask, b0, KB: tl.constexpr, NG: tl.constexpr,
-                    BN: tl.constexpr):
+                   BN: tl.constexpr, INT4: tl.constexpr = False, G2: tl.constexpr = 8):
         """acc1, acc2 += one 64-byte span of the rows (bytes b0 ..) against x (see the module docstring)."""
         kb = tl.arange(0, 64)
         w = tl.load(QW + rows64[:, None] * KB + b0 + kb[None, :], mask=n_mask[:, None], other=0)
         xp = tl.load(x32 + b0 + kb)  # x as bf16 pairs, pair i beside weight byte i
-        # a lane's two groups (bytes 16 t + 8 h): loaded [t, row] and transposed, which gives the scales the
-        # lane layout of the weight tile (a [row, t] load would be laid out across the lanes the other way
-        # and converted through shared memory, a barrier a span)
-        g = b0 // 8 + 2 * tl.arange(0, 4)
-        sp = S + rows64[None, :] * NG + g[:, None]
-        sa = tl.trans(tl.load(sp, mask=n_mask[None, :], other=0))
-        sb = tl.trans(tl.load(sp + 1, mask=n_mask[None, :], other=0))
-        return _span_mma(acc1, acc2, w, tl.broadcast_to(xp[None, :], w.shape), sa, sb, BN)
+        if INT4:
+            sa = _int4_words(S, (rows64 * NG)[None, :], b0, n_mask[None, :], NG, G2)
+            sb = sa
+        else:
+            # a lane's two groups (bytes 16 t + 8 h): loaded [t, row] and transposed, which gives the scales the
+            # lane layout of the weight tile (a [row, t] load would be laid out across the lanes the other way
+            # and converted through shared memory, a barrier a span)
+            g = b0 // 8 + 2 * tl.arange(0, 4)
+            sp = S + rows64[None, :] * NG + g[:, None]
+            sa = tl.trans(tl.load(sp, mask=n_mask[None, :], other=0))
+            sb = tl.trans(tl.load(sp + 1, mask=n_mask[None, :], other=0))
+        return _span_mma(acc1, acc2, w, tl.broadcast_to(xp[None, :], w.shape), sa, sb, BN, INT4)
+
+    @triton.jit
+    def _tile_rows(pid, j, N, B: tl.constexpr, GATED: tl.constexpr):
+        """The weight rows that program pid's tile rows j (of B) read, and which are live. GATED (N = 2I rows of
+        [gate; up]): the first B / 2 tile rows read gate rows, the last B / 2 the up rows of the same outputs, so
+        each warp streams 8 adjacent rows as it does without the fold (interleaving gate and up rows within a warp
+        measured ~10% slower on NVFP4 gate|up, bench/quant_gemv.py --gated); `_gated_halves` pairs them."""
+        if GATED:
+            m = pid * (B // 2) + j % (B // 2)
+            return m + (j // (B // 2)) * (N // 2), m < N // 2
+        else:
+            rows = pid * B + j
+            return rows, rows < N
+
+    @triton.jit
+    def _gated_halves(y, B: tl.constexpr):
+        """Sums y [B, 4, 2] (`_c_sums`) or [B] of tile rows -> (gate, up), each [B / 2, ...]: tile rows j and
+        j + B / 2 (`_tile_rows`)."""
+        if len(y.shape) == 3:
+            return tl.split(tl.permute(tl.reshape(y, [2, B // 2, 4, 2]), [1, 2, 3, 0]))
+        else:
+            return tl.split(tl.permute(tl.reshape(y, [2, B // 2]), [1, 0]))
+
+    @triton.jit
+    def _silu_mul_rounded(gate, up, dtype: tl.constexpr):
+        """SiLU(gate) * up from float32 sums: the F.linear outputs rounded to dtype, then silu_mul_ref's roundings."""
+        g = gate.to(dtype).to(tl.float32)
+        sg = (g / (1.0 + tl.exp(-g))).to(dtype)
+        return (sg.to(tl.float32) * up.to(dtype).to(tl.float32)).to(dtype)
+
+    @triton.jit
+    def _sums_scaled(y, GS, INT4: tl.constexpr, HAS_GS: tl.constexpr):
+        """Sums of the decoded weights -> the layer's: NVFP4 tiles hold w * 2^-26 (and a global scale applies)."""
+        if not INT4:
+            y = y * _FP4_BIAS
+        if HAS_GS:
+            y = y * tl.load(GS)
+        return y
 
     @triton.jit
     def _wide_kernel(X, QW, S, GS, Y, N, K: tl.constexpr, HAS_GS: tl.constexpr, BN: tl.constexpr,
-                     SPANS: tl.constexpr, HAS_RES: tl.constexpr = False, PDL: tl.constexpr = False):
+                     SPANS: tl.constexpr, HAS_RES: tl.constexpr = False, PDL: tl.constexpr = False,
+                     INT4: tl.constexpr = False, G2: tl.constexpr = 8, GATED: tl.constexpr = False):
         """One K part (wide layers). Kept as first measured: the parts kernel at P = 1 (its loads written the
-        same) compiled to another schedule, ~20% slower on gate|up (bench/quant_gemv.py, H100)."""
+        same) compiled to another schedule, ~20% slower on gate|up (bench/quant_gemv.py, H100). INT4: S holds the
+        scale|zero words, G2 bytes a group. GATED: SiLU(gate) * up to Y [1, N / 2] (`_tile_rows`)."""
         pid = tl.program_id(0)
-        rows = pid * BN + tl.arange(0, BN)
-        n_mask = rows < N
+        rows, n_mask = _tile_rows(pid, tl.arange(0, BN), N, BN, GATED)
         rows64 = rows.to(tl.int64)
         KB: tl.constexpr = K // 2
-        NG: tl.constexpr = K // 16
+        NG: tl.constexpr = K // (2 * G2)
         x32 = X.to(tl.pointer_type(tl.int32))
         acc1 = tl.zeros([BN, 64], dtype=tl.float32)
         acc2 = tl.zeros([BN, 64], dtype=tl.float32)
         wait_for_inputs(PDL)
         for b0 in range(0, KB, 64 * SPANS):
             for u in tl.static_range(SPANS):
-                acc1, acc2 = _wide_span(acc1, acc2, QW, x32, S, rows64, n_mask, b0 + 64 * u, KB, NG, BN)
-        y = _c_sums(acc1, acc2, BN) * _FP4_BIAS  # [BN, t, c]: weight row 2 t + c of the 8
-        if HAS_GS:
-            y = y * tl.load(GS)
+                acc1, acc2 = _wide_span(acc1, acc2, QW, x32, S, rows64, n_mask, b0 + 64 * u, KB, NG, BN, INT4, G2)
+        y = _sums_scaled(_c_sums(acc1, acc2, BN), GS, INT4, HAS_GS)  # [BN, t, c]: tile column 2 t + c of the 8
         release_dependents(PDL)
-        r = tl.arange(0, BN)[:, None, None]
-        out = pid * BN + (r // 8) * 8 + 2 * tl.arange(0, 4)[None, :, None] + tl.arange(0, 2)[None, None, :]
-        keep = ((r % 8) == 0) & (out < N)  # lanes g = 0 store
-        tl.store(Y + out, _with_residual(y.to(Y.dtype.element_ty), Y + out, keep, HAS_RES), mask=keep)
+        if GATED:
+            gate, up = _gated_halves(y, BN)  # [BN / 2, t, c]: output 2 t + c of the 8-row block
+            r = tl.arange(0, BN // 2)[:, None, None]
+            out = pid * (BN // 2) + (r // 8) * 8 + 2 * tl.arange(0, 4)[None, :, None] + tl.arange(0, 2)[None, None, :]
+            keep = ((r % 8) == 0) & (out < N // 2)
+            tl.store(Y + out, _silu_mul_rounded(gate, up, Y.dtype.element_ty), mask=keep)
+        else:
+            r = tl.arange(0, BN)[:, None, None]
+            out = pid * BN + (r // 8) * 8 + 2 * tl.arange(0, 4)[None, :, None] + tl.arange(0, 2)[None, None, :]
+            keep = ((r % 8) == 0) & (out < N)  # lanes g = 0 store
+            tl.store(Y + out, _with_residual(y.to(Y.dtype.element_ty), Y + out, keep, HAS_RES), mask=keep)
 
     @triton.jit
     def _span_loads(QW, x32, S, wrow, part, n_mask, b0, KB: tl.constexpr, NG: tl.constexpr, BN: tl.constexpr,
-                    P: tl.constexpr):
+                    P: tl.constexpr, INT4: tl.constexpr = False, G2: tl.constexpr = 8):
         """What one 64-byte span (bytes b0 .. of each column's K part) reads: the weight bytes [BN, 64], x as bf16
         pairs beside them (pair i beside byte i) and the e4m3 scales of each lane's two groups (bytes 16 t +
         8 h) as two [BN, 4] uint8 tensors. Nothing past the part's end is read (b0 may be one span beyond)."""
@@ -240,37 +348,43 @@ if HAVE_TRITON:
         # Triton loads it straight in the tile's lane layout
         xp = tl.load(x32 + (tl.arange(0, P) * KP)[:, None] + b0 + kb[None, :], mask=live, other=0)
         xp = tl.reshape(tl.broadcast_to(xp[None, :, :], [BN // P, P, 64]), [BN, 64])
-        sp = S + (wrow * NG + part * (NG // P))[None, :] + g[:, None]
-        # the scales loaded [t, column] and transposed, which gives them the lane layout of the weight tile (a
-        # [column, t] load would be laid out across the lanes the other way and converted through shared
-        # memory, a barrier a span)
-        sa = tl.trans(tl.load(sp, mask=n_mask[None, :] & live, other=0))
-        sb = tl.trans(tl.load(sp + 1, mask=n_mask[None, :] & live, other=0))
+        if INT4:  # the lanes' scale|zero words (sb unused)
+            sa = _int4_words(S, (wrow * NG)[None, :], (part * KP)[None, :] + b0, n_mask[None, :] & live, NG, G2)
+            sb = sa
+        else:
+            sp = S + (wrow * NG + part * (NG // P))[None, :] + g[:, None]
+            # the scales loaded [t, column] and transposed, which gives them the lane layout of the weight tile (a
+            # [column, t] load would be laid out across the lanes the other way and converted through shared
+            # memory, a barrier a span)
+            sa = tl.trans(tl.load(sp, mask=n_mask[None, :] & live, other=0))
+            sb = tl.trans(tl.load(sp + 1, mask=n_mask[None, :] & live, other=0))
         return w, xp, sa, sb
 
     @triton.jit
     def _parts_kernel(X, QW, S, GS, Y, N, K: tl.constexpr, HAS_GS: tl.constexpr, BN: tl.constexpr,
-                      SPANS: tl.constexpr, P: tl.constexpr, HAS_RES: tl.constexpr = False, PDL: tl.constexpr = False):
-        # BN tile columns = BN / P weight rows x P parts of K (column c: row c // P, part c % P); P divides 8,
-        # so the 8 columns of a warp's mma hold whole rows and part(g) = g % P
+                      SPANS: tl.constexpr, P: tl.constexpr, HAS_RES: tl.constexpr = False, PDL: tl.constexpr = False,
+                      INT4: tl.constexpr = False, G2: tl.constexpr = 8, GATED: tl.constexpr = False):
+        # BN tile columns = BN / P tile rows x P parts of K (column c: tile row c // P, part c % P); P divides 8,
+        # so the 8 columns of a warp's mma hold whole rows and part(g) = g % P. `_tile_rows` maps tile rows to
+        # weight rows (GATED: gate rows, then the up rows)
         pid = tl.program_id(0)
         cols = tl.arange(0, BN)
-        rows = pid * (BN // P) + cols // P
+        rows, n_mask = _tile_rows(pid, cols // P, N, BN // P, GATED)
         part = (cols % P).to(tl.int64)
-        n_mask = rows < N
         wrow = rows.to(tl.int64)
         KB: tl.constexpr = K // 2
-        NG: tl.constexpr = K // 16
+        NG: tl.constexpr = K // (2 * G2)
         x32 = X.to(tl.pointer_type(tl.int32))
         acc1 = tl.zeros([BN, 64], dtype=tl.float32)
         acc2 = tl.zeros([BN, 64], dtype=tl.float32)
         wait_for_inputs(PDL)
         # software-pipelined by one span: the next span's loads are issued before this one's mma
-        w, xp, sa, sb = _span_loads(QW, x32, S, wrow, part, n_mask, 0, KB, NG, BN, P)
+        w, xp, sa, sb = _span_loads(QW, x32, S, wrow, part, n_mask, 0, KB, NG, BN, P, INT4, G2)
         for b0 in range(0, KB // P, 64 * SPANS):
             for u in tl.static_range(SPANS):
-                nw, nxp, nsa, nsb = _span_loads(QW, x32, S, wrow, part, n_mask, b0 + 64 * (u + 1), KB, NG, BN, P)
-                acc1, acc2 = _span_mma(acc1, acc2, w, xp, sa, sb, BN)
+                nw, nxp, nsa, nsb = _span_loads(QW, x32, S, wrow, part, n_mask, b0 + 64 * (u + 1), KB, NG, BN, P,
+                                                INT4, G2)
+                acc1, acc2 = _span_mma(acc1, acc2, w, xp, sa, sb, BN, INT4)
                 w, xp, sa, sb = nw, nxp, nsa, nsb
         y = _c_sums(acc1, acc2, BN)  # [BN, t, e]: C[g][n] with g = c % 8 and n = 2 t + e of c's 8-column block
         # C[g][n] used x of part g % P: right where that is n's part, n % P; keep g = n % P, sum n's P parts
@@ -278,34 +392,48 @@ if HAVE_TRITON:
         gi = tl.arange(0, 8)[None, :, None]
         ni = tl.arange(0, 8)[None, None, :]
         y = tl.sum(tl.where(gi == ni % P, y, 0.0), axis=1)  # [block, n]
-        y = tl.sum(tl.reshape(y, [BN // 8, 8 // P, P]), axis=2) * _FP4_BIAS  # [block, row of the block]
-        if HAS_GS:
-            y = y * tl.load(GS)
+        y = tl.sum(tl.reshape(y, [BN // 8, 8 // P, P]), axis=2)  # [block, tile row of the block]
+        y = _sums_scaled(y, GS, INT4, HAS_GS)
         release_dependents(PDL)
-        out = pid * (BN // P) + tl.arange(0, BN // 8)[:, None] * (8 // P) + tl.arange(0, 8 // P)[None, :]
-        tl.store(Y + out, _with_residual(y.to(Y.dtype.element_ty), Y + out, out < N, HAS_RES), mask=out < N)
+        if GATED:
+            gate, up = _gated_halves(tl.reshape(y, [BN // P]), BN // P)
+            out = pid * (BN // P // 2) + tl.arange(0, BN // P // 2)
+            tl.store(Y + out, _silu_mul_rounded(gate, up, Y.dtype.element_ty), mask=out < N // 2)
+        else:
+            out = pid * (BN // P) + tl.arange(0, BN // 8)[:, None] * (8 // P) + tl.arange(0, 8 // P)[None, :]
+            tl.store(Y + out, _with_residual(y.to(Y.dtype.element_ty), Y + out, out < N, HAS_RES), mask=out < N)
 
 
-def nvfp4_gemv(x: torch.Tensor, layer, meta, cfg: GemvConfig, residual: torch.Tensor | None = None
-               ) -> torch.Tensor:
-    """x [M, K] (bf16, contiguous, M <= MAX_ROWS) @ dequantize(layer).T -> [M, N] with the launch `applies` gave
-    (or a swept one: bench/quant_gemv.py; the rows kernel needs K % (128 parts spans) == 0); with `residual`
-    ([M, N], contiguous) the result is added into it in place (rounded as a separate add) and returned. One row
-    takes the GEMV, 2 to 16 the rows kernel."""
+def gemv(x: torch.Tensor, layer, meta, cfg: GemvConfig, residual: torch.Tensor | None = None, gated: bool = False
+         ) -> torch.Tensor:
+    """x [M, K] (bf16, contiguous, M <= MAX_ROWS) @ dequantize(layer).T -> [M, N] for an NVFP4 or int4 layer
+    (`layer_fits`) with the launch `applies` gave (or a swept one: bench/quant_gemv.py; the kernels need K % (128
+    parts spans) == 0); with `residual` ([M, N], contiguous) the result is added into it in place (rounded as a
+    separate add) and returned; `gated`: SiLU(gate) * up of the output's [gate; up] halves, [M, N / 2], rounded
+    as silu_mul_ref rounds. One row takes the GEMV, 2 to 16 the rows kernel."""
     m = x.shape[0]
     if not 1 <= m <= MAX_ROWS or not _tiles_k(cfg, meta.k):
         raise ValueError(f"{m} rows of K = {meta.k} do not fit the mma kernels with {cfg}")
-    y = residual if residual is not None else torch.empty(m, meta.n, dtype=x.dtype, device=x.device)
+    if gated and (residual is not None or meta.n % 2 or (m == 1 and (cfg.block // cfg.parts) % 2)):
+        raise ValueError(f"SwiGLU over {meta.n} rows with {cfg} (and a residual: {residual is not None}) does not fit")
+    y = residual if residual is not None else \
+        torch.empty(m, meta.n // 2 if gated else meta.n, dtype=x.dtype, device=x.device)
     on = pdl(x)
+    int4 = meta.scheme == "int4"
+    if int4:
+        from blockspec.kernels.quant_linear import kernel_operands  # (it imports this module)
+        scales = kernel_operands(layer, meta)[2]  # the scale|zero words
+    else:
+        scales = layer.scales.view(torch.uint8)
     gs = layer.global_scale if meta.has_gs else x
     common = dict(K=meta.k, HAS_GS=meta.has_gs, BN=cfg.block, SPANS=cfg.spans, HAS_RES=residual is not None, PDL=on,
-                  num_warps=cfg.warps, num_stages=1, launch_pdl=on)
+                  INT4=int4, G2=meta.group // 2 if int4 else 8, GATED=gated, num_warps=cfg.warps, num_stages=1,
+                  launch_pdl=on)
     if m > 1:
         grid = (triton.cdiv(meta.n, cfg.rows_block),)
-        _rows_kernel[grid](x, layer.qweight, layer.scales.view(torch.uint8), gs, y, m, meta.n, P=cfg.parts,
-                           TWO=m > 8, **common)
+        _rows_kernel[grid](x, layer.qweight, scales, gs, y, m, meta.n, P=cfg.parts, TWO=m > 8, **common)
         return y
-    args = (x, layer.qweight, layer.scales.view(torch.uint8), gs, y, meta.n)
+    args = (x, layer.qweight, scales, gs, y, meta.n)
     grid = (triton.cdiv(meta.n * cfg.parts, cfg.block),)
     if cfg.parts == 1:
         _wide_kernel[grid](*args, **common)
@@ -318,21 +446,27 @@ def nvfp4_gemv(x: torch.Tensor, layer, meta, cfg: GemvConfig, residual: torch.Te
 # 2 to 16 rows (a verify block, a few decode rows): the weights as the mma's A operand, the tokens as B
 
 
-def _rows_mma_ptx(blocks: int) -> str:
+def _rows_mma_ptx(blocks: int, int4: bool = False) -> str:
     """The rows kernel's asm for `blocks` blocks of 8 tokens: decode the 4 bytes of weight row g ($wl) and of row
     g + 8 ($wh), scale them, and two mmas a block into its C registers. Operands: C of block b $4b..$4b+3 (out),
     then in: the C inputs (same order), wl and wh (4 bytes each), each block's 4 x pairs
-    (pair e beside byte e), the lo and hi scale pairs (4 registers each, the first read)."""
+    (pair e beside byte e), the lo and hi scale pairs (4 registers each, the first read); int4: then the lo and
+    hi zero pairs -(128 + z) (likewise)."""
     nacc = 4 * blocks
     wl, wh = 2 * nacc, 2 * nacc + 1
     xs = wh + 1
     sl = xs + 4 * blocks
     sh = sl + 4
     mma = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
-    body = [E2M1_REGS, ".reg .b32 a<4>, b<4>;\n", e2m1_decode_ptx(f"${wl}")]
-    body += [f"fma.rn.bf16x2 a{i}, t{i}, ${sl}, nz;\n" for i in range(4)]
-    body += [e2m1_decode_ptx(f"${wh}")]
-    body += [f"fma.rn.bf16x2 b{i}, t{i}, ${sh}, nz;\n" for i in range(4)]
+    if int4:
+        zl, zh = sh + 4, sh + 8
+        body = [INT4_REGS, ".reg .b32 a<4>, b<4>;\n", int4_decode_ptx(f"${wl}", f"${zl}", f"${sl}", "a"),
+                int4_decode_ptx(f"${wh}", f"${zh}", f"${sh}", "b")]
+    else:
+        body = [E2M1_REGS, ".reg .b32 a<4>, b<4>;\n", e2m1_decode_ptx(f"${wl}")]
+        body += [f"fma.rn.bf16x2 a{i}, t{i}, ${sl}, nz;\n" for i in range(4)]
+        body += [e2m1_decode_ptx(f"${wh}")]
+        body += [f"fma.rn.bf16x2 b{i}, t{i}, ${sh}, nz;\n" for i in range(4)]
     for blk in range(blocks):
         d = ", ".join(f"${4 * blk + c}" for c in range(4))
         c_in = ", ".join(f"${nacc + 4 * blk + c}" for c in range(4))
@@ -344,8 +478,8 @@ def _rows_mma_ptx(blocks: int) -> str:
     return "{\n" + "".join(body) + "}"
 
 
-def _rows_constraints(blocks: int) -> str:
-    return ",".join(["=r"] * (4 * blocks) + ["r"] * (4 * blocks + 2 + 4 * blocks + 8))
+def _rows_constraints(blocks: int, int4: bool = False) -> str:
+    return ",".join(["=r"] * (4 * blocks) + ["r"] * (4 * blocks + 2 + 4 * blocks + (16 if int4 else 8)))
 
 
 if HAVE_TRITON:
@@ -353,10 +487,14 @@ if HAVE_TRITON:
     _ROWS_MMA2 = tl.constexpr(_rows_mma_ptx(2))
     _ROWS_CONS1 = tl.constexpr(_rows_constraints(1))
     _ROWS_CONS2 = tl.constexpr(_rows_constraints(2))
+    _ROWS_INT4_MMA1 = tl.constexpr(_rows_mma_ptx(1, True))
+    _ROWS_INT4_MMA2 = tl.constexpr(_rows_mma_ptx(2, True))
+    _ROWS_INT4_CONS1 = tl.constexpr(_rows_constraints(1, True))
+    _ROWS_INT4_CONS2 = tl.constexpr(_rows_constraints(2, True))
 
     @triton.jit
     def _rows_loads(QW, x32, S, lo_row, hi_row, part, tok, tok_b, b0, KB: tl.constexpr, NG: tl.constexpr,
-                    P: tl.constexpr, TWO: tl.constexpr):
+                    P: tl.constexpr, TWO: tl.constexpr, INT4: tl.constexpr = False, G2: tl.constexpr = 8):
         """One 64-byte span (bytes b0 .. of each tile row's K part): the bytes of weight rows lo_row and hi_row
         [BN, 64], the x pairs beside them of tokens tok and (TWO) tok_b, and the e4m3 scales of each lane's two
         8-byte groups of both rows ([BN, 4] each, loaded [t, row] and transposed: module docstring). No masks (a
@@ -371,87 +509,122 @@ if HAVE_TRITON:
             xb = tl.load(x32 + tok_b[:, None] * KB + col)
         else:
             xb = xa
-        g = b0 // 8 + 2 * tl.arange(0, 4)
-        spl = S + (lo_row * NG + part * (NG // P))[None, :] + g[:, None]
-        sph = S + (hi_row * NG + part * (NG // P))[None, :] + g[:, None]
-        sla = tl.trans(tl.load(spl))
-        slb = tl.trans(tl.load(spl + 1))
-        sha = tl.trans(tl.load(sph))
-        shb = tl.trans(tl.load(sph + 1))
+        if INT4:  # the lanes' scale|zero words of both rows (slb, shb unused)
+            c0 = (part * KP)[None, :] + b0
+            sla = _int4_words(S, (lo_row * NG)[None, :], c0, None, NG, G2)
+            sha = _int4_words(S, (hi_row * NG)[None, :], c0, None, NG, G2)
+            slb = sla
+            shb = sha
+        else:
+            g = b0 // 8 + 2 * tl.arange(0, 4)
+            spl = S + (lo_row * NG + part * (NG // P))[None, :] + g[:, None]
+            sph = S + (hi_row * NG + part * (NG // P))[None, :] + g[:, None]
+            sla = tl.trans(tl.load(spl))
+            slb = tl.trans(tl.load(spl + 1))
+            sha = tl.trans(tl.load(sph))
+            shb = tl.trans(tl.load(sph + 1))
         return wl, wh, xa, xb, sla, slb, sha, shb
 
     @triton.jit
-    def _rows_mma(acc_a, acc_b, wl, wh, xa, xb, sla, slb, sha, shb, BN: tl.constexpr, TWO: tl.constexpr):
+    def _rows_mma(acc_a, acc_b, wl, wh, xa, xb, sla, slb, sha, shb, BN: tl.constexpr, TWO: tl.constexpr,
+                  INT4: tl.constexpr = False):
         """acc_a (tokens 0-7), acc_b (8-15, with TWO) [BN, 64] += the span's products: the asm takes 4
-        elements at a time, a weight word broadcast over them (the first register read) with its 4 x pairs."""
-        sl = _scale_pairs(sla, slb, BN)
-        sh = _scale_pairs(sha, shb, BN)
-        if TWO:
-            acc_a, acc_b = tl.inline_asm_elementwise(_ROWS_MMA2, _ROWS_CONS2, [acc_a, acc_b, wl, wh, xa, xb, sl, sh],
-                                                     dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
+        elements at a time, a weight word broadcast over them (the first register read) with its 4 x pairs.
+        INT4: sla / sha are the rows' scale|zero words."""
+        if INT4:
+            sl, zl = _int4_pairs(sla, BN)
+            sh, zh = _int4_pairs(sha, BN)
+            if TWO:
+                acc_a, acc_b = tl.inline_asm_elementwise(_ROWS_INT4_MMA2, _ROWS_INT4_CONS2,
+                                                         [acc_a, acc_b, wl, wh, xa, xb, sl, sh, zl, zh],
+                                                         dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
+            else:
+                acc_a = tl.inline_asm_elementwise(_ROWS_INT4_MMA1, _ROWS_INT4_CONS1,
+                                                  [acc_a, wl, wh, xa, sl, sh, zl, zh], dtype=tl.float32,
+                                                  is_pure=True, pack=4)
         else:
-            acc_a = tl.inline_asm_elementwise(_ROWS_MMA1, _ROWS_CONS1, [acc_a, wl, wh, xa, sl, sh],
-                                              dtype=tl.float32, is_pure=True, pack=4)
+            sl = _scale_pairs(sla, slb, BN)
+            sh = _scale_pairs(sha, shb, BN)
+            if TWO:
+                acc_a, acc_b = tl.inline_asm_elementwise(_ROWS_MMA2, _ROWS_CONS2,
+                                                         [acc_a, acc_b, wl, wh, xa, xb, sl, sh],
+                                                         dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
+            else:
+                acc_a = tl.inline_asm_elementwise(_ROWS_MMA1, _ROWS_CONS1, [acc_a, wl, wh, xa, sl, sh],
+                                                  dtype=tl.float32, is_pure=True, pack=4)
         return acc_a, acc_b
 
     @triton.jit
     def _rows_span_loop(acc_a, acc_b, QW, x32, S, lo_row, hi_row, part, tok, tok_b, KB: tl.constexpr,
-                        NG: tl.constexpr, BN: tl.constexpr, SPANS: tl.constexpr, P: tl.constexpr, TWO: tl.constexpr):
+                        NG: tl.constexpr, BN: tl.constexpr, SPANS: tl.constexpr, P: tl.constexpr, TWO: tl.constexpr,
+                        INT4: tl.constexpr = False, G2: tl.constexpr = 8):
         """acc_a, acc_b += the products of the tile rows' K parts: every span of weight rows lo_row / hi_row
         against x rows tok / tok_b (row indices into x32, KB words a row)."""
         for b0 in range(0, KB // P, 64 * SPANS):
             for u in tl.static_range(SPANS):
                 wl, wh, xa, xb, sla, slb, sha, shb = _rows_loads(QW, x32, S, lo_row, hi_row, part, tok, tok_b,
-                                                                 b0 + 64 * u, KB, NG, P, TWO)
-                acc_a, acc_b = _rows_mma(acc_a, acc_b, wl, wh, xa, xb, sla, slb, sha, shb, BN, TWO)
+                                                                 b0 + 64 * u, KB, NG, P, TWO, INT4, G2)
+                acc_a, acc_b = _rows_mma(acc_a, acc_b, wl, wh, xa, xb, sla, slb, sha, shb, BN, TWO, INT4)
         return acc_a, acc_b
 
     @triton.jit
-    def _rows_sums(acc, GS, BN: tl.constexpr, P: tl.constexpr, HAS_GS: tl.constexpr):
+    def _rows_sums(acc, GS, BN: tl.constexpr, P: tl.constexpr, HAS_GS: tl.constexpr, INT4: tl.constexpr = False):
         """One block's C registers -> the sums [group, g, t, hi, e] of weight row g + 8 hi of the program's 16-row
         group and token 2 t + e: element (r, 16 t + 4 j + c) of acc is C register c of the lane's j-th 4 bytes
         (hi = c // 2, e = c % 2); the 4 groups of bytes and the P parts (warps) of a row are summed."""
         RG: tl.constexpr = BN // 8 // P  # groups of 16 weight rows a program
         y = tl.sum(tl.reshape(acc, [RG, P, 8, 4, 4, 2, 2]), axis=4)  # [group, part, g, t, hi, e]
-        y = tl.sum(y, axis=1) * _FP4_BIAS
-        if HAS_GS:
-            y = y * tl.load(GS)
-        return y
+        return _sums_scaled(tl.sum(y, axis=1), GS, INT4, HAS_GS)
 
     @triton.jit
     def _rows_store(acc, Y, GS, pid, tok0, M, N, BN: tl.constexpr, P: tl.constexpr, HAS_GS: tl.constexpr,
-                    HAS_RES: tl.constexpr):
-        """One block's sums -> y [M, N] (tokens tok0 ..)."""
+                    HAS_RES: tl.constexpr, INT4: tl.constexpr, GATED: tl.constexpr):
+        """One block's sums -> y [M, N] (tokens tok0 ..); GATED: SiLU(gate) * up -> [M, N / 2], a 16-row group's
+        lo rows the gate and its hi rows the up rows of 8 outputs (`_rows_kernel`)."""
         RG: tl.constexpr = BN // 8 // P
-        y = _rows_sums(acc, GS, BN, P, HAS_GS)  # [group, g, t, hi, e]
-        gi = tl.arange(0, RG)[:, None, None, None, None]
-        g = tl.arange(0, 8)[None, :, None, None, None]
-        t = tl.arange(0, 4)[None, None, :, None, None]
-        hi = tl.arange(0, 2)[None, None, None, :, None]
-        e = tl.arange(0, 2)[None, None, None, None, :]
-        row = pid * (16 * RG) + 16 * gi + g + 8 * hi
-        tok = tok0 + 2 * t + e
-        ptr = Y + tok * N + row
-        keep = (row < N) & (tok < M)
-        tl.store(ptr, _with_residual(y.to(Y.dtype.element_ty), ptr, keep, HAS_RES), mask=keep)
+        y = _rows_sums(acc, GS, BN, P, HAS_GS, INT4)  # [group, g, t, hi, e]
+        if GATED:
+            gate, up = tl.split(tl.permute(y, [0, 1, 2, 4, 3]))  # [group, g, t, e]
+            gi = tl.arange(0, RG)[:, None, None, None]
+            col = (pid * RG + gi) * 8 + tl.arange(0, 8)[None, :, None, None]
+            tok = tok0 + 2 * tl.arange(0, 4)[None, None, :, None] + tl.arange(0, 2)[None, None, None, :]
+            tl.store(Y + tok * (N // 2) + col, _silu_mul_rounded(gate, up, Y.dtype.element_ty),
+                     mask=(col < N // 2) & (tok < M))
+        else:
+            gi = tl.arange(0, RG)[:, None, None, None, None]
+            g = tl.arange(0, 8)[None, :, None, None, None]
+            t = tl.arange(0, 4)[None, None, :, None, None]
+            hi = tl.arange(0, 2)[None, None, None, :, None]
+            e = tl.arange(0, 2)[None, None, None, None, :]
+            row = pid * (16 * RG) + 16 * gi + g + 8 * hi
+            tok = tok0 + 2 * t + e
+            ptr = Y + tok * N + row
+            keep = (row < N) & (tok < M)
+            tl.store(ptr, _with_residual(y.to(Y.dtype.element_ty), ptr, keep, HAS_RES), mask=keep)
 
     @triton.jit
     def _rows_kernel(X, QW, S, GS, Y, M, N, K: tl.constexpr, HAS_GS: tl.constexpr, BN: tl.constexpr,
                      SPANS: tl.constexpr, P: tl.constexpr, TWO: tl.constexpr, HAS_RES: tl.constexpr = False,
-                     PDL: tl.constexpr = False):
+                     PDL: tl.constexpr = False, INT4: tl.constexpr = False, G2: tl.constexpr = 8,
+                     GATED: tl.constexpr = False):
         # tile row r = 8 w + g (warp w, lane row g) reads K part w % P of the weight rows 16 (w // P) + g (lo) and
-        # + 8 (hi) of the program's, and x of token g (and g + 8)
+        # + 8 (hi) of the program's, and x of token g (and g + 8). GATED (N = 2I rows of [gate; up]): the 16-row
+        # group j holds the gate rows of outputs 8 j .. 8 j + 7 as its lo rows and their up rows as its hi rows
         pid = tl.program_id(0)
         r = tl.arange(0, BN)
         w = r // 8
         g = r % 8
-        wrow = pid * (16 * (BN // 8 // P)) + (w // P) * 16 + g
         # rows past N and tokens past M read the last ones: computed, never stored
-        lo_row = tl.minimum(wrow, N - 1).to(tl.int64)
-        hi_row = tl.minimum(wrow + 8, N - 1).to(tl.int64)
+        if GATED:
+            lo_row = tl.minimum(pid * (8 * (BN // 8 // P)) + (w // P) * 8 + g, N // 2 - 1).to(tl.int64)
+            hi_row = lo_row + N // 2
+        else:
+            wrow = pid * (16 * (BN // 8 // P)) + (w // P) * 16 + g
+            lo_row = tl.minimum(wrow, N - 1).to(tl.int64)
+            hi_row = tl.minimum(wrow + 8, N - 1).to(tl.int64)
         part = (w % P).to(tl.int64)
         KB: tl.constexpr = K // 2
-        NG: tl.constexpr = K // 16
+        NG: tl.constexpr = K // (2 * G2)
         x32 = X.to(tl.pointer_type(tl.int32))
         acc_a = tl.zeros([BN, 64], dtype=tl.float32)
         acc_b = tl.zeros([BN, 64], dtype=tl.float32)
@@ -459,11 +632,11 @@ if HAVE_TRITON:
         tok = tl.minimum(g, M - 1)
         tok_b = tl.minimum(g + 8, M - 1)
         acc_a, acc_b = _rows_span_loop(acc_a, acc_b, QW, x32, S, lo_row, hi_row, part, tok, tok_b, KB, NG, BN, SPANS,
-                                       P, TWO)
+                                       P, TWO, INT4, G2)
         release_dependents(PDL)
-        _rows_store(acc_a, Y, GS, pid, 0, M, N, BN, P, HAS_GS, HAS_RES)
+        _rows_store(acc_a, Y, GS, pid, 0, M, N, BN, P, HAS_GS, HAS_RES, INT4, GATED)
         if TWO:
-            _rows_store(acc_b, Y, GS, pid, 8, M, N, BN, P, HAS_GS, HAS_RES)
+            _rows_store(acc_b, Y, GS, pid, 8, M, N, BN, P, HAS_GS, HAS_RES, INT4, GATED)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -608,9 +781,7 @@ if HAVE_TRITON:
         t = tl.arange(0, 4)[None, :]
         if GATED:
             gate, up = tl.split(y)  # [BN, 4]: output m = the block's 4 (r // 8) * 4 + t
-            g = gate.to(dtype).to(tl.float32)  # the F.linear outputs, then silu_mul_ref's roundings
-            sg = (g / (1.0 + tl.exp(-g))).to(dtype)
-            act = (sg.to(tl.float32) * up.to(dtype).to(tl.float32)).to(dtype)
+            act = _silu_mul_rounded(gate, up, dtype)
             out = blk * (BN // 2) + (r // 8) * 4 + t
             tl.store(OUT + slot * HALF + out, act, mask=((r % 8) == 0) & (out < HALF))
         else:
@@ -742,10 +913,8 @@ if HAVE_TRITON:
         y = _rows_sums(acc, GS, BN, P, HAS_GS)  # [group, g, t, hi, e]: weight row g + 8 hi, token 2 t + e
         if GATED:
             HALF: tl.constexpr = N_W // 2
-            # the F.linear outputs of gate (hi 0) and up (hi 1), then silu_mul_ref's roundings
-            gate, up = tl.split(tl.permute(y.to(dtype).to(tl.float32), [0, 1, 2, 4, 3]))  # [group, g, t, e]
-            sg = (gate / (1.0 + tl.exp(-gate))).to(dtype)
-            act = (sg.to(tl.float32) * up).to(dtype)
+            gate, up = tl.split(tl.permute(y, [0, 1, 2, 4, 3]))  # [group, g, t, e]: gate (hi 0) and up (hi 1)
+            act = _silu_mul_rounded(gate, up, dtype)
             gi = tl.arange(0, RG)[:, None, None, None]
             col = (blk * RG + gi) * 8 + tl.arange(0, 8)[None, :, None, None]
             j = j0 + 2 * tl.arange(0, 4)[None, None, :, None] + tl.arange(0, 2)[None, None, None, :]

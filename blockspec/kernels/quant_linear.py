@@ -28,9 +28,9 @@ is rms_norm_ref + dequantize + F.linear + silu_mul_ref + the add. `quant_linear`
   dequantization costs ~8 instructions per weight (NVFP4: ~24), more than an H100 can issue while streaming 4-bit
   weights at full bandwidth (~7 per weight at 80% of it). One row of int8 / fp8 (1 byte per weight, half the
   element rate) and of NVFP4 (measured faster) takes a reduction path like skinny_linear's (`_M1_PATH`).
-- 1-16 rows of an NVFP4 layer with no bias, norm or SwiGLU fold (the residual add is folded), at the widths where
-  they measured faster (quant_gemv.launch_config): kernels/quant_gemv.py, the packed weights straight from
-  registers into mma.sync.
+- 1-16 rows of an NVFP4 or int4 layer with no bias or norm fold (the residual add or SwiGLU is folded), at the
+  widths where they measured faster (quant_gemv.launch_config): kernels/quant_gemv.py, the packed weights straight
+  from registers into mma.sync (`gemv_takes`).
 - 17 to PREFILL_DEQUANT_MIN_M - 1 rows: the same kernel with 32-64-row tiles (Hopper: wgmma), the norm a kernel
   of its own before it.
 - more rows (prefill): the whole weight is dequantized to the activation dtype once per call, then cuBLAS; the
@@ -559,6 +559,16 @@ def _supported_meta(x: torch.Tensor, layer) -> QuantMeta | None:
     return quant_meta(layer)
 
 
+def gemv_takes(x: torch.Tensor, layer, *, gated: bool = False) -> bool:
+    """Whether quant_linear runs x's rows ([M, K]) of the layer, SwiGLU folded where `gated`, on the 1-16-row mma
+    kernels (kernels/quant_gemv.py). There SwiGLU rides in the epilogue for free; the dot path's SwiGLU fold
+    measured slower than a SwiGLU launch after its GEMM (bench/quant_gemm.py --folds), so callers fold it only
+    here."""
+    meta = _supported_meta(x, layer)
+    return (meta is not None and x.dim() == 2 and x.is_contiguous() and not (gated and meta.n % 2)
+            and quant_gemv.applies(x, layer, meta, None, None, gated) is not None)
+
+
 def quant_supported(x: torch.Tensor, layer) -> bool:
     """Whether the Triton kernels apply to this activation / layer pair."""
     return _supported_meta(x, layer) is not None
@@ -702,9 +712,9 @@ def quant_linear(x: torch.Tensor, layer, *, residual: torch.Tensor | None = None
         return residual if residual is not None else x.new_empty(*lead, n_out)
     if norm_weight is not None and m > 16:
         x2, norm_weight = rms_norm(x2, norm_weight, eps)[0], None
-    gemv = quant_gemv.applies(x2, layer, meta, res2, norm_weight, gated)  # 1-16 rows of an NVFP4 layer
+    gemv = quant_gemv.applies(x2, layer, meta, res2, norm_weight, gated)  # 1-16 rows of an NVFP4 / int4 layer
     if gemv is not None:
-        y = quant_gemv.nvfp4_gemv(x2, layer, meta, gemv, res2)
+        y = quant_gemv.gemv(x2, layer, meta, gemv, res2, gated)
     elif m < PREFILL_DEQUANT_MIN_M:
         y = _gemm_triton(x2, layer, meta, res2, norm_weight=norm_weight, eps=eps, gated=gated)
     elif gated:

@@ -64,6 +64,21 @@ def e2m1_decode_ptx(src: str) -> str:
             + "".join(f"and.b32 t{i}, t{i}, 0x81C081C0;\n" for i in range(4)))
 
 
+INT4_REGS = ".reg .b32 v, t<4>, one, nz;\n"
+
+
+def int4_decode_ptx(src: str, zero_pair: str, scale_pair: str, out: str = "t") -> str:
+    """PTX lines decoding the 4 int4 bytes in register `src` into out0..out3 (temporaries declared by INT4_REGS):
+    byte i's (low, high) nibbles as the bf16 pair (q - z) * s, rounded once as dequantize() rounds it (_INT4_ASM's
+    arithmetic, one scale and zero for all 4 bytes); `zero_pair` holds -(128 + z) as a bf16 pair, `scale_pair` s.
+    Used by kernels/quant_gemv.py's mma kernels."""
+    return ("mov.b32 one, 0x3F803F80;\nmov.b32 nz, 0x80008000;\n" f"shr.b32 v, {src}, 4;\n"
+            + "".join(f"prmt.b32 t{i}, {src}, v, 0xF{i + 4}F{i};\n" for i in range(4))
+            + "".join(f"lop3.b32 t{i}, t{i}, 0x000F000F, 0x43004300, 0xEA;\n" for i in range(4))
+            + "".join(f"fma.rn.bf16x2 t{i}, t{i}, one, {zero_pair};\n" for i in range(4))
+            + "".join(f"fma.rn.bf16x2 {out}{i}, t{i}, {scale_pair}, nz;\n" for i in range(4)))
+
+
 _E2M1_ASM = "{\n" + E2M1_REGS + e2m1_decode_ptx("$4") + "".join(
     f"fma.rn.bf16x2 ${i}, t{i}, ${i + 5}, nz;\n" for i in range(4)) + "}"
 INT4_ASM_BF16 = _INT4_ASM.replace("MAGIC", "0x43004300").replace("ONE", "0x3F803F80").replace("TY", "bf16x2")

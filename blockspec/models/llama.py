@@ -78,12 +78,20 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(i, h, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_mul(self.gate_up_proj(x)))
+        return self.down_proj(self._swiglu(x))
+
+    def _swiglu(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up: a quantized gate|up folds it into its GEMM where its mma kernels take the rows
+        (QuantLinear.forward_gated)."""
+        if isinstance(self.gate_up_proj, QuantLinear):
+            return self.gate_up_proj.forward_gated(x)
+        return silu_mul(self.gate_up_proj(x))
 
     def forward_residual(self, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         """h + self(x), h updated in place: a quantized down projection adds into h inside its GEMM (the
-        quantized decode path; its norm and SwiGLU folds measured slower than their own launches)."""
-        act = silu_mul(self.gate_up_proj(x))
+        quantized decode path; on the dot path the norm and SwiGLU folds measured slower than their own
+        launches, so SwiGLU is folded only where the mma kernels take the rows: `_swiglu`)."""
+        act = self._swiglu(x)
         if isinstance(self.down_proj, QuantLinear):
             return self.down_proj.forward_residual(act, h)
         return h.add_(self.down_proj(act))

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from blockspec.kernels import quant_gemv as qg
 from blockspec.kernels import quant_linear as ql
 from blockspec.kernels._triton import HAVE_TRITON
+from blockspec.kernels.activation import silu_mul_ref
 from blockspec.kernels.moe_grouped import moe_experts, quant_operand
 from blockspec.models.layers.moe import SparseMoeBlock
 from blockspec.models.layers.quant_linear import QuantExperts, QuantLinear
@@ -75,11 +76,11 @@ def test_gemv_matches_the_reference(n: int, k: int, global_scale: bool) -> None:
     meta = ql.quant_meta(layer)
     x = torch.randn(1, k, dtype=torch.bfloat16, device="cuda")
     assert qg.applies(x, layer, meta, None, None, False)
-    got = qg.nvfp4_gemv(x, layer, meta, qg.launch_config(meta))
+    got = qg.gemv(x, layer, meta, qg.launch_config(meta))
     want = exact(x, layer)
     for cfg in (qg.WIDE, qg.NARROW, qg.GemvConfig(8, 2, 2)):  # every K split, whatever the dispatch picks
         if k % (128 * cfg.spans * cfg.parts) == 0:
-            assert rel_err(qg.nvfp4_gemv(x, layer, meta, cfg), want) < 3e-3, cfg
+            assert rel_err(qg.gemv(x, layer, meta, cfg), want) < 3e-3, cfg
     assert got.shape == (1, n)
     assert rel_err(got, want) < 3e-3  # bf16 outputs of float32 sums in another order
     assert rel_err(got, ql.quant_linear_ref(x, layer)) < 1e-2  # the reference rounds the weights to bf16 first
@@ -99,14 +100,14 @@ def test_rows_match_the_reference(m: int, n: int, k: int, global_scale: bool) ->
     want = exact(x, layer)
     for c in (qg.ROWS_FEW, qg.ROWS_LONG_K, qg.ROWS_WIDE, qg.GemvConfig(4, 4, 4), qg.GemvConfig(8, 4, 2)):
         c = qg._fit_k(c, k)
-        got = qg.nvfp4_gemv(x, layer, meta, c)
+        got = qg.gemv(x, layer, meta, c)
         assert got.shape == (m, n)
         assert rel_err(got, want) < 3e-3, c
         assert rel_err(got[-1:], want[-1:]) < 3e-3, c  # the last token: its block's edge
         assert rel_err(got[:, -8:], want[:, -8:]) < 3e-3, c  # the last rows: their group's edge
     cfg = qg.applies(x, layer, meta, None, None, False)
     if cfg is not None:
-        torch.testing.assert_close(ql.quant_linear(x, layer), qg.nvfp4_gemv(x, layer, meta, cfg), rtol=0, atol=0)
+        torch.testing.assert_close(ql.quant_linear(x, layer), qg.gemv(x, layer, meta, cfg), rtol=0, atol=0)
     else:  # the dot path
         assert rel_err(ql.quant_linear(x, layer), want) < 3e-3
 
@@ -120,7 +121,7 @@ def test_residual_is_added_in_place_as_a_separate_add_rounds(m: int, n: int, k: 
     x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
     res = torch.randn(m, n, dtype=torch.bfloat16, device="cuda") * 4
     assert qg.applies(x, layer, meta, res, None, False)
-    y = qg.nvfp4_gemv(x, layer, meta, qg.applies(x, layer, meta, None, None, False))
+    y = qg.gemv(x, layer, meta, qg.applies(x, layer, meta, None, None, False))
     before = res.clone()
     out = ql.quant_linear(x, layer, residual=res)
     assert out.data_ptr() == res.data_ptr()
@@ -128,13 +129,14 @@ def test_residual_is_added_in_place_as_a_separate_add_rounds(m: int, n: int, k: 
 
 
 @gpu
-def test_kernels_are_not_taken_with_norm_swiglu_bias_or_many_rows() -> None:
+def test_kernels_are_not_taken_with_norm_bias_or_many_rows() -> None:
     n, k = qg.WIDE_ROWS, 512
     layer = make_layer("nvfp4", n, k, torch.bfloat16).to("cuda")
     meta = ql.quant_meta(layer)
     x = torch.randn(1, k, dtype=torch.bfloat16, device="cuda")
     assert not qg.applies(x, layer, meta, None, torch.ones(k, dtype=torch.bfloat16, device="cuda"), False)
-    assert not qg.applies(x, layer, meta, None, None, True)
+    res = torch.zeros(1, n, dtype=torch.bfloat16, device="cuda")
+    assert qg.applies(x, layer, meta, None, None, True) and not qg.applies(x, layer, meta, res, None, True)
     assert not qg.applies(torch.randn(17, k, dtype=torch.bfloat16, device="cuda"), layer, meta, None, None, False)
     biased = make_layer("nvfp4", n, k, torch.bfloat16, bias=True).to("cuda")
     assert not qg.applies(x, biased, ql.quant_meta(biased), None, None, False)
@@ -164,6 +166,125 @@ def test_gemv_replays_in_a_cuda_graph(m: int) -> None:
     torch.cuda.synchronize()
     torch.testing.assert_close(out, ql.quant_linear(x, layer), rtol=0, atol=0)
     assert not torch.equal(out, eager)
+
+
+def int4_layer(n: int, k: int, group: int, seed: int, *, symmetric: bool = False):
+    """An int4 layer on the GPU; asymmetric ones also hold GPTQ v1's zero 16 (the format's off-by-one kept)."""
+    layer = make_layer("int4", n, k, torch.bfloat16, group=group, zeros=not symmetric, seed=seed)
+    if not symmetric:
+        layer.zeros[::7, ::3] = 16
+        layer.scale_zero = ql.packed_scale_zero(layer.scales, layer.zeros)  # what the kernels read
+    return layer.to("cuda")
+
+
+@gpu
+@pytest.mark.parametrize("n,k,group,symmetric", [(qg.WIDE_ROWS + 24, 512, 128, False), (24576, 4096, 128, True),
+                                                 (4096 - 24, 2048, 32, False), (4096, 12288, 128, False),
+                                                 (2048 - 40, 4096, 64, True), (6144, 4096, 4096, False)])
+def test_int4_gemv_matches_the_reference(n: int, k: int, group: int, symmetric: bool) -> None:
+    """One row of int4 on the mma kernels (every K split): each weight rounded to bf16 as (q - z) * s as the
+    reference rounds it, so only the order of the float32 sums differs."""
+    layer = int4_layer(n, k, group, n + k, symmetric=symmetric)
+    meta = ql.quant_meta(layer)
+    x = torch.randn(1, k, dtype=torch.bfloat16, device="cuda")
+    want = ql.quant_linear_ref(x, layer)
+    for cfg in (qg.WIDE, qg.NARROW, qg.GemvConfig(8, 2, 2), qg.GemvConfig(16, 2, 8)):
+        if k % (128 * cfg.spans * cfg.parts) == 0:
+            got = qg.gemv(x, layer, meta, cfg)
+            assert got.shape == (1, n)
+            assert rel_err(got, want) < 3e-3, cfg
+            assert rel_err(got[:, -8:], want[:, -8:]) < 3e-3, cfg  # the last rows: their program's edge
+    cfg = qg.applies(x, layer, meta, None, None, False)
+    if cfg is not None:
+        torch.testing.assert_close(ql.quant_linear(x, layer), qg.gemv(x, layer, meta, cfg), rtol=0, atol=0)
+
+
+@gpu
+@pytest.mark.parametrize("m", [2, 8, 9, 16])
+@pytest.mark.parametrize("n,k,group", [(qg.WIDE_ROWS + 24, 512, 128), (4096 - 24, 2048, 32), (4096, 12288, 128),
+                                       (40, 512, 64)])
+def test_int4_rows_match_the_reference(m: int, n: int, k: int, group: int) -> None:
+    layer = int4_layer(n, k, group, n + k + m)
+    meta = ql.quant_meta(layer)
+    x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+    want = ql.quant_linear_ref(x, layer)
+    for c in (qg.ROWS_FEW, qg.ROWS_LONG_K, qg.ROWS_WIDE, qg.GemvConfig(8, 4, 2)):
+        c = qg._fit_k(c, k)
+        got = qg.gemv(x, layer, meta, c)
+        assert got.shape == (m, n)
+        assert rel_err(got, want) < 3e-3, c
+        assert rel_err(got[-1:], want[-1:]) < 3e-3, c
+        assert rel_err(got[:, -8:], want[:, -8:]) < 3e-3, c
+
+
+@gpu
+@pytest.mark.parametrize("scheme", ["nvfp4", "int4"])
+@pytest.mark.parametrize("m,n,k", [(1, 2 * qg.WIDE_ROWS + 48, 512), (1, 4096 - 48, 2048), (1, 24576, 4096),
+                                   (3, 4096 - 48, 2048), (16, 24576, 4096), (9, 2 * 40, 512)])
+def test_swiglu_is_folded_into_the_epilogue(scheme: str, m: int, n: int, k: int) -> None:
+    """gate|up with SwiGLU in the epilogue: one output's gate and up rows in one program, rounded as the separate
+    F.linear and silu_mul_ref round them; through every kernel (wide, K parts, rows) and quant_linear's dispatch."""
+    layer = int4_layer(n, k, 128, n + k + m) if scheme == "int4" else \
+        make_layer("nvfp4", n, k, torch.bfloat16, seed=n + k + m).to("cuda")
+    meta = ql.quant_meta(layer)
+    x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+    want = silu_mul_ref(ql.quant_linear_ref(x, layer))
+    cfgs = (qg.WIDE, qg.NARROW, qg.GemvConfig(8, 2, 8)) if m == 1 else (qg.ROWS_FEW, qg.ROWS_WIDE, qg.ROWS_LONG_K)
+    for cfg in cfgs:
+        cfg = qg._fit_k(cfg, k)
+        got = qg.gemv(x, layer, meta, cfg, gated=True)
+        assert got.shape == (m, n // 2)
+        assert rel_err(got, want) < 1e-2, cfg
+        assert rel_err(got[:, -64:], want[:, -64:]) < 1e-2, cfg  # the last outputs: their program's edge
+    cfg = qg.applies(x, layer, meta, None, None, True)
+    if cfg is not None:
+        unfused = silu_mul_ref(qg.gemv(x, layer, meta, cfg))
+        folded = ql.quant_linear(x, layer, gated=True)
+        torch.testing.assert_close(folded, qg.gemv(x, layer, meta, cfg, gated=True), rtol=0, atol=0)
+        torch.testing.assert_close(folded, unfused, rtol=0, atol=0)  # the same sums, rounded as the two launches
+
+
+@gpu
+@pytest.mark.parametrize("scheme,folds", [("nvfp4", (1, 16)), ("int4", (1,))])
+def test_quantized_gate_up_folds_swiglu_where_the_mma_kernels_take_it(monkeypatch, scheme: str, folds) -> None:
+    """A decoder's quantized gate|up (QuantLinear.forward_gated, as folded_linear calls it): one launch where
+    the mma kernels take the rows, the GEMM and a SwiGLU kernel elsewhere (rows they do not take)."""
+    h, i = 512, qg.WIDE_ROWS
+    if scheme == "nvfp4":
+        proj = nvfp4_linear(2 * i, h, 5, [i, i])
+    else:
+        src = make_layer("int4", 2 * i, h, torch.bfloat16, group=128, seed=5)
+        proj = QuantLinear("int4", h, 2 * i, 128, symmetric=False, shard_sizes=[i, i], dtype=torch.bfloat16)
+        for name in ("qweight", "scales", "zeros"):  # scales and zeros: views into the packed scale|zero words
+            getattr(proj, name).copy_(getattr(src, name))
+        proj = proj.cuda()
+        assert ql.scale_zero_of(proj) is not None
+    calls = count_calls(monkeypatch, "gemv")
+    for m in (1, 16, 17):
+        x = torch.randn(m, h, dtype=torch.bfloat16, device="cuda")
+        assert ql.gemv_takes(x, proj, gated=True) == (m in folds)
+        calls.clear()
+        got = proj.forward_gated(x)
+        assert len(calls) == (m in folds or (m <= 16 and ql.gemv_takes(x, proj)))
+        assert rel_err(got, silu_mul_ref(proj.reference(x))) < 1e-2
+
+
+def test_int4_dispatch_rule() -> None:
+    """int4 takes the kernels with bf16 scales and groups of >= 32 weights (a lane's 16 bytes in one group);
+    SwiGLU needs whole (gate, up) pairs of tile rows in a warp."""
+    def cfg(group: int, dtype: torch.dtype = torch.bfloat16, n: int = qg.WIDE_ROWS, gated: bool = False):
+        layer = make_layer("int4", n, 512, dtype, group=group)
+        meta = ql.quant_meta(layer)
+        return qg.launch_config(meta, 1, gated) if qg.layer_fits(layer, meta) else None
+
+    assert cfg(128, gated=True) == cfg(32, gated=True) == qg.INT4_WIDE
+    assert cfg(128) is None  # without SwiGLU the dot path is as fast (bench/quant_gemv.py --schemes int4)
+    assert cfg(16, gated=True) is None and cfg(128, torch.float16, gated=True) is None
+    assert cfg(128, n=qg.WIDE_ROWS - 8, gated=True) is None  # narrower: the dot path
+    rows = make_layer("int4", qg.WIDE_ROWS, 512, torch.bfloat16, group=128)
+    assert qg.launch_config(ql.quant_meta(rows), 16) is None
+    assert qg.launch_config(ql.quant_meta(make_layer("nvfp4", 4096, 4096, torch.bfloat16)), 1, True) == qg.NARROW
+    assert qg.launch_config(ql.quant_meta(make_layer("nvfp4", 64, 4096, torch.bfloat16)), 1, True) == qg.NARROW
 
 
 def nvfp4_experts(e: int, h: int, i: int, device: str) -> QuantExperts:
@@ -421,6 +542,6 @@ def test_launches_that_do_not_tile_k_are_refused() -> None:
     layer = make_layer("nvfp4", 64, 1024, torch.bfloat16)
     meta = ql.quant_meta(layer)
     with pytest.raises(ValueError, match="do not fit"):
-        qg.nvfp4_gemv(torch.randn(2, 1024, dtype=torch.bfloat16), layer, meta, qg.GemvConfig(16, 4, 8))
+        qg.gemv(torch.randn(2, 1024, dtype=torch.bfloat16), layer, meta, qg.GemvConfig(16, 4, 8))
     with pytest.raises(ValueError, match="do not fit"):
-        qg.nvfp4_gemv(torch.randn(17, 1024, dtype=torch.bfloat16), layer, meta, qg.ROWS_WIDE)
+        qg.gemv(torch.randn(17, 1024, dtype=torch.bfloat16), layer, meta, qg.ROWS_WIDE)

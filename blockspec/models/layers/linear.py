@@ -12,7 +12,6 @@ import torch
 from torch import nn
 
 from blockspec.kernels._triton import use_triton
-from blockspec.kernels.activation import silu_mul
 from blockspec.kernels.rms_norm import rms_norm
 from blockspec.kernels.skinny_linear import linear, skinny_linear, skinny_supported
 
@@ -51,9 +50,10 @@ def folded_linear(x: torch.Tensor, proj: nn.Module, norm: nn.Module | None = Non
                   residual: torch.Tensor | None = None) -> torch.Tensor:
     """proj(norm(x)), SwiGLU over its [gate; up] halves where gated, added in place into `residual` where given
     (and returned). A plain projection: one skinny_linear launch with all of it folded in. A quantized one: the
-    norm and SwiGLU as kernels of their own around quant_linear, the residual add in its GEMM, which is what
-    measured fastest (bench/quant_gemm.py --folds, H200: folding the norm lost at 1 and 16 rows, SwiGLU lost for
-    NVFP4, the residual add won), and leaves its 1-16-row NVFP4 kernels free to take the call."""
+    norm as a kernel of its own before quant_linear, the residual add in its GEMM, SwiGLU in its GEMM where the
+    1-16-row mma kernels take the rows (free in their epilogue) and a kernel of its own after it elsewhere, which
+    is what measured fastest (bench/quant_gemm.py --folds, H200: on the dot path folding the norm lost at 1 and 16
+    rows, SwiGLU lost for NVFP4, the residual add won)."""
     if isinstance(proj, nn.Linear):
         nw, eps = (norm.kernel_weight(), norm.eps) if norm is not None else (None, 0.0)
         return skinny_linear(x, proj.weight, proj.bias, norm_weight=nw, eps=eps, gated=gated, residual=residual)
@@ -61,7 +61,7 @@ def folded_linear(x: torch.Tensor, proj: nn.Module, norm: nn.Module | None = Non
         x = rms_norm(x, norm.kernel_weight(), norm.eps)[0]
     if residual is not None and not gated:
         return proj.forward_residual(x, residual)
-    y = silu_mul(proj(x)) if gated else proj(x)
+    y = proj.forward_gated(x) if gated else proj(x)
     return y if residual is None else residual.add_(y)
 
 

@@ -42,6 +42,7 @@ from torch import nn
 from blockspec.device import cuda_capability
 from blockspec.errors import ConfigError
 from blockspec.kernels._triton import use_triton
+from blockspec.kernels.activation import silu_mul
 from blockspec.kernels.skinny_linear import linear
 from blockspec.models.layers.moe import BACKENDS, SILU, GatedActivation, experts_fused, experts_loop, fused_applies
 
@@ -292,13 +293,18 @@ class _QuantTensors(nn.Module):
 
 
 @functools.cache
-def _triton_quant_linear():
-    """The GPU kernel entry point `quant_linear(x, layer, *, residual=None)`, or None when not available."""
+def _triton_kernels():
+    """blockspec.kernels.quant_linear (imported on first use: it imports this module), or None when not available."""
     try:
         from blockspec.kernels import quant_linear as kernels
     except ImportError:
         return None
-    return getattr(kernels, "quant_linear", None)
+    return kernels
+
+
+def _triton_quant_linear():
+    """The GPU kernel entry point `quant_linear(x, layer, *, residual=None, gated=False)`, or None."""
+    return getattr(_triton_kernels(), "quant_linear", None)
 
 
 def native_low_precision_supported(x: torch.Tensor, layer: QuantLinear) -> bool:
@@ -347,6 +353,19 @@ class QuantLinear(_QuantTensors):
             if kernel is not None:
                 return kernel(x, self, residual=residual)
         return residual.add_(self.reference(x))
+
+    def forward_gated(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up over self(x)'s [gate; up] halves (a decoder's gate|up projection). On the GPU in the
+        GEMM's epilogue where the 1-16-row mma kernels take the rows (one launch fewer a layer), else a SwiGLU
+        kernel after the GEMM, which measured faster than the dot path's fold (kernels/quant_linear.gemv_takes)."""
+        if self.perm is not None:
+            x = x.index_select(-1, self.perm)
+        kernels = _triton_kernels() if use_triton(x) else None
+        if kernels is not None:
+            if kernels.gemv_takes(x, self, gated=True):
+                return kernels.quant_linear(x, self, gated=True)
+            return silu_mul(kernels.quant_linear(x, self))
+        return silu_mul(self.reference(x))
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
         """Dequantize, then the same linear the unquantized layers run (x already permuted): the CPU path
