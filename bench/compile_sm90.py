@@ -151,7 +151,7 @@ def cases() -> list[tuple[str, tuple, dict]]:
             dict(num_warps=4 if 16 * rank >= 4096 else 1, no_spill=True, ptx_has=pdl_ptx)))
     gemv = {"X": "*bf16", "QW": "*u8", "S": "*u8", "GS": "*fp32", "Y": "*bf16", "N": "i32"}
     for k, has_gs, cfg, res in ((4096, True, qv.WIDE, False), (5120, False, qv.WIDE, True),
-                                (12288, True, qv.NARROW, True)):
+                                (12288, True, qv.NARROW, True), (4096, True, qv.NARROWEST, True)):
         kern, extra = (qv._wide_kernel, {}) if cfg.parts == 1 else (qv._parts_kernel, dict(P=cfg.parts))
         out.append((f"quant_gemv nvfp4 K={k} HAS_GS={has_gs} HAS_RES={res} {cfg}", (kern, gemv, dict(
             K=k, HAS_GS=has_gs, BN=cfg.block, SPANS=cfg.spans, HAS_RES=res, PDL=True, **extra)),
@@ -169,8 +169,10 @@ def cases() -> list[tuple[str, tuple, dict]]:
             dict(div16=("X", "QW", "S", "Y"), num_warps=cfg.warps, num_stages=1, no_spill=True,
                  ptx_has=pdl_ptx + ("mma.sync.aligned.m16n8k16",))))
     rows = {**gemv, "M": "i32"}
+    tuned = [(k, True, cfg, res) for (n, k), cfg in qv.ROWS_TUNED.items() for res in (n < k,)]  # Qwen3.6-27B
     for k, two, cfg, res in ((4096, False, qv.ROWS_FEW, False), (12288, True, qv.ROWS_LONG_K, True),
-                             (4096, True, qv.ROWS_WIDE, True), (5120, False, qv._fit_k(qv.ROWS_FEW, 5120), False)):
+                             (4096, True, qv.ROWS_WIDE, True), (5120, False, qv._fit_k(qv.ROWS_FEW, 5120), False),
+                             *tuned):
         out.append((f"quant_gemv rows K={k} TWO={two} HAS_RES={res} {cfg}", (qv._rows_kernel, rows, dict(
             K=k, HAS_GS=True, BN=cfg.block, SPANS=cfg.spans, P=cfg.parts, TWO=two, HAS_RES=res, PDL=True)),
             dict(div16=("X", "QW", "S", "Y"), num_warps=cfg.warps, num_stages=1, no_spill=True,

@@ -34,7 +34,9 @@ SHAPES = [("qkv", 6144, 4096), ("o", 4096, 4096), ("down", 4096, 12288), ("gate_
           # Qwen3.6-35B-A3B: a Gated DeltaNet layer's in_proj (q|k|v|z) and out_proj, an attention layer's q|gate|k|v
           ("35b_in_proj", 12288, 2048), ("35b_out_proj", 2048, 4096), ("35b_qkv", 9216, 2048),
           # Qwen3.6-27B's attention q|gate|k|v, Qwen3.5-4B's Gated DeltaNet in_proj
-          ("27b_qkv", 14336, 5120), ("4b_in_proj", 12288, 2560)]
+          ("27b_qkv", 14336, 5120), ("4b_in_proj", 12288, 2560),
+          # Qwen3.6-27B's down, Gated DeltaNet in_proj (q|k|v|z) and out_proj (= its attention o_proj's shape)
+          ("27b_down", 5120, 17408), ("27b_in_proj", 16384, 5120), ("27b_out_proj", 5120, 6144)]
 
 
 GATED_SHAPES = ("gate_up", "27b_gate_up")  # [gate; up] projections (SwiGLU after them)
@@ -57,7 +59,7 @@ def dot_fn(x, layers, gated: bool):
 
 
 SWEEP = [quant_gemv.GemvConfig(w, s, p) for w in (2, 4, 8, 16, 32) for s in (2, 4, 8) for p in (1, 2, 4, 8)
-         if 64 * p < 32 * w or (w, p) == (2, 1)]  # x loaded in the lane layout (no barrier) + today's default
+         if 64 * p <= 32 * w]  # x (64 P pairs a span) loaded in the lane layout: no more elements than threads
 SWEEP_ROWS = [quant_gemv.GemvConfig(w, s, p) for w in (4, 8, 16) for s in (1, 2, 4) for p in (1, 2, 4, 8)
               if p <= w]
 

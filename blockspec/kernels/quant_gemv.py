@@ -78,6 +78,11 @@ GEMV_WIDE_ROWS = 8192
 WIDE = GemvConfig(warps=2, spans=4, parts=1)
 # narrow layers: K in 4 parts over 16 warps (32 rows a program), while the programs fit one wave
 NARROW = GemvConfig(warps=16, spans=4, parts=4)
+# up to 2048 outputs (Qwen3.6-35B-A3B's out_proj and o_proj, 2048 x 4096): K in 8 parts over 16 warps, 4.5 us against
+# NARROW's 8.3 (H100, bench/quant_gemv.py --sweep, quant_gemv_narrow_h100_d60662d.json); no spill with the residual
+# (110 registers, bench/compile_sm90.py), where 32 warps x 8 parts spilled
+NARROWEST = GemvConfig(warps=16, spans=4, parts=8)
+NARROWEST_ROWS = 2048
 
 
 MAX_ROWS = 16  # two blocks of 8 tokens: a k = 15 verify block
@@ -96,6 +101,17 @@ INT4_WIDE = GemvConfig(warps=2, spans=2, parts=1)
 INT4_MAX_K = 4096
 ROWS_FEW = GemvConfig(warps=16, spans=4, parts=8)  # 2-8 rows
 ROWS_LONG_K = GemvConfig(warps=8, spans=2, parts=8)  # 9-16 rows, K >= 2 N
+# 9-16 rows of Qwen3.6-27B's layers (H100, bench/quant_gemv.py --rows 16 --sweep, quant_gemv_rows16_27b_sweep_h100_
+# d60662d.json), us against the dot path / the rules above: their K = 5120 rows measured best on other launches
+# than Qwen3-8B's K = 4096 ones (gate|up: one span a step, 78.5 against 103.3 with ROWS_WIDE's two); its out_proj /
+# o_proj 5120 x 6144 keeps the dot path (23.1, no launch faster)
+ROWS_TUNED = {
+    (34816, 5120): GemvConfig(warps=4, spans=1, parts=1),  # gate|up: 78.5 against 95.1 / 103.3
+    (16384, 5120): GemvConfig(warps=8, spans=2, parts=2),  # Gated DeltaNet in_proj: 33.2 against 54.0 / 41.4
+    (14336, 5120): GemvConfig(warps=8, spans=2, parts=2),  # attention q|gate|k|v: 32.7 against 42.0 (dot)
+    # down: 54.3 against 55.3 / 64.8 (16 warps measured 54.1 but spill 40 bytes a thread with the residual add)
+    (5120, 17408): GemvConfig(warps=8, spans=2, parts=4),
+}
 
 
 def _tiles_k(cfg: GemvConfig, k: int) -> bool:
@@ -120,18 +136,23 @@ def launch_config(meta, m: int = 1, gated: bool = False) -> GemvConfig | None:
     bench/quant_gemv.py --sweep). int4: one row of a gate|up with SwiGLU only (INT4_WIDE). NVFP4, one row: one K part
     for >= GEMV_WIDE_ROWS outputs; 4 parts over 16 warps for
     layers narrow enough that their programs fit one wave (Qwen3-8B o_proj 10.2 -> 8.9 us, down 25.8 -> 21.7);
-    between the two (Qwen3-8B qkv: 15.6 against 11.6) the dot path. 2 to MAX_ROWS rows: the rows kernel (above).
-    Not taken: 32 warps x 8 K parts for 2048-output layers (35B-A3B out_proj 7.2 against 8.2 us in the sweep) spills
-    224 bytes a thread at 1,024 threads a program (64 registers), against bench/compile_sm90.py's no-spill rule."""
+    between the two (Qwen3-8B qkv: 15.6 against 11.6) the dot path; up to 2048 outputs 8 parts over 16 warps
+    (NARROWEST: 32 warps spilled). 2 to MAX_ROWS rows: the rows kernel (above), with launches of its own for the
+    measured Qwen3.6-27B shapes (ROWS_TUNED)."""
     if meta.scheme == "int4":
         return INT4_WIDE if (m == 1 and gated and meta.n >= WIDE_ROWS and meta.k <= INT4_MAX_K
                              and _tiles_k(INT4_WIDE, meta.k)) else None
     if m > 1:
         if m > MAX_ROWS:
             return None
-        cfg = ROWS_WIDE if meta.n >= WIDE_ROWS else ROWS_FEW if m <= 8 else \
-            ROWS_LONG_K if meta.k >= 2 * meta.n else None
+        if m > 8 and (meta.n, meta.k) in ROWS_TUNED:
+            cfg = ROWS_TUNED[(meta.n, meta.k)]
+        else:
+            cfg = ROWS_WIDE if meta.n >= WIDE_ROWS else ROWS_FEW if m <= 8 else \
+                ROWS_LONG_K if meta.k >= 2 * meta.n else None
         return None if cfg is None else _fit_k(cfg, meta.k)
+    if meta.n <= NARROWEST_ROWS and _tiles_k(NARROWEST, meta.k):
+        return NARROWEST
     cfg = WIDE if meta.n >= GEMV_WIDE_ROWS else NARROW if meta.n * NARROW.parts <= NARROW.block * NUM_SMS else None
     # gated: a warp's tile rows pair up as (gate, up) of one output
     return cfg if cfg is not None and _tiles_k(cfg, meta.k) and not (gated and cfg.block // cfg.parts % 2) else None

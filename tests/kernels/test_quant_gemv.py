@@ -48,7 +48,8 @@ def test_dispatch_rule_keeps_cpu_narrow_and_folded_layers_off_the_gemv() -> None
     assert qg.launch_config(ql.quant_meta(make_layer("nvfp4", 4096, 4096, torch.bfloat16))) == qg.NARROW
     assert qg.launch_config(ql.quant_meta(make_layer("nvfp4", 6144, 4096, torch.bfloat16))) is None  # qkv: dot
     assert qg.launch_config(ql.quant_meta(make_layer("nvfp4", 9216, 2048, torch.bfloat16))) == qg.WIDE  # 35B q|g|k|v
-    assert qg.launch_config(ql.quant_meta(make_layer("nvfp4", 2048, 4096, torch.bfloat16))) == qg.NARROW  # out_proj
+    assert qg.launch_config(ql.quant_meta(make_layer("nvfp4", 2048, 4096, torch.bfloat16))) == qg.NARROWEST  # out_proj
+    assert qg.launch_config(ql.quant_meta(make_layer("nvfp4", 2048, 2048, torch.bfloat16))) == qg.NARROW  # K short
     assert qg.launch_config(ql.quant_meta(make_layer("nvfp4", 4096, 1024, torch.bfloat16))) is None  # K short
 
 
@@ -62,7 +63,11 @@ def test_rows_dispatch_rule() -> None:
     assert cfg(qg.WIDE_ROWS, 512, 16) == cfg(qg.WIDE_ROWS, 512, 3) == qg.ROWS_WIDE
     assert cfg(4096, 4096, 17) is None  # more rows: quant_linear's tiles
     # K that does not tile into the config's parts x spans: both cut until it does (27B: K = 5120)
-    assert cfg(4096, 5120, 4) == qg.GemvConfig(16, 1, 8) and cfg(5120, 17408, 16) == qg.GemvConfig(8, 1, 8)
+    assert cfg(4096, 5120, 4) == qg.GemvConfig(16, 1, 8) and cfg(4096, 17408, 16) == qg.GemvConfig(8, 1, 8)
+    # Qwen3.6-27B's measured launches at 9-16 rows (ROWS_TUNED); at 2-8 rows the rules
+    assert cfg(5120, 17408, 16) == cfg(5120, 17408, 9) == qg.ROWS_TUNED[(5120, 17408)] == qg.GemvConfig(8, 2, 4)
+    assert cfg(34816, 5120, 16) == qg.GemvConfig(4, 1, 1) and cfg(34816, 5120, 8) == qg.ROWS_WIDE
+    assert cfg(14336, 5120, 16) == qg.GemvConfig(8, 2, 2) and cfg(5120, 6144, 16) is None
     assert cfg(4096, 256, 2) == qg.GemvConfig(16, 1, 2)
     assert cfg(4096, 192, 2) is None  # not whole 128-weight spans
 
@@ -78,7 +83,7 @@ def test_gemv_matches_the_reference(n: int, k: int, global_scale: bool) -> None:
     assert qg.applies(x, layer, meta, None, None, False)
     got = qg.gemv(x, layer, meta, qg.launch_config(meta))
     want = exact(x, layer)
-    for cfg in (qg.WIDE, qg.NARROW, qg.GemvConfig(8, 2, 2)):  # every K split, whatever the dispatch picks
+    for cfg in (qg.WIDE, qg.NARROW, qg.NARROWEST, qg.GemvConfig(8, 2, 2)):  # every K split, whatever the dispatch picks
         if k % (128 * cfg.spans * cfg.parts) == 0:
             assert rel_err(qg.gemv(x, layer, meta, cfg), want) < 3e-3, cfg
     assert got.shape == (1, n)
@@ -90,7 +95,8 @@ def test_gemv_matches_the_reference(n: int, k: int, global_scale: bool) -> None:
 @gpu
 @pytest.mark.parametrize("m", [2, 5, 8, 9, 16])
 @pytest.mark.parametrize("n,k,global_scale", [(qg.WIDE_ROWS + 24, 512, True), (4096 - 24, 2048, True),
-                                              (6144, 4096, False), (4096, 12288, True), (40, 512, True)])
+                                              (6144, 4096, False), (4096, 12288, True), (40, 512, True),
+                                              (1000, 5120, True)])
 def test_rows_match_the_reference(m: int, n: int, k: int, global_scale: bool) -> None:
     """2-16 rows, every token block and row group edge: N not a multiple of 16 (a group of live lo rows and
     dead hi rows), tokens not a multiple of 8, the configs' K splits whatever the dispatch picks."""
@@ -98,7 +104,8 @@ def test_rows_match_the_reference(m: int, n: int, k: int, global_scale: bool) ->
     meta = ql.quant_meta(layer)
     x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
     want = exact(x, layer)
-    for c in (qg.ROWS_FEW, qg.ROWS_LONG_K, qg.ROWS_WIDE, qg.GemvConfig(4, 4, 4), qg.GemvConfig(8, 4, 2)):
+    for c in (qg.ROWS_FEW, qg.ROWS_LONG_K, qg.ROWS_WIDE, qg.GemvConfig(4, 4, 4), qg.GemvConfig(8, 4, 2),
+              *qg.ROWS_TUNED.values()):
         c = qg._fit_k(c, k)
         got = qg.gemv(x, layer, meta, c)
         assert got.shape == (m, n)
@@ -284,7 +291,7 @@ def test_int4_dispatch_rule() -> None:
     rows = make_layer("int4", qg.WIDE_ROWS, 512, torch.bfloat16, group=128)
     assert qg.launch_config(ql.quant_meta(rows), 16) is None
     assert qg.launch_config(ql.quant_meta(make_layer("nvfp4", 4096, 4096, torch.bfloat16)), 1, True) == qg.NARROW
-    assert qg.launch_config(ql.quant_meta(make_layer("nvfp4", 64, 4096, torch.bfloat16)), 1, True) == qg.NARROW
+    assert qg.launch_config(ql.quant_meta(make_layer("nvfp4", 64, 4096, torch.bfloat16)), 1, True) == qg.NARROWEST
 
 
 def nvfp4_experts(e: int, h: int, i: int, device: str) -> QuantExperts:
