@@ -98,9 +98,9 @@ def main() -> None:
             meta = ql.quant_meta(layer)
             for m in map(int, args.rows.split(",")):
                 x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+                plain = ql.quant_linear_ref(x, layer)
                 for gated in (False, True) if args.gated and name in GATED_SHAPES else (False,):
-                    ref = ql.quant_linear_ref(x, layer)
-                    ref = silu_mul(ref) if gated else ref
+                    ref = silu_mul(plain) if gated else plain
                     err = qgm.rel_err(gemv_fn(x, [layer], gated=gated)(), ref)
                     dot = qgm.bench(dot_fn(x, layers, gated))
                     gemv = qgm.bench(gemv_fn(x, layers, gated=gated))

@@ -598,30 +598,36 @@ if HAVE_TRITON:
         return _sums_scaled(tl.sum(y, axis=1), GS, INT4, HAS_GS)
 
     @triton.jit
-    def _rows_store(acc, Y, GS, pid, tok0, M, N, BN: tl.constexpr, P: tl.constexpr, HAS_GS: tl.constexpr,
-                    HAS_RES: tl.constexpr, INT4: tl.constexpr, GATED: tl.constexpr):
-        """One block's sums -> y [M, N] (tokens tok0 ..); GATED: SiLU(gate) * up -> [M, N / 2], a 16-row group's
-        lo rows the gate and its hi rows the up rows of 8 outputs (`_rows_kernel`)."""
+    def _rows_block(acc, GS, blk, j0, dtype: tl.constexpr, BN: tl.constexpr, P: tl.constexpr,
+                    HAS_GS: tl.constexpr, INT4: tl.constexpr, GATED: tl.constexpr):
+        """One block's C registers -> (values in dtype, output column, token) of program blk's 16-row groups and
+        the block's tokens j0 + 2 t + e: GATED, SiLU(gate) * up [group, g, t, e] of output (blk RG + group) 8 + g
+        (a group's lo rows are the gate rows, its hi rows the up rows); else the sums [group, g, t, hi, e] of
+        weight row (blk RG + group) 16 + g + 8 hi. What the dense and the MoE rows kernels store."""
         RG: tl.constexpr = BN // 8 // P
         y = _rows_sums(acc, GS, BN, P, HAS_GS, INT4)  # [group, g, t, hi, e]
+        gi = tl.arange(0, RG)[:, None, None, None]
+        g = tl.arange(0, 8)[None, :, None, None]
+        j = j0 + 2 * tl.arange(0, 4)[None, None, :, None] + tl.arange(0, 2)[None, None, None, :]  # [1, 1, t, e]
         if GATED:
             gate, up = tl.split(tl.permute(y, [0, 1, 2, 4, 3]))  # [group, g, t, e]
-            gi = tl.arange(0, RG)[:, None, None, None]
-            col = (pid * RG + gi) * 8 + tl.arange(0, 8)[None, :, None, None]
-            tok = tok0 + 2 * tl.arange(0, 4)[None, None, :, None] + tl.arange(0, 2)[None, None, None, :]
-            tl.store(Y + tok * (N // 2) + col, _silu_mul_rounded(gate, up, Y.dtype.element_ty),
-                     mask=(col < N // 2) & (tok < M))
+            return _silu_mul_rounded(gate, up, dtype), (blk * RG + gi) * 8 + g, j
         else:
-            gi = tl.arange(0, RG)[:, None, None, None, None]
-            g = tl.arange(0, 8)[None, :, None, None, None]
-            t = tl.arange(0, 4)[None, None, :, None, None]
-            hi = tl.arange(0, 2)[None, None, None, :, None]
-            e = tl.arange(0, 2)[None, None, None, None, :]
-            row = pid * (16 * RG) + 16 * gi + g + 8 * hi
-            tok = tok0 + 2 * t + e
-            ptr = Y + tok * N + row
-            keep = (row < N) & (tok < M)
-            tl.store(ptr, _with_residual(y.to(Y.dtype.element_ty), ptr, keep, HAS_RES), mask=keep)
+            row = (blk * RG + gi[:, :, :, :, None]) * 16 + g[:, :, :, :, None] + \
+                8 * tl.arange(0, 2)[None, None, None, :, None]
+            return y.to(dtype), row, j[:, :, :, None, :]
+
+    @triton.jit
+    def _rows_store(acc, Y, GS, pid, tok0, M, N, BN: tl.constexpr, P: tl.constexpr, HAS_GS: tl.constexpr,
+                    HAS_RES: tl.constexpr, INT4: tl.constexpr, GATED: tl.constexpr):
+        """One block's sums -> y [M, N] (tokens tok0 ..); GATED: SiLU(gate) * up -> [M, N / 2] (`_rows_block`)."""
+        vals, out, tok = _rows_block(acc, GS, pid, tok0, Y.dtype.element_ty, BN, P, HAS_GS, INT4, GATED)
+        if GATED:
+            tl.store(Y + tok * (N // 2) + out, vals, mask=(out < N // 2) & (tok < M))
+        else:
+            ptr = Y + tok * N + out
+            keep = (out < N) & (tok < M)
+            tl.store(ptr, _with_residual(vals, ptr, keep, HAS_RES), mask=keep)
 
     @triton.jit
     def _rows_kernel(X, QW, S, GS, Y, M, N, K: tl.constexpr, HAS_GS: tl.constexpr, BN: tl.constexpr,
@@ -929,26 +935,14 @@ if HAVE_TRITON:
     def _moe_rows_store(acc, OUT, GS, SORTED, start, count, j0, blk, N_W: tl.constexpr, BN: tl.constexpr,
                         P: tl.constexpr, HAS_GS: tl.constexpr, GATED: tl.constexpr):
         """One block of 8 tokens (the item's j0 ..): the sums to OUT as _moe_rows_kernel lays it out."""
-        RG: tl.constexpr = BN // 8 // P
-        dtype = OUT.dtype.element_ty
-        y = _rows_sums(acc, GS, BN, P, HAS_GS)  # [group, g, t, hi, e]: weight row g + 8 hi, token 2 t + e
+        vals, out, j = _rows_block(acc, GS, blk, j0, OUT.dtype.element_ty, BN, P, HAS_GS, False, GATED)
         if GATED:
             HALF: tl.constexpr = N_W // 2
-            gate, up = tl.split(tl.permute(y, [0, 1, 2, 4, 3]))  # [group, g, t, e]: gate (hi 0) and up (hi 1)
-            act = _silu_mul_rounded(gate, up, dtype)
-            gi = tl.arange(0, RG)[:, None, None, None]
-            col = (blk * RG + gi) * 8 + tl.arange(0, 8)[None, :, None, None]
-            j = j0 + 2 * tl.arange(0, 4)[None, None, :, None] + tl.arange(0, 2)[None, None, None, :]
-            keep = (j < count) & (col < HALF)
-            tl.store(OUT + (start + j).to(tl.int64) * HALF + col, act, mask=keep)
+            tl.store(OUT + (start + j).to(tl.int64) * HALF + out, vals, mask=(j < count) & (out < HALF))
         else:
-            gi = tl.arange(0, RG)[:, None, None, None, None]
-            row = (blk * RG + gi) * 16 + tl.arange(0, 8)[None, :, None, None, None] + \
-                8 * tl.arange(0, 2)[None, None, None, :, None]
-            j = j0 + 2 * tl.arange(0, 4)[None, None, :, None, None] + tl.arange(0, 2)[None, None, None, None, :]
             live = j < count
             pair = tl.load(SORTED + start + j, mask=live, other=0).to(tl.int64)
-            tl.store(OUT + pair * N_W + row, y.to(dtype), mask=live & (row < N_W))
+            tl.store(OUT + pair * N_W + out, vals, mask=live & (out < N_W))
 
 
 def nvfp4_moe_rows(x: torch.Tensor, layout, w, gated: bool, slots: int, tokens: int,

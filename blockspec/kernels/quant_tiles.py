@@ -23,28 +23,7 @@ FP4_GLOBAL_BIAS = 2.0 ** 26  # fast NVFP4 / MXFP4 tiles hold w * 2^-26 (see _unp
 # fma.rn.bf16x2 (sm_80+; sub / mul.bf16x2 need sm_90).
 # int4: lop3 (t & 0x000F000F) | magic makes magic + q exactly (128 + q in bf16, 1024 + q in fp16); adding
 # -(magic + z) is exact and the multiply by the scale rounds once, as dequantize() rounds (q - z) * s.
-_INT4_ASM = """{
-.reg .b32 v, t<4>, one, nz;
-mov.b32 one, ONE;
-mov.b32 nz, 0x80008000;
-shr.b32 v, $4, 4;
-prmt.b32 t0, $4, v, 0xF4F0;
-prmt.b32 t1, $4, v, 0xF5F1;
-prmt.b32 t2, $4, v, 0xF6F2;
-prmt.b32 t3, $4, v, 0xF7F3;
-lop3.b32 t0, t0, 0x000F000F, MAGIC, 0xEA;
-lop3.b32 t1, t1, 0x000F000F, MAGIC, 0xEA;
-lop3.b32 t2, t2, 0x000F000F, MAGIC, 0xEA;
-lop3.b32 t3, t3, 0x000F000F, MAGIC, 0xEA;
-fma.rn.TY t0, t0, one, $5;
-fma.rn.TY t1, t1, one, $6;
-fma.rn.TY t2, t2, one, $7;
-fma.rn.TY t3, t3, one, $8;
-fma.rn.TY $0, t0, $9, nz;
-fma.rn.TY $1, t1, $10, nz;
-fma.rn.TY $2, t2, $11, nz;
-fma.rn.TY $3, t3, $12, nz;
-}"""
+
 # E2M1 -> bf16 without a table: a code n (sign | e1 e0 m) alone in a 16-bit lane, times 0x1040, holds n at
 # bits 6..9 and again at 12..15 (no carries); masking 0x81C0 keeps e1 e0 m at bits 8..6 and the sign at
 # bit 15: the bf16 number e2m1 * 2^-126 (e = 0 lands on the subnormal m * 0.5 * 2^-126, e > 0 on
@@ -65,24 +44,34 @@ def e2m1_decode_ptx(src: str) -> str:
 
 
 INT4_REGS = ".reg .b32 v, t<4>, one, nz;\n"
+_INT4_MAGIC = {"bf16x2": ("0x43004300", "0x3F803F80"), "f16x2": ("0x64006400", "0x3C003C00")}  # (magic, 1.0) pairs
 
 
-def int4_decode_ptx(src: str, zero_pair: str, scale_pair: str, out: str = "t") -> str:
+def int4_decode_ptx(src: str, zero_pairs: str | list[str], scale_pairs: str | list[str], out: str = "t",
+                    ty: str = "bf16x2") -> str:
     """PTX lines decoding the 4 int4 bytes in register `src` into out0..out3 (temporaries declared by INT4_REGS):
-    byte i's (low, high) nibbles as the bf16 pair (q - z) * s, rounded once as dequantize() rounds it (_INT4_ASM's
-    arithmetic, one scale and zero for all 4 bytes); `zero_pair` holds -(128 + z) as a bf16 pair, `scale_pair` s.
-    Used by kernels/quant_gemv.py's mma kernels."""
-    return ("mov.b32 one, 0x3F803F80;\nmov.b32 nz, 0x80008000;\n" f"shr.b32 v, {src}, 4;\n"
+    byte i's (low, high) nibbles as the `ty` pair (q - z) * s, rounded once as dequantize() rounds it (above).
+    `zero_pairs` holds -(magic + z) as a pair, `scale_pairs` s: one register for all 4 bytes, or one a byte."""
+    magic, one = _INT4_MAGIC[ty]
+    zeros = [zero_pairs] * 4 if isinstance(zero_pairs, str) else zero_pairs
+    scales = [scale_pairs] * 4 if isinstance(scale_pairs, str) else scale_pairs
+    return (f"mov.b32 one, {one};\nmov.b32 nz, 0x80008000;\nshr.b32 v, {src}, 4;\n"
             + "".join(f"prmt.b32 t{i}, {src}, v, 0xF{i + 4}F{i};\n" for i in range(4))
-            + "".join(f"lop3.b32 t{i}, t{i}, 0x000F000F, 0x43004300, 0xEA;\n" for i in range(4))
-            + "".join(f"fma.rn.bf16x2 t{i}, t{i}, one, {zero_pair};\n" for i in range(4))
-            + "".join(f"fma.rn.bf16x2 {out}{i}, t{i}, {scale_pair}, nz;\n" for i in range(4)))
+            + "".join(f"lop3.b32 t{i}, t{i}, 0x000F000F, {magic}, 0xEA;\n" for i in range(4))
+            + "".join(f"fma.rn.{ty} t{i}, t{i}, one, {zeros[i]};\n" for i in range(4))
+            + "".join(f"fma.rn.{ty} {out}{i}, t{i}, {scales[i]}, nz;\n" for i in range(4)))
+
+
+def _int4_asm(ty: str) -> str:
+    """The fast int4 unpacker: bytes in $4, per-byte zero pairs $5..$8 and scale pairs $9..$12, out $0..$3."""
+    return "{\n" + INT4_REGS + int4_decode_ptx("$4", [f"${5 + i}" for i in range(4)], [f"${9 + i}" for i in range(4)],
+                                                "$", ty) + "}"
 
 
 _E2M1_ASM = "{\n" + E2M1_REGS + e2m1_decode_ptx("$4") + "".join(
     f"fma.rn.bf16x2 ${i}, t{i}, ${i + 5}, nz;\n" for i in range(4)) + "}"
-INT4_ASM_BF16 = _INT4_ASM.replace("MAGIC", "0x43004300").replace("ONE", "0x3F803F80").replace("TY", "bf16x2")
-INT4_ASM_FP16 = _INT4_ASM.replace("MAGIC", "0x64006400").replace("ONE", "0x3C003C00").replace("TY", "f16x2")
+INT4_ASM_BF16 = _int4_asm("bf16x2")
+INT4_ASM_FP16 = _int4_asm("f16x2")
 E2M1_ASM_BF16 = _E2M1_ASM
 
 if HAVE_TRITON:
