@@ -28,6 +28,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from blockspec.kernels import deterministic_linear as dl  # noqa: E402
+from blockspec.kernels import gated_deltanet as gdn  # noqa: E402
 from blockspec.kernels import grouped_conv as gc  # noqa: E402
 from blockspec.kernels import moe_grouped as mg  # noqa: E402
 from blockspec.kernels import paged_attention as pa  # noqa: E402
@@ -274,6 +275,16 @@ def cases() -> list[tuple[str, tuple, dict]]:
             NB=256 if shared else 128, CHUNK=mg.CHUNK, BLOCK_P=mg.BLOCK_P, ONE_TOKEN=t == 1, ONE_BLOCK=t > 1,
             PDL=True)), dict(num_warps=4, no_spill=True, ptx_has=pdl_ptx,
                              div16=("L", "X", "WS", "W_OUT", "SW_OUT", "IDS_OUT", "SORTED", "ITEM_EXPERT"))))
+    chunk = {n: "i64" if n.startswith("s") and n[1] in "qkvabz" and "_" in n else "*bf16"
+             for n in gdn._gdn_chunk_kernel.arg_names}
+    chunk.update(SSM="*fp32", OUT="*fp32", READ="*i64", WRITE="*i64", COUNTS="*i64", scale="fp32", eps="fp32")
+    for bv, warps in ((16, 4), (32, 4), (64, 4), (128, 8)):  # a 16-token verify block (outputs) and its commit
+        for out_on in (True, False):
+            out.append((f"gdn_chunk BV={bv} warps={warps} {'verify' if out_on else 'commit'}", (
+                gdn._gdn_chunk_kernel, chunk, dict(
+                    L=16, LP=16, H=32, GROUP=2, DK=128, DV=128, BK=128, BV=bv, HAS_COUNTS=not out_on,
+                    HAS_WRITE=not out_on, HAS_OUT=out_on, HAS_NORM=False, ROUND_WN=False, LEVELS=4, PDL=True)),
+                dict(num_warps=warps, ptx_has=pdl_ptx)))
     det = {n: "*bf16" for n in ("X", "W", "B", "Y")} | {"M": "i32", "N_OUT": "i32"}
     for gated, res in ((False, False), (True, False), (False, True)):
         out.append((f"deterministic_linear gated={gated} residual={res}", (dl._deterministic_linear_kernel, det, dict(

@@ -6,8 +6,9 @@ Shapes: Qwen3.6-27B (48 value heads, 16 key heads), Qwen3.5-4B and Qwen3.5-35B-A
 bf16 activations, float32 state; N rows in {1, 4, 16}, L tokens in {1, 16}. Variants:
   decode       L = 1, output + state written to the row's spare slot (the decode graphs' slot pairs)
   decode+norm  the same with the GatedRMSNorm folded into the epilogue (compare: decode + norm)
-  verify       L = 16, outputs only;  verify+ckpt: also the state after every token;  verify+norm: fused norm
-  commit       L = 16, counts in [1, L], state written, no outputs
+  verify       L = 16, outputs only (the chunk kernel);  verify+ckpt: also the state after every token (the
+               recurrent kernel);  verify+norm: fused norm;  verify/rec: the recurrent kernel without checkpoints
+  commit       L = 16, counts in [1, L], state written, no outputs (chunk kernel);  commit/rec: recurrent
   conv_*       the causal conv update (decode: output + window; verify: output; commit: window only)
   norm         gated_rms_norm alone on [N * L, H, Dv] float32 outputs
   fla          fused_recurrent_gated_delta_rule, gating and sigmoid in kernel, initial state a contiguous
@@ -17,7 +18,9 @@ bf16 activations, float32 state; N rows in {1, 4, 16}, L tokens in {1, 16}. Vari
 Timing: each call is captured R times into one CUDA graph (launch overhead excluded, as in the decode graphs),
 each of the R calls on its own state pool so the states stream from DRAM, not L2 (R * pool >= 256 MB);
 median over --iters replays, divided by R. GB/s counts the state traffic only (read once, written once,
-checkpoints L times). `--sweep` also times the recurrent kernel's (BLOCK_V, num_warps) alternatives.
+checkpoints L times). `--sweep` also times the recurrent and chunk kernels' (BLOCK_V, num_warps) alternatives
+(variants verify / commit: the chunk kernel, verify/rec / commit/rec: the recurrent one); `--chunk-sweep` the
+chunk kernel's only, with its dot precisions.
 
   python bench/gdn_kernels.py [--sweep] [--iters 100]
 """
@@ -54,6 +57,7 @@ SHAPES = {  # name: (value heads, key heads, Dk, Dv)
 ROWS = (1, 4, 16)
 LENGTHS = (1, 16)
 SWEEP = [(bv, w) for bv in (4, 8, 16, 32, 64) for w in (1, 2, 4, 8) if 8 <= 128 * bv // (32 * w) <= 64]
+CHUNK_SWEEP = [(bv, w, dot) for bv in (16, 32, 64, 128) for w in (4, 8) for dot in ("tf32", "tf32x3")]
 POOL_BYTES = 256 << 20  # rotate pools until the working set is well past the 50 MB L2
 DEVICE = "cuda"
 
@@ -139,6 +143,12 @@ class Case:
     def args(self, pool: torch.Tensor) -> tuple:
         return self.q, self.k, self.v, self.a, self.b, self.A_log, self.dt_bias, pool, self.read
 
+    def launch(self, pool: torch.Tensor, counts=None, write_slots=None, compute_output: bool = True,
+               **config) -> torch.Tensor | None:
+        """The kernel launch itself, with `config` (block_v, num_warps, chunk) overriding the dispatch."""
+        return gdn._gdn_recurrent_triton(self.q if compute_output else None, *self.args(pool)[1:], counts,
+                                         write_slots, None, compute_output, None, None, 1e-6, **config)
+
     def variants(self) -> dict[str, tuple[Callable[[torch.Tensor], object], int]]:
         """name: (call on one pool, state bytes it moves)."""
         s, n, length = self.state_bytes, self.n, self.length
@@ -153,6 +163,9 @@ class Case:
             out["verify+norm"] = (lambda p: gdn_recurrent(*self.args(p), z=self.z, norm_weight=self.norm_weight), s)
             out["commit"] = (lambda p: gdn_recurrent(None, *self.args(p)[1:], counts=self.counts,
                                                      write_slots=self.spare, compute_output=False), 2 * s)
+            out["verify/rec"] = (lambda p: self.launch(p, chunk=False), s)
+            out["commit/rec"] = (lambda p: self.launch(p, counts=self.counts, write_slots=self.spare,
+                                                       compute_output=False, chunk=False), 2 * s)
         o = torch.randn(n * length, self.heads, self.dv, device=DEVICE)
         zf = self.z.view(n * length, self.heads, self.dv)
         out["norm"] = (lambda p: gated_rms_norm(o, zf, self.norm_weight, 1e-6), 0)
@@ -206,7 +219,16 @@ def check(case: Case, fla) -> dict:
         pool = case.pools[0].clone()
         gdn_recurrent(None, *case.args(pool)[1:], counts=case.counts, write_slots=case.spare, compute_output=False)
         rows = torch.arange(case.n, device=DEVICE)
-        res["commit_equals_verify_checkpoint"] = bool(torch.equal(pool[case.spare], ck_k[rows, case.counts - 1]))
+        # the chunk kernel's committed state against the recurrent kernel's state after the same token
+        res["commit_vs_checkpoint_rel_err"] = rel_err(pool[case.spare], ck_k[rows, case.counts - 1])
+        res["chunk_vs_recurrent_out_rel_err"] = rel_err(gdn_recurrent(*case.args(case.pools[0])),
+                                                        case.launch(case.pools[0], chunk=False))
+        want = gdn_recurrent_ref(*case.args(case.pools[0].clone()))
+        for dot in ("tf32", "tf32x3", "ieee"):  # each precision's error against the float32 reference
+            p = case.pools[0].clone()
+            res[f"chunk_{dot}_out_rel_err"] = rel_err(case.launch(p, chunk=True, dot=dot), want)
+            case.launch(p, counts=case.counts, write_slots=case.spare, compute_output=False, chunk=True, dot=dot)
+            res[f"chunk_{dot}_commit_rel_err"] = rel_err(p[case.spare], ck_r[rows, case.counts - 1])
     if fla is not None:
         o_f, final = fla(case.q, case.k, case.v, g=case.a, beta=case.b, initial_state=case.pools[0][: case.n],
                          output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
@@ -216,31 +238,36 @@ def check(case: Case, fla) -> dict:
     return res
 
 
-def sweep(case: Case, iters: int) -> list[dict]:
-    """The recurrent kernel's launch configurations on this case (decode, or verify and commit)."""
+def sweep(case: Case, iters: int, recurrent: bool = True) -> list[dict]:
+    """The recurrent kernel's launch configurations on this case (decode, or verify and commit), and the chunk
+    kernel's on a verify block."""
     rows = []
     fns = {"decode": dict(write_slots=case.spare)} if case.length == 1 else {
-        "verify": dict(), "commit": dict(counts=case.counts, write_slots=case.spare, compute_output=False)}
-    for name, kw in fns.items():
-        for bv, warps in SWEEP:
-            def call(p, bv=bv, warps=warps, kw=kw):
-                out = kw.get("compute_output", True)
-                return gdn._gdn_recurrent_triton(case.q if out else None, *case.args(p)[1:], kw.get("counts"),
-                                                 kw.get("write_slots"), None, out, None, None, 1e-6,
-                                                 block_v=bv, num_warps=warps)
+        "verify/rec": dict(), "commit/rec": dict(counts=case.counts, write_slots=case.spare, compute_output=False)}
+    todo = [(name, dict(kw, chunk=False), [(bv, w, None) for bv, w in SWEEP]) for name, kw in fns.items()
+            if recurrent]
+    if gdn._chunked(case.length, None):
+        todo += [("verify", dict(chunk=True), CHUNK_SWEEP),
+                 ("commit", dict(counts=case.counts, write_slots=case.spare, compute_output=False, chunk=True),
+                  CHUNK_SWEEP)]
+    for name, kw, configs in todo:
+        for bv, warps, dot in configs:
+            def call(p, bv=bv, warps=warps, kw=kw, dot=dot):
+                return case.launch(p, block_v=bv, num_warps=warps, **kw, **({"dot": dot} if dot else {}))
             try:
                 us, _ = time_graph([lambda p=p: call(p) for p in case.pools], iters)
             except Exception as exc:  # out of resources etc.: skip the config
-                print(f"  sweep {name} BV={bv} w={warps}: {type(exc).__name__}", flush=True)
+                print(f"  sweep {name} BV={bv} w={warps} {dot}: {type(exc).__name__}", flush=True)
                 continue
-            rows.append(dict(variant=name, block_v=bv, num_warps=warps, us=round(us, 2)))
+            rows.append(dict(variant=name, block_v=bv, num_warps=warps, dot=dot, us=round(us, 2)))
     return rows
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--iters", type=int, default=100)
-    ap.add_argument("--sweep", action="store_true", help="also time the recurrent kernel's launch configs")
+    ap.add_argument("--sweep", action="store_true", help="also time the kernels' launch configs")
+    ap.add_argument("--chunk-sweep", action="store_true", help="also time the chunk kernel's launch configs only")
     ap.add_argument("--shapes", nargs="*", default=list(SHAPES))
     ap.add_argument("--rows", nargs="*", type=int, default=list(ROWS))
     ap.add_argument("--lengths", nargs="*", type=int, default=list(LENGTHS))
@@ -260,7 +287,8 @@ def main() -> None:
                         continue
                     done[key] = shape
                     case = Case(shape, n, length)
-                    heur = gdn._launch_config(n, case.heads, case.dk, case.dv, length)
+                    heur = (gdn._chunk_launch_config(n, case.heads, case.dv) if gdn._chunked(length, None)
+                            else gdn._launch_config(n, case.heads, case.dk, case.dv, length))
                     print(f"{shape} N={n} L={length}: {len(case.pools)} pools, heuristic config {heur}", flush=True)
                     checks.append(dict(shape=shape, n=n, L=length, **check(case, fla)))
                     print(f"  check {checks[-1]}", flush=True)
@@ -279,10 +307,12 @@ def main() -> None:
                         us, mode = time_graph([lambda c=c, fn=fn: fn(c) for c in case.conv_pools], args.iters)
                         results.append(dict(shape=shape, n=n, L=length, variant=name, us=round(us, 2), mode=mode))
                         print(f"  {name:12s} {us:8.2f} us ({mode})", flush=True)
-                    if args.sweep:
-                        rows = sweep(case, args.iters)
+                    if args.sweep or args.chunk_sweep:
+                        rows = sweep(case, args.iters, recurrent=args.sweep)
                         for r in rows:
-                            r.update(shape=shape, n=n, L=length, heuristic=list(heur) == [r["block_v"], r["num_warps"]])
+                            on = gdn._chunked(length, None) == (r["variant"] in ("verify", "commit"))
+                            r.update(shape=shape, n=n, L=length,
+                                     heuristic=on and list(heur) == [r["block_v"], r["num_warps"]])
                         sweeps += rows
                         for v in {r["variant"] for r in rows}:
                             best = min((r for r in rows if r["variant"] == v), key=lambda r: r["us"])
@@ -298,13 +328,13 @@ def main() -> None:
     path.write_text(json.dumps(out, indent=1))
     print(f"\nwrote {path}; copy bandwidth {bw / 1e9:.0f} GB/s")
     if sweeps:
-        print(f"{'shape':16s} {'N':>3s} {'L':>3s} {'variant':8s} {'best':>14s} {'us':>8s} {'heuristic us':>13s}")
+        print(f"{'shape':16s} {'N':>3s} {'L':>3s} {'variant':10s} {'best':>21s} {'us':>8s} {'heuristic us':>13s}")
         for key in sorted({(r["shape"], r["n"], r["L"], r["variant"]) for r in sweeps}):
             rows = [r for r in sweeps if (r["shape"], r["n"], r["L"], r["variant"]) == key]
             best = min(rows, key=lambda r: r["us"])
             h = next((r["us"] for r in rows if r["heuristic"]), float("nan"))
-            cfg = f"BV={best['block_v']} w={best['num_warps']}"
-            print(f"{key[0]:16s} {key[1]:3d} {key[2]:3d} {key[3]:8s} {cfg:>14s} {best['us']:8.2f} {h:13.2f}")
+            cfg = f"BV={best['block_v']} w={best['num_warps']}" + (f" {best['dot']}" if best.get("dot") else "")
+            print(f"{key[0]:16s} {key[1]:3d} {key[2]:3d} {key[3]:10s} {cfg:>21s} {best['us']:8.2f} {h:13.2f}")
     print(f"{'shape':16s} {'N':>3s} {'L':>3s} {'variant':12s} {'us':>8s} {'GB/s':>7s} {'%bw':>5s}")
     for r in results:
         if "same_as" in r:

@@ -125,6 +125,101 @@ if HAVE_TRITON:
             tl.store(SSM + write * (H * DK * DV) + tile, s.to(SSM.dtype.element_ty), mask=s_mask)
 
     @triton.jit
+    def _gdn_chunk_kernel(Q, K, V, A, B, A_LOG, DT_BIAS, SSM, READ, WRITE, COUNTS, OUT, Z, NW,
+                          sq_n, sq_t, sq_h, sk_n, sk_t, sk_h, sv_n, sv_t, sv_h, sa_n, sa_t, sb_n, sb_t,
+                          sz_n, sz_t, sz_h, scale, eps,
+                          L: tl.constexpr, LP: tl.constexpr, H: tl.constexpr, GROUP: tl.constexpr,
+                          DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                          HAS_COUNTS: tl.constexpr, HAS_WRITE: tl.constexpr, HAS_OUT: tl.constexpr,
+                          HAS_NORM: tl.constexpr, ROUND_WN: tl.constexpr, LEVELS: tl.constexpr,
+                          DOT: tl.constexpr = "tf32x3", PDL: tl.constexpr = False):
+        # One program: row n, value head h, value columns [vb * BV, vb * BV + BV) of the [DK, DV] state, all L
+        # tokens at once in the chunk (WY) form of the gated delta rule (`_chunk_solve`), padded to LP rows.
+        wait_for_inputs(PDL)
+        release_dependents(PDL)
+        n = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1)
+        vb = tl.program_id(2)
+        hk = h // GROUP
+        offs_t = tl.arange(0, LP)
+        offs_k = tl.arange(0, BK)
+        offs_v = vb * BV + tl.arange(0, BV)
+        live_t = offs_t < L
+        mask_k = offs_k < DK
+        mask_v = offs_v < DV
+        if HAS_COUNTS:
+            count = tl.load(COUNTS + n)
+        else:
+            count = L
+        read = tl.load(READ + n).to(tl.int64)
+        tile = h * (DK * DV) + offs_k[:, None] * DV + offs_v[None, :]
+        s_mask = mask_k[:, None] & mask_v[None, :]
+        s0 = tl.load(SSM + read * (H * DK * DV) + tile, mask=s_mask, other=0.0).to(tl.float32)
+        kf = tl.load(K + n * sk_n + hk * sk_h + offs_t[:, None] * sk_t + offs_k[None, :],
+                     mask=live_t[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
+        vf = tl.load(V + n * sv_n + h * sv_h + offs_t[:, None] * sv_t + offs_v[None, :],
+                     mask=live_t[:, None] & mask_v[None, :], other=0.0).to(tl.float32)
+        a = tl.load(A + n * sa_n + offs_t * sa_t + h, mask=live_t, other=0.0).to(tl.float32)
+        b = tl.load(B + n * sb_n + offs_t * sb_t + h, mask=live_t, other=0.0)
+        kn = kf * tl.rsqrt(tl.sum(kf * kf, axis=1) + 1e-6)[:, None]
+        # the gates as `_gdn_recurrent_kernel` computes them; padded tokens get beta 0 and no decay
+        beta = tl.where(live_t, (1.0 / (1.0 + tl.exp(-b.to(tl.float32)))).to(b.dtype).to(tl.float32), 0.0)
+        x = a + tl.load(DT_BIAS + h).to(tl.float32)
+        u = tl.exp(tl.minimum(x, 20.0))
+        w = 1.0 + u
+        softplus = tl.where(x > 20.0, x, tl.where(w == 1.0, u, tl.log(w) * (u / (w - 1.0))))
+        g = tl.where(live_t, -tl.exp(tl.load(A_LOG + h).to(tl.float32)) * softplus, 0.0)
+        gc = tl.cumsum(g, axis=0)  # log of the decay from the block's start through token t
+        ti = offs_t[:, None]
+        tj = offs_t[None, :]
+        decay = tl.exp(tl.where(ti >= tj, gc[:, None] - gc[None, :], 0.0))  # token j's term seen at token i
+        kk = tl.dot(kn, tl.trans(kn), input_precision=DOT)
+        ks = tl.dot(kn, s0, input_precision=DOT)  # k_t . S0 columns
+        # delta_t (the state's new rank-one term is k_t delta_t^T) solves (I + A) delta = beta (v - D k S0), with
+        # A[i, j] = beta_i (k_i . k_j) exp(gc_i - gc_j) below the diagonal
+        amat = tl.where(ti > tj, beta[:, None] * kk * decay, 0.0)
+        rhs = beta[:, None] * (vf - tl.exp(gc)[:, None] * ks)
+        delta = tl.dot(_unit_lower_inverse(amat, LP, LEVELS, DOT), rhs, input_precision=DOT)
+        if HAS_OUT:
+            qf = tl.load(Q + n * sq_n + hk * sq_h + offs_t[:, None] * sq_t + offs_k[None, :],
+                         mask=live_t[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
+            qn = qf * (tl.rsqrt(tl.sum(qf * qf, axis=1) + 1e-6) * scale)[:, None]
+            qk = tl.where(ti >= tj, tl.dot(qn, tl.trans(kn), input_precision=DOT) * decay, 0.0)
+            o = tl.exp(gc)[:, None] * tl.dot(qn, s0, input_precision=DOT) \
+                + tl.dot(qk, delta, input_precision=DOT)
+            if HAS_NORM:
+                dtype = Z.dtype.element_ty
+                zf = tl.load(Z + n * sz_n + h * sz_h + offs_t[:, None] * sz_t + offs_v[None, :],
+                             mask=live_t[:, None] & mask_v[None, :], other=0.0).to(tl.float32)
+                nw = tl.load(NW + offs_v, mask=mask_v, other=0.0)
+                o = _gated_norm(o.to(dtype).to(tl.float32), zf, nw[None, :], mask_v[None, :], eps, DV, ROUND_WN,
+                                dtype)
+            o = tl.where((offs_t < count)[:, None], o, 0.0)  # tokens past the count: zeros
+            o_ptr = OUT + ((n * L + offs_t[:, None]) * H + h) * DV + offs_v[None, :]  # OUT: [N, L, H, DV]
+            tl.store(o_ptr, o.to(OUT.dtype.element_ty), mask=live_t[:, None] & mask_v[None, :])
+        if HAS_WRITE:  # the state after `count` tokens; the same program read this tile (read == write is safe)
+            last = tl.sum(tl.where(offs_t == count - 1, gc, 0.0), axis=0)  # 0 for count 0
+            kd = tl.where((offs_t < count)[:, None], kn * tl.exp(tl.minimum(last - gc, 0.0))[:, None], 0.0)
+            s = tl.exp(last) * s0 + tl.dot(tl.trans(kd), delta, input_precision=DOT)
+            write = tl.load(WRITE + n).to(tl.int64)
+            tl.store(SSM + write * (H * DK * DV) + tile, s.to(SSM.dtype.element_ty), mask=s_mask)
+
+    @triton.jit
+    def _unit_lower_inverse(amat, LP: tl.constexpr, LEVELS: tl.constexpr, DOT: tl.constexpr):
+        """(I + A)^-1 for a strictly lower triangular [LP, LP] A, by block doubling: with T the inverse of the
+        diagonal blocks of size s, the blocks of size 2 s are [[X, 0], [C, Y]] whose inverse is T - T C T (C:
+        A's entries below the diagonal blocks within each 2 s block), LEVELS = log2(LP) levels of two small
+        dots; the entries it forms are entries of the inverse (no cancelling power series)."""
+        ti = tl.arange(0, LP)[:, None]
+        tj = tl.arange(0, LP)[None, :]
+        t = tl.where(ti == tj, 1.0, 0.0)
+        for lvl in tl.static_range(LEVELS):
+            s = 1 << lvl
+            c = tl.where((ti // (2 * s) == tj // (2 * s)) & ((ti // s) % 2 == 1) & ((tj // s) % 2 == 0), amat, 0.0)
+            t = t - tl.dot(t, tl.dot(c, t, input_precision=DOT), input_precision=DOT)
+        return t
+
+    @triton.jit
     def _conv_update_kernel(X, STATE, W, Y, READ, WRITE, COUNTS, sx_n, sx_t, sw_c,
                             C: tl.constexpr, L: tl.constexpr, WIDTH: tl.constexpr, LP: tl.constexpr,
                             WP: tl.constexpr, BC: tl.constexpr, HAS_COUNTS: tl.constexpr,
@@ -276,6 +371,7 @@ def causal_conv_update_ref(x: torch.Tensor, conv_state: torch.Tensor, read_slots
 # ---- launch configuration -------------------------------------------------------------------------------------
 
 _NUM_SMS = 132  # H100 / H200
+CHUNK_MIN, CHUNK_MAX = 2, 32  # verify blocks the chunk kernel takes (padded to 16 or 32 rows)
 _STATE_PER_THREAD = 32  # fp32 state elements per thread: ~100 registers with the key/query vectors
 
 
@@ -311,13 +407,46 @@ def _last_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+def _chunked(length: int, checkpoints: torch.Tensor | None) -> bool:
+    """Whether a block of `length` tokens takes the chunk kernel: every verify block of up to CHUNK_MAX tokens
+    without per-token states (bench/gdn_kernels.py: the recurrent kernel pays a dependent chain of reductions a
+    token, the chunk kernel a fixed handful of small dots)."""
+    return CHUNK_MIN <= length <= CHUNK_MAX and checkpoints is None
+
+
+def _chunk_dot(dtype: torch.dtype) -> str:
+    """The chunk kernel's dot precision: TF32 for bf16 / fp16 models (outputs within ~2e-3 of the float32
+    recurrence, as close as fla's chunk kernels on the prefill path come, and 1.8x faster than 3xTF32), IEEE
+    float32 for float32 models, whose tests hold kernels to 1e-5."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _chunk_launch_config(n_rows: int, heads: int, dv: int) -> tuple[int, int]:
+    """(BLOCK_V, num_warps) for the chunk kernel: the narrowest value block whose programs fit one wave, else
+    whole heads (bench/gdn_kernels.py --chunk-sweep, H100, L = 16: one row of 32 heads best at 32 columns (5.1
+    us), of 48 heads at 64 (5.8 us); 16 rows at 128 (29.8 / 41.5 us against 37.2 / 53.0 at 32)."""
+    for block_v in (32, 64):
+        if block_v < dv and n_rows * heads * -(-dv // block_v) <= _NUM_SMS:
+            return block_v, 4
+    return min(128, _pow2(dv)), 4
+
+
+def verify_fuses_norm(n_rows: int, length: int, heads: int, dv: int) -> bool:
+    """Whether a verify block's GatedRMSNorm rides in the delta-rule launch: where the chunk kernel runs whole
+    heads anyway (16 rows of 32 heads: 31.1 us fused against 29.8 + 4.3 apart); one row runs narrower blocks
+    and keeps the norm apart (5.1 + 1.7 us against 8.5 fused)."""
+    return _chunked(length, None) and _chunk_launch_config(n_rows, heads, dv)[0] == _pow2(dv)
+
+
 def _gdn_recurrent_triton(q: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
                           b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, ssm: torch.Tensor,
                           read_slots: torch.Tensor, counts: torch.Tensor | None, write_slots: torch.Tensor | None,
                           checkpoints: torch.Tensor | None, compute_output: bool, z: torch.Tensor | None,
                           norm_weight: torch.Tensor | None, eps: float, block_v: int | None = None,
-                          num_warps: int | None = None) -> torch.Tensor | None:
-    """Launch (no dispatch checks; block_v / num_warps override the heuristic, for the benchmark)."""
+                          num_warps: int | None = None, chunk: bool | None = None,
+                          dot: str | None = None) -> torch.Tensor | None:
+    """Launch (no dispatch checks; block_v / num_warps override the launch config, `chunk` the choice of kernel
+    and `dot` the chunk kernel's dot precision, for the benchmark)."""
     n_rows, length, hk, dk = k.shape
     heads, dv = v.shape[2], v.shape[3]
     if heads % hk:
@@ -327,6 +456,7 @@ def _gdn_recurrent_triton(q: torch.Tensor | None, k: torch.Tensor, v: torch.Tens
     if checkpoints is not None and (not checkpoints.is_contiguous()
                                     or checkpoints.shape != (n_rows, length, heads, dk, dv)):
         raise ValueError(f"checkpoints must be a contiguous [{n_rows}, {length}, {heads}, {dk}, {dv}] tensor")
+    chunk = _chunked(length, checkpoints) if chunk is None else chunk
     fused_norm = compute_output and z is not None
     k, v, a, b = (_last_contiguous(x) for x in (k, v, a, b))
     q = _last_contiguous(q) if compute_output else k
@@ -335,12 +465,13 @@ def _gdn_recurrent_triton(q: torch.Tensor | None, k: torch.Tensor, v: torch.Tens
         if block_v not in (None, _pow2(dv)):
             raise ValueError(f"the fused norm runs whole heads: block_v must be {_pow2(dv)}, got {block_v}")
         block_v = _pow2(dv)
-        num_warps = num_warps or _warps_for(bk, block_v)
+        num_warps = num_warps or (4 if chunk else _warps_for(bk, block_v))
     elif block_v is None:
-        block_v, heuristic_warps = _launch_config(n_rows, heads, dk, dv, length)
+        block_v, heuristic_warps = (_chunk_launch_config(n_rows, heads, dv) if chunk
+                                    else _launch_config(n_rows, heads, dk, dv, length))
         num_warps = num_warps or heuristic_warps
     else:
-        num_warps = num_warps or _warps_for(bk, block_v)
+        num_warps = num_warps or (4 if chunk else _warps_for(bk, block_v))
     out = None
     if compute_output:
         out_dtype = z.dtype if fused_norm else torch.float32
@@ -348,20 +479,26 @@ def _gdn_recurrent_triton(q: torch.Tensor | None, k: torch.Tensor, v: torch.Tens
     zz = _last_contiguous(z) if fused_norm else v
     round_wn = fused_norm and torch.promote_types(norm_weight.dtype, z.dtype) != torch.float32
     on = pdl(v)
-    _gdn_recurrent_kernel[(n_rows, heads, triton.cdiv(dv, block_v))](
-        q, k, v, a, b, A_log, dt_bias, ssm, read_slots,
-        write_slots if write_slots is not None else read_slots,
-        counts if counts is not None else read_slots,
-        checkpoints if checkpoints is not None else ssm,
-        out if out is not None else ssm,
-        zz, norm_weight if fused_norm else A_log,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), a.stride(0), a.stride(1), b.stride(0), b.stride(1),
-        zz.stride(0), zz.stride(1), zz.stride(2), dk ** -0.5, eps,
-        L=length, H=heads, GROUP=heads // hk, DK=dk, DV=dv, BK=bk, BV=block_v,
-        HAS_COUNTS=counts is not None, HAS_WRITE=write_slots is not None, HAS_CKPT=checkpoints is not None,
-        HAS_OUT=compute_output, HAS_NORM=fused_norm, ROUND_WN=round_wn, PDL=on, num_warps=num_warps,
-        launch_pdl=on)
+    strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+               v.stride(0), v.stride(1), v.stride(2), a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+               zz.stride(0), zz.stride(1), zz.stride(2), dk ** -0.5, eps)
+    common = dict(H=heads, GROUP=heads // hk, DK=dk, DV=dv, BK=bk, BV=block_v, HAS_COUNTS=counts is not None,
+                  HAS_WRITE=write_slots is not None, HAS_OUT=compute_output, HAS_NORM=fused_norm, ROUND_WN=round_wn,
+                  PDL=on, num_warps=num_warps, launch_pdl=on)
+    grid = (n_rows, heads, triton.cdiv(dv, block_v))
+    write = write_slots if write_slots is not None else read_slots
+    cnt = counts if counts is not None else read_slots
+    nw = norm_weight if fused_norm else A_log
+    if chunk:
+        lp = max(16, _pow2(length))
+        _gdn_chunk_kernel[grid](q, k, v, a, b, A_log, dt_bias, ssm, read_slots, write, cnt,
+                                out if out is not None else ssm, zz, nw, *strides, L=length, LP=lp,
+                                LEVELS=lp.bit_length() - 1, DOT=dot or _chunk_dot(v.dtype), **common)
+    else:
+        _gdn_recurrent_kernel[grid](q, k, v, a, b, A_log, dt_bias, ssm, read_slots, write, cnt,
+                                    checkpoints if checkpoints is not None else ssm,
+                                    out if out is not None else ssm, zz, nw, *strides, L=length,
+                                    HAS_CKPT=checkpoints is not None, **common)
     return out
 
 

@@ -265,6 +265,11 @@ def _tol(dtype: torch.dtype) -> float:
     return 1e-5 if dtype == torch.float32 else 2e-2
 
 
+def _chunk_tol(dtype: torch.dtype) -> float:
+    """The chunk kernel against the recurrence: float32 models take IEEE dots, bf16 ones TF32 (`_chunk_dot`)."""
+    return 1e-5 if dtype == torch.float32 or INTERPRET else 5e-3
+
+
 def _run_both(inp: dict, read, **kw):
     """The public entry point (kernel) and the reference, each on its own copy of the pools."""
     pool_k, pool_r = inp["ssm"].clone(), inp["ssm"].clone()
@@ -301,14 +306,16 @@ def test_kernel_verify_block_outputs_and_checkpoints(launch, dtype):
     assert rel_err(ok, orf) < _tol(dtype)
     assert rel_err(ck_k, ck_r) < _tol(dtype) / 10
     assert torch.equal(pk, inp["ssm"])  # no write_slots: the pool is left alone
-    with torch.no_grad():  # the same block without checkpoints: the same outputs
-        assert rel_err(gdn_recurrent(**inp, read_slots=read), ok) < 1e-6
+    with torch.no_grad():  # the same block without checkpoints (the chunk kernel): the same outputs
+        assert rel_err(gdn_recurrent(**inp, read_slots=read), ok) < _chunk_tol(dtype)
 
 
 @kernel
-def test_kernel_commit_reproduces_verify_states(launch):
-    """Verify (checkpoints) then commit with counts 1, L and in between, each row writing the slot it read:
-    the committed states are the verify pass's checkpoints bit for bit, and match the reference."""
+def test_kernel_commit_reproduces_verify_states(launch, monkeypatch):
+    """Verify (checkpoints) then commit with counts 1, L and in between on the recurrent kernel, each row writing
+    the slot it read: the committed states are the verify pass's checkpoints bit for bit, and match the
+    reference (the engine commits from checkpoints, or recomputes on the kernel its verify blocks take)."""
+    monkeypatch.setattr(gdn, "_chunked", lambda length, checkpoints: False)
     length = 6
     inp = make_inputs(3, length, 2, 4, 16, 16, slots=4, device=launch, seed=2)
     read = torch.tensor([3, 0, 1], device=launch)
@@ -329,6 +336,45 @@ def test_kernel_commit_reproduces_verify_states(launch):
     for i in range(3):  # outputs: as the verify pass up to the count, zero past it
         c = int(counts[i])
         assert torch.equal(ok[i, :c], o[i, :c]) and not ok[i, c:].any()
+
+
+@kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("length", [2, 7, 16, 17, 32])
+def test_kernel_chunk_verify_and_commit(launch, length, dtype):
+    """Verify blocks of 2-32 tokens take the chunk kernel: outputs and committed states (counts 0, 1, L and in
+    between; rows reading one slot and writing another, or their own) match the reference, a commit's outputs
+    are its verify pass's up to the count and zero past it, and the state after every token (checkpoints, on
+    the recurrent kernel) agrees with what the chunk kernel commits at that count."""
+    assert gdn._chunked(length, None) and not gdn._chunked(length, torch.empty(0)) and not gdn._chunked(1, None)
+    inp = make_inputs(4, length, 2, 4, 16, 32, slots=6, dtype=dtype, device=launch, seed=length)
+    read = torch.tensor([3, 0, 1, 5], device=launch)
+    write = torch.tensor([2, 0, 4, 5], device=launch)
+    counts = torch.tensor([0, 1, length, (length + 1) // 2], device=launch)
+    (ok, pk, _), (orf, pr, _) = _run_both(inp, read, counts=counts, write_slots=write)
+    assert rel_err(ok, orf) < _tol(dtype) and rel_err(pk, pr) < _chunk_tol(dtype)
+    with torch.no_grad():
+        o = gdn_recurrent(**inp, read_slots=read)
+        ckpt = torch.zeros(4, length, 4, 16, 32, device=launch)
+        gdn_recurrent(**inp, read_slots=read, checkpoints=ckpt)
+    for i in range(4):
+        c = int(counts[i])
+        assert torch.equal(ok[i, :c], o[i, :c]) and not ok[i, c:].any()
+        want = inp["ssm"][read[i]] if c == 0 else ckpt[i, c - 1]
+        assert rel_err(pk[write[i]], want) < _chunk_tol(dtype)
+    assert torch.equal(pk[1], inp["ssm"][1])  # read, not written
+
+
+def test_chunk_launch_config_and_norm_fold():
+    """Value blocks: the narrowest whose programs fit one wave of the 132 SMs, else whole heads; the verify
+    block's norm folds in exactly where whole heads run (the fused norm needs a head in one program)."""
+    assert gdn._chunk_launch_config(1, 32, 128) == (32, 4)  # Qwen3.5-4B / 35B-A3B: 128 programs
+    assert gdn._chunk_launch_config(1, 48, 128) == (64, 4)  # Qwen3.6-27B: 96 programs
+    assert gdn._chunk_launch_config(16, 32, 128) == (128, 4)
+    assert gdn._chunk_launch_config(1, 4, 16) == (16, 4)  # narrower heads than any block
+    assert not gdn.verify_fuses_norm(1, 16, 32, 128) and gdn.verify_fuses_norm(4, 16, 32, 128)
+    assert not gdn.verify_fuses_norm(4, 1, 32, 128)  # decode rows: the recurrent kernel
+    assert gdn._chunk_dot(torch.float32) == "ieee" and gdn._chunk_dot(torch.bfloat16) == "tf32"
 
 
 @kernel
@@ -372,7 +418,8 @@ def test_kernel_launch_configs(launch, block_v, warps):
         o = gdn._gdn_recurrent_triton(*(inp[x] for x in ("q", "k", "v", "a", "b", "A_log", "dt_bias")), pool, read,
                                       None, None, ckpt, True, None, None, 1e-6, block_v=block_v, num_warps=warps)
         gdn._gdn_recurrent_triton(*(inp[x] for x in ("q", "k", "v", "a", "b", "A_log", "dt_bias")), pool, read,
-                                  counts, read, None, False, None, None, 1e-6, block_v=block_v, num_warps=warps)
+                                  counts, read, None, False, None, None, 1e-6, block_v=block_v, num_warps=warps,
+                                  chunk=False)
     want, _, ck_want = _run_both(inp, read, checkpoints=torch.zeros_like(ckpt))[1]
     assert rel_err(o, want) < 1e-5 and rel_err(ckpt, ck_want) < 1e-6
     assert torch.equal(pool[1], ckpt[0, 1])
@@ -390,7 +437,7 @@ def test_kernel_fused_gated_norm(launch, length, dtype):
     (ok, pk, _), (orf, pr, _) = _run_both(inp, read, write_slots=read, z=z, norm_weight=nw, eps=1e-6)
     assert ok.dtype == dtype and ok.shape == (2, length, 3, 16)
     assert rel_err(ok, orf) < (1e-5 if dtype == torch.float32 else 1e-2)
-    assert rel_err(pk, pr) < 1e-5
+    assert rel_err(pk, pr) < (1e-5 if length == 1 else _chunk_tol(dtype))  # 4 tokens: the chunk kernel
 
 
 @kernel

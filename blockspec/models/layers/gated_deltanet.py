@@ -34,7 +34,7 @@ from torch import nn
 
 from blockspec.errors import ConfigError
 from blockspec.kernels.deterministic_gated_deltanet import conv_windows
-from blockspec.kernels.gated_deltanet import causal_conv_update, gated_rms_norm, gdn_recurrent
+from blockspec.kernels.gated_deltanet import causal_conv_update, gated_rms_norm, gdn_recurrent, verify_fuses_norm
 from blockspec.kernels.rms_norm import rms_norm
 from blockspec.kernels.skinny_linear import skinny_linear, skinny_linear_pair
 from blockspec.models.layers import delta_rule, delta_rule_fla, deterministic_deltanet
@@ -226,10 +226,15 @@ class GatedDeltaNet(nn.Module):
         kh = kh.reshape(n, q, self.num_k_heads, self.head_k_dim)
         vh = vh.reshape(n, q, self.num_v_heads, self.head_v_dim)
         checkpoints = st.checkpoints[:n] if sd.speculative and st.checkpoints is not None else None
-        core = gdn_recurrent(qh, kh, vh, a, b, self.A_log, self.dt_bias, st.ssm, sd.read_slots,
-                             write_slots=write, checkpoints=checkpoints)
         if sd.speculative:
             sd.pending.append((self, (mixed, kh, vh, a, b)))
+        if checkpoints is None and verify_fuses_norm(n, q, self.num_v_heads, self.head_v_dim):
+            out = gdn_recurrent(qh, kh, vh, a, b, self.A_log, self.dt_bias, st.ssm, sd.read_slots, write_slots=write,
+                                z=z.reshape(n, q, self.num_v_heads, self.head_v_dim), norm_weight=self.norm.weight,
+                                eps=self.norm.eps)
+            return out.reshape(t, -1)
+        core = gdn_recurrent(qh, kh, vh, a, b, self.A_log, self.dt_bias, st.ssm, sd.read_slots,
+                             write_slots=write, checkpoints=checkpoints)
         out = gated_rms_norm(core.reshape(t, self.num_v_heads, self.head_v_dim), z, self.norm.weight, self.norm.eps)
         return out.reshape(t, -1)
 
