@@ -70,8 +70,14 @@ def test_tiny_cpu_flow(tmp_path, routing_hooks, capsys):
         assert models[key]["ar_bytes_per_token"] < models[key]["verify"]["uniform"]["weight_bytes"]
     conc = models["27b"]["concurrency"]
     assert set(conc) == {"1", "4", "16"} and all(c["tok_s"] > 0 for c in conc.values())
+    m27 = models["27b"]  # the k15 step's bytes: target + drafter layers + the LM head again, over AR's
+    assert m27["k15_bytes_over_ar"] == pytest.approx(
+        (m27["ar_bytes_per_token"] + m27["drafter_weight_bytes"] + m27["bytes"]["lm_head"]) / m27["ar_bytes_per_token"])
+    assert m27["k15_bytes_over_ar"] > 1
     metrics = {(t["model"], t["metric"]) for t in res["targets"]}
     assert ("Qwen3.6-27B (tiny)", "k15_over_ar") in metrics
+    k15 = next(t for t in res["targets"] if t["metric"] == "k15_over_ar")
+    assert k15["bytes_bound"] == m27["k15_bytes_over_ar"]
     assert ("Qwen3-Coder-30B-A3B (tiny)", "verify_fraction (correlated)") in metrics
     out = capsys.readouterr().out.rstrip().splitlines()
     table_at = next(i for i, line in enumerate(out) if line.startswith("| model |"))
