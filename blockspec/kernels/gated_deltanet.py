@@ -6,8 +6,10 @@ indexed by slot, so every function takes the rows' slots as device tensors: no h
 data-dependent shapes, so each call can be captured in a CUDA graph.
 
 - `gdn_recurrent`: the gated delta rule over the L tokens of each row with the gating fused in
-  (raw q/k, a, b, A_log, dt_bias in): the state tile stays in registers across the tokens and the
-  state is read once and written at most once (plus per-token checkpoints when asked).
+  (raw q/k, a, b, A_log, dt_bias in): the state is read once and written at most once (plus per-token
+  checkpoints when asked). Decode rows (and blocks with checkpoints) take the recurrent kernel, whose
+  state tile stays in registers across the tokens; verify blocks of 2-32 tokens the chunk kernel, which
+  solves the block in the WY form in a few small dots instead of a dependent chain a token.
   Optionally the GatedRMSNorm of the output is folded into its epilogue.
 - `causal_conv_update`: the short depthwise causal convolution + SiLU continuing from each row's
   saved inputs, writing the window after the committed tokens.
@@ -18,8 +20,9 @@ Each has a plain-PyTorch `_ref` built from exactly the ops of the eager layer
 bit; the public functions take the Triton kernel where `use_triton` says so, else the reference.
 
 Speculative rollback: a verify pass (no write) followed by a commit with `counts` (accepted + 1) and
-`write_slots` runs the same per-token code for the committed prefix as the verify pass did, so the
-committed state is the very state the verify pass reached at that position.
+`write_slots` recomputes the committed prefix on the kernel the verify pass took: on the recurrent kernel
+the committed state is the very state the verify pass reached at that position (its checkpoint, bit for
+bit); on the chunk kernel it is the same solve's state after `count` tokens.
 """
 
 from __future__ import annotations
@@ -519,10 +522,11 @@ def gdn_recurrent(q: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor, a: t
     [N, L, H, Dk, Dv]: the state after each token. Returns o [N, L, H, Dv] float32, or None without
     compute_output; with z [N, L, H, Dv] and norm_weight [Dv], GatedRMSNorm(o, z) in z's dtype instead.
 
-    Kernel tiling: block_v value columns per program (None: `_launch_config`, which depends on N, H, Dk, Dv
-    and L only; Dv with the fused norm). The tiling fixes the order of the sum over Dk, so calls whose states
-    must agree bit for bit (a verify block and its commit) need the same block_v: the same N and L give it,
-    except after a fused-norm verify, whose commit must pass block_v=Dv (a power of two). Ignored on CPU.
+    Kernel: `_chunked` (2-32 tokens, no checkpoints) takes the chunk kernel, else the recurrent one. Tiling:
+    block_v value columns per program (None: `_chunk_launch_config` / `_launch_config`, which depend on N, H,
+    Dk, Dv and L only; Dv with the fused norm). On the recurrent kernel the tiling fixes the order of the sum
+    over Dk, so a verify block's checkpoints and a commit agree bit for bit with the same block_v (after a
+    fused-norm verify, pass block_v=Dv to the commit). Ignored on CPU.
     """
     if use_triton(v):
         return _gdn_recurrent_triton(q, k, v, a, b, A_log, dt_bias, ssm, read_slots, counts, write_slots,
