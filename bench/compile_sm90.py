@@ -23,6 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
@@ -278,13 +279,17 @@ def cases() -> list[tuple[str, tuple, dict]]:
     chunk = {n: "i64" if n.startswith("s") and n[1] in "qkvabz" and "_" in n else "*bf16"
              for n in gdn._gdn_chunk_kernel.arg_names}
     chunk.update(SSM="*fp32", OUT="*fp32", READ="*i64", WRITE="*i64", COUNTS="*i64", scale="fp32", eps="fp32")
-    for bv, warps in ((16, 4), (32, 4), (64, 4), (128, 8)):  # a 16-token verify block (outputs) and its commit
+    for n_rows, heads in ((1, 32), (1, 48), (4, 32)):  # a 16-token verify block and its commit, as bf16 launches
+        bv, warps = gdn._chunk_launch_config(n_rows, heads, 128)
         for out_on in (True, False):
-            out.append((f"gdn_chunk BV={bv} warps={warps} {'verify' if out_on else 'commit'}", (
+            norm = out_on and gdn.verify_fuses_norm(n_rows, 16, heads, 128)
+            out.append((f"gdn_chunk BV={bv} warps={warps} {'verify' if out_on else 'commit'} norm={norm}", (
                 gdn._gdn_chunk_kernel, chunk, dict(
-                    L=16, LP=16, H=32, GROUP=2, DK=128, DV=128, BK=128, BV=bv, HAS_COUNTS=not out_on,
-                    HAS_WRITE=not out_on, HAS_OUT=out_on, HAS_NORM=False, ROUND_WN=False, LEVELS=4, PDL=True)),
-                dict(num_warps=warps, ptx_has=pdl_ptx)))
+                    L=16, LP=16, H=heads, GROUP=heads // 16, DK=128, DV=128, BK=128, BV=bv, HAS_COUNTS=not out_on,
+                    HAS_WRITE=not out_on, HAS_OUT=out_on, HAS_NORM=norm, ROUND_WN=norm, LEVELS=4,
+                    DOT=gdn._chunk_dot(torch.bfloat16), PDL=True)),
+                # whole heads on 4 warps spill a little (8-72 bytes) and still timed best (8 warps: 37.2 vs 29.8 us)
+                dict(num_warps=warps, ptx_has=pdl_ptx, no_spill=bv < 128)))
     det = {n: "*bf16" for n in ("X", "W", "B", "Y")} | {"M": "i32", "N_OUT": "i32"}
     for gated, res in ((False, False), (True, False), (False, True)):
         out.append((f"deterministic_linear gated={gated} residual={res}", (dl._deterministic_linear_kernel, det, dict(

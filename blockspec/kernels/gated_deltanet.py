@@ -135,7 +135,7 @@ if HAVE_TRITON:
                           DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                           HAS_COUNTS: tl.constexpr, HAS_WRITE: tl.constexpr, HAS_OUT: tl.constexpr,
                           HAS_NORM: tl.constexpr, ROUND_WN: tl.constexpr, LEVELS: tl.constexpr,
-                          DOT: tl.constexpr = "tf32x3", PDL: tl.constexpr = False):
+                          DOT: tl.constexpr = "tf32", PDL: tl.constexpr = False):
         # One program: row n, value head h, value columns [vb * BV, vb * BV + BV) of the [DK, DV] state, all L
         # tokens at once in the chunk (WY) form of the gated delta rule (`_chunk_solve`), padded to LP rows.
         wait_for_inputs(PDL)
