@@ -410,11 +410,11 @@ def _last_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _chunked(length: int, checkpoints: torch.Tensor | None) -> bool:
+def _chunked(length: int, checkpoints: torch.Tensor | None, dk: int = 128, dv: int = 128) -> bool:
     """Whether a block of `length` tokens takes the chunk kernel: every verify block of up to CHUNK_MAX tokens
     without per-token states (bench/gdn_kernels.py: the recurrent kernel pays a dependent chain of reductions a
-    token, the chunk kernel a fixed handful of small dots)."""
-    return CHUNK_MIN <= length <= CHUNK_MAX and checkpoints is None
+    token, the chunk kernel a fixed handful of small dots), on heads of 16+ dims (a dot's smallest side)."""
+    return CHUNK_MIN <= length <= CHUNK_MAX and checkpoints is None and min(dk, dv) >= 16
 
 
 def _chunk_dot(dtype: torch.dtype) -> str:
@@ -438,7 +438,7 @@ def verify_fuses_norm(n_rows: int, length: int, heads: int, dv: int) -> bool:
     """Whether a verify block's GatedRMSNorm rides in the delta-rule launch: where the chunk kernel runs whole
     heads anyway (16 rows of 32 heads: 31.1 us fused against 29.8 + 4.3 apart); one row runs narrower blocks
     and keeps the norm apart (5.1 + 1.7 us against 8.5 fused)."""
-    return _chunked(length, None) and _chunk_launch_config(n_rows, heads, dv)[0] == _pow2(dv)
+    return _chunked(length, None, dv=dv) and _chunk_launch_config(n_rows, heads, dv)[0] == _pow2(dv)
 
 
 def _gdn_recurrent_triton(q: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
@@ -459,7 +459,7 @@ def _gdn_recurrent_triton(q: torch.Tensor | None, k: torch.Tensor, v: torch.Tens
     if checkpoints is not None and (not checkpoints.is_contiguous()
                                     or checkpoints.shape != (n_rows, length, heads, dk, dv)):
         raise ValueError(f"checkpoints must be a contiguous [{n_rows}, {length}, {heads}, {dk}, {dv}] tensor")
-    chunk = _chunked(length, checkpoints) if chunk is None else chunk
+    chunk = _chunked(length, checkpoints, dk, dv) if chunk is None else chunk
     fused_norm = compute_output and z is not None
     k, v, a, b = (_last_contiguous(x) for x in (k, v, a, b))
     q = _last_contiguous(q) if compute_output else k

@@ -315,7 +315,7 @@ def test_kernel_commit_reproduces_verify_states(launch, monkeypatch):
     """Verify (checkpoints) then commit with counts 1, L and in between on the recurrent kernel, each row writing
     the slot it read: the committed states are the verify pass's checkpoints bit for bit, and match the
     reference (the engine commits from checkpoints, or recomputes on the kernel its verify blocks take)."""
-    monkeypatch.setattr(gdn, "_chunked", lambda length, checkpoints: False)
+    monkeypatch.setattr(gdn, "_chunked", lambda *args, **kwargs: False)
     length = 6
     inp = make_inputs(3, length, 2, 4, 16, 16, slots=4, device=launch, seed=2)
     read = torch.tensor([3, 0, 1], device=launch)
@@ -347,6 +347,7 @@ def test_kernel_chunk_verify_and_commit(launch, length, dtype):
     are its verify pass's up to the count and zero past it, and the state after every token (checkpoints, on
     the recurrent kernel) agrees with what the chunk kernel commits at that count."""
     assert gdn._chunked(length, None) and not gdn._chunked(length, torch.empty(0)) and not gdn._chunked(1, None)
+    assert not gdn._chunked(length, None, dk=8)  # narrower heads than a dot's side: the recurrent kernel
     inp = make_inputs(4, length, 2, 4, 16, 32, slots=6, dtype=dtype, device=launch, seed=length)
     read = torch.tensor([3, 0, 1, 5], device=launch)
     write = torch.tensor([2, 0, 4, 5], device=launch)
