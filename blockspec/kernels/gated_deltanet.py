@@ -51,6 +51,19 @@ if HAVE_TRITON:
         return (p * (zf / (1.0 + tl.exp(-zf)))).to(dtype)
 
     @triton.jit
+    def _gates(a, b, neg_a, dt_b):
+        """(beta, log decay g) of raw a (float32) and b (model dtype), per token or per block, as
+        GatedDeltaNet.forward computes them: sigmoid in b's dtype; g = -exp(A_log) softplus(a + dt_bias) with
+        torch's softplus (threshold 20), log1p(exp(x)) as log(w) * u / (w - 1), w = 1 + u, which keeps log1p's
+        precision for tiny u where log(1 + u) does not."""
+        beta = (1.0 / (1.0 + tl.exp(-b.to(tl.float32)))).to(b.dtype).to(tl.float32)
+        x = a + dt_b
+        u = tl.exp(tl.minimum(x, 20.0))
+        w = 1.0 + u
+        softplus = tl.where(x > 20.0, x, tl.where(w == 1.0, u, tl.log(w) * (u / (w - 1.0))))
+        return beta, neg_a * softplus
+
+    @triton.jit
     def _gdn_recurrent_kernel(Q, K, V, A, B, A_LOG, DT_BIAS, SSM, READ, WRITE, COUNTS, CKPT, OUT, Z, NW,
                               sq_n, sq_t, sq_h, sk_n, sk_t, sk_h, sv_n, sv_t, sv_h, sa_n, sa_t, sb_n, sb_t,
                               sz_n, sz_t, sz_h, scale, eps,
@@ -98,14 +111,8 @@ if HAVE_TRITON:
                 a = tl.load(a_row + t * sa_t).to(tl.float32)
                 b = tl.load(b_row + t * sb_t)
                 kn = kf * tl.rsqrt(tl.sum(kf * kf, axis=0) + 1e-6)
-                beta = (1.0 / (1.0 + tl.exp(-b.to(tl.float32)))).to(b.dtype).to(tl.float32)  # sigmoid in b's dtype
-                # softplus as torch's (threshold 20): log1p(exp(x)) as log(w) * u / (w - 1), w = 1 + u, which
-                # keeps log1p's precision for tiny u where log(1 + u) does not
-                x = a + dt_b
-                u = tl.exp(tl.minimum(x, 20.0))
-                w = 1.0 + u
-                softplus = tl.where(x > 20.0, x, tl.where(w == 1.0, u, tl.log(w) * (u / (w - 1.0))))
-                s = s * tl.exp(neg_a * softplus)
+                beta, g = _gates(a, b, neg_a, dt_b)
+                s = s * tl.exp(g)
                 kv = tl.sum(s * kn[:, None], axis=0)
                 delta = (vf - kv) * beta
                 s = s + kn[:, None] * delta[None, :]
@@ -137,7 +144,8 @@ if HAVE_TRITON:
                           HAS_NORM: tl.constexpr, ROUND_WN: tl.constexpr, LEVELS: tl.constexpr,
                           DOT: tl.constexpr = "tf32", PDL: tl.constexpr = False):
         # One program: row n, value head h, value columns [vb * BV, vb * BV + BV) of the [DK, DV] state, all L
-        # tokens at once in the chunk (WY) form of the gated delta rule (`_chunk_solve`), padded to LP rows.
+        # tokens at once in the chunk (WY) form of the gated delta rule (bench/NOTES.md, session 22), padded
+        # to LP rows.
         wait_for_inputs(PDL)
         release_dependents(PDL)
         n = tl.program_id(0).to(tl.int64)
@@ -165,13 +173,9 @@ if HAVE_TRITON:
         a = tl.load(A + n * sa_n + offs_t * sa_t + h, mask=live_t, other=0.0).to(tl.float32)
         b = tl.load(B + n * sb_n + offs_t * sb_t + h, mask=live_t, other=0.0)
         kn = kf * tl.rsqrt(tl.sum(kf * kf, axis=1) + 1e-6)[:, None]
-        # the gates as `_gdn_recurrent_kernel` computes them; padded tokens get beta 0 and no decay
-        beta = tl.where(live_t, (1.0 / (1.0 + tl.exp(-b.to(tl.float32)))).to(b.dtype).to(tl.float32), 0.0)
-        x = a + tl.load(DT_BIAS + h).to(tl.float32)
-        u = tl.exp(tl.minimum(x, 20.0))
-        w = 1.0 + u
-        softplus = tl.where(x > 20.0, x, tl.where(w == 1.0, u, tl.log(w) * (u / (w - 1.0))))
-        g = tl.where(live_t, -tl.exp(tl.load(A_LOG + h).to(tl.float32)) * softplus, 0.0)
+        beta, g = _gates(a, b, -tl.exp(tl.load(A_LOG + h).to(tl.float32)), tl.load(DT_BIAS + h).to(tl.float32))
+        beta = tl.where(live_t, beta, 0.0)  # padded tokens: no update and no decay
+        g = tl.where(live_t, g, 0.0)
         gc = tl.cumsum(g, axis=0)  # log of the decay from the block's start through token t
         ti = offs_t[:, None]
         tj = offs_t[None, :]
@@ -424,14 +428,17 @@ def _chunk_dot(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+_CHUNK_WARPS = 4  # every block width of the chunk kernel's sweep timed best on 4 warps
+
+
 def _chunk_launch_config(n_rows: int, heads: int, dv: int) -> tuple[int, int]:
     """(BLOCK_V, num_warps) for the chunk kernel: the narrowest value block whose programs fit one wave, else
     whole heads (bench/gdn_kernels.py --chunk-sweep, H100, L = 16: one row of 32 heads best at 32 columns (5.1
     us), of 48 heads at 64 (5.8 us); 16 rows at 128 (29.8 / 41.5 us against 37.2 / 53.0 at 32)."""
     for block_v in (32, 64):
         if block_v < dv and n_rows * heads * -(-dv // block_v) <= _NUM_SMS:
-            return block_v, 4
-    return min(128, _pow2(dv)), 4
+            return block_v, _CHUNK_WARPS
+    return min(128, _pow2(dv)), _CHUNK_WARPS
 
 
 def verify_fuses_norm(n_rows: int, length: int, heads: int, dv: int) -> bool:
@@ -468,13 +475,12 @@ def _gdn_recurrent_triton(q: torch.Tensor | None, k: torch.Tensor, v: torch.Tens
         if block_v not in (None, _pow2(dv)):
             raise ValueError(f"the fused norm runs whole heads: block_v must be {_pow2(dv)}, got {block_v}")
         block_v = _pow2(dv)
-        num_warps = num_warps or (4 if chunk else _warps_for(bk, block_v))
-    elif block_v is None:
-        block_v, heuristic_warps = (_chunk_launch_config(n_rows, heads, dv) if chunk
-                                    else _launch_config(n_rows, heads, dk, dv, length))
-        num_warps = num_warps or heuristic_warps
+    if block_v is None:
+        block_v, warps = (_chunk_launch_config(n_rows, heads, dv) if chunk
+                          else _launch_config(n_rows, heads, dk, dv, length))
     else:
-        num_warps = num_warps or (4 if chunk else _warps_for(bk, block_v))
+        warps = _CHUNK_WARPS if chunk else _warps_for(bk, block_v)
+    num_warps = num_warps or warps
     out = None
     if compute_output:
         out_dtype = z.dtype if fused_norm else torch.float32

@@ -228,14 +228,13 @@ class GatedDeltaNet(nn.Module):
         checkpoints = st.checkpoints[:n] if sd.speculative and st.checkpoints is not None else None
         if sd.speculative:
             sd.pending.append((self, (mixed, kh, vh, a, b)))
-        if checkpoints is None and verify_fuses_norm(n, q, self.num_v_heads, self.head_v_dim):
-            out = gdn_recurrent(qh, kh, vh, a, b, self.A_log, self.dt_bias, st.ssm, sd.read_slots, write_slots=write,
-                                z=z.reshape(n, q, self.num_v_heads, self.head_v_dim), norm_weight=self.norm.weight,
-                                eps=self.norm.eps)
-            return out.reshape(t, -1)
-        core = gdn_recurrent(qh, kh, vh, a, b, self.A_log, self.dt_bias, st.ssm, sd.read_slots,
-                             write_slots=write, checkpoints=checkpoints)
-        out = gated_rms_norm(core.reshape(t, self.num_v_heads, self.head_v_dim), z, self.norm.weight, self.norm.eps)
+        fused = checkpoints is None and verify_fuses_norm(n, q, self.num_v_heads, self.head_v_dim)
+        out = gdn_recurrent(qh, kh, vh, a, b, self.A_log, self.dt_bias, st.ssm, sd.read_slots, write_slots=write,
+                            checkpoints=checkpoints, z=z.reshape(n, q, *z.shape[1:]) if fused else None,
+                            norm_weight=self.norm.weight, eps=self.norm.eps)
+        if not fused:
+            out = gated_rms_norm(out.reshape(t, self.num_v_heads, self.head_v_dim), z, self.norm.weight,
+                                 self.norm.eps)
         return out.reshape(t, -1)
 
     def commit_decode(self, sd: DecodeStateMetadata, saved: tuple[torch.Tensor, ...], counts: torch.Tensor) -> None:
