@@ -255,7 +255,17 @@ def cases() -> list[tuple[str, tuple, dict]]:
         out.append((f"merge_fixed_splits sinks={sinks}", (pa._merge_fixed_splits_kernel, fixed, dict(
             SPLIT=512, GROUP=4, HEAD_DIM=128, BLOCK_M=64, HAS_SINKS=sinks)), dict(num_warps=1)))
     grouped = {n: "*bf16" for n in ("A", "W", "WU", "SW", "SWU", "OUT", "QS", "QZ", "QGS", "BIAS")}
-    grouped.update({n: "*i32" for n in ("SORTED", "ITEM_EXPERT", "ITEM_START", "ITEM_COUNT", "NUM_ITEMS")})
+    grouped.update({n: "*i32" for n in ("SORTED", "ITEM_EXPERT", "ITEM_START", "ITEM_COUNT", "NUM_ITEMS", "IDS")})
+    grouped.update(P="i32")
+    scan = dict(grouped)  # a Qwen3.6-35B-A3B verify block, bf16: its pairs found by each program (no align launch)
+    for gated, (n, k) in ((True, (512, 2048)), (False, (2048, 512))):
+        cfg = mg.gemm_config(16, n, k, mg.max_items(16, 9, 257), gated)
+        out.append((f"grouped_gemm scan gated={gated}", (mg._grouped_gemm_kernel, scan, dict(
+            N_OUT=n, K=k, SLOTS=9, E=256, GATED=gated, SHARED=True, USE_DOT=True, DOT_PRECISION="tf32",
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SCHEME="none", G=1, NG=1, SCALE_ROW_DIV=1,
+            HAS_ZERO=False, PER_ROW=False, HAS_GS=False, GS_FACTOR=1.0, FAST=False, W_STRIDE=0, S_STRIDE=0,
+            Z_STRIDE=0, HAS_BIAS=False, CLAMPED=False, LIMIT=0.0, ALPHA=1.702, SCAN=True, TOP_K=8, PB=256, PDL=True)),
+            dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, no_spill=True, ptx_has=pdl_ptx)))
     grouped.update(W="*u8", QS="*u8", QZ="*u8")
     for t in (1, 16):  # GPT-OSS experts: MXFP4 with biases and the clamped SwiGLU (gate_up)
         cfg = mg.gemm_config(t, 2880, 2880, mg.max_items(t, 4, 128), True, quantized=True)

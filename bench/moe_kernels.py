@@ -351,11 +351,16 @@ def main(argv: list[str] | None = None) -> None:
                     help="route each call's tokens among this many random experts (default: all, uniform)")
     ap.add_argument("--profile", action="store_true",
                     help="with the fused_eager path: GPU time per kernel of a call (run with BLOCKSPEC_PDL=0)")
+    ap.add_argument("--no-scan", action="store_true",
+                    help="group every step's pairs with the align kernel (moe_grouped.SCAN_MAX_PAIRS = 0), as "
+                         "before the grouped GEMMs scanned a small step's ids themselves")
     ap.add_argument("--dry-run", action="store_true", help="CPU under TRITON_INTERPRET=1, a tiny shape")
     ap.add_argument("--out", default=None, help="directory for the JSON (else $OUT, else bench/results/)")
     args = ap.parse_args(argv)
     quant = args.quant
     PROFILE = args.profile
+    if args.no_scan:
+        mg.SCAN_MAX_PAIRS = 0
     if args.dry_run:
         if not INTERPRET:
             raise SystemExit("--dry-run runs the kernels in Triton's interpreter: set TRITON_INTERPRET=1 (the "
@@ -395,10 +400,12 @@ def main(argv: list[str] | None = None) -> None:
     out = {"device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu",
            "commit": os.environ.get("COMMIT", "?"), "torch": torch.__version__, "experts": quant or "bf16",
            "copy_bandwidth_GBs": round(bw / 1e9, 1) if bw else None, "calls_per_graph": CALLS, "pool": args.pool,
+           "scan_max_pairs": mg.SCAN_MAX_PAIRS,
            "results": results}
     out_dir = Path(args.out or os.environ.get("OUT") or Path(__file__).resolve().parent / "results")
     out_dir.mkdir(parents=True, exist_ok=True)
-    name = "moe_kernels" + (f"_{quant}" if quant else "") + (f"_pool{args.pool}" if args.pool else "")
+    name = ("moe_kernels" + (f"_{quant}" if quant else "") + (f"_pool{args.pool}" if args.pool else "")
+            + ("_noscan" if args.no_scan else ""))
     (out_dir / f"{name}.json").write_text(json.dumps(out, indent=1))
 
     cols = [p for p in paths if p != "fused_eager"] + (["fused_eager"] if "fused_eager" in paths else [])

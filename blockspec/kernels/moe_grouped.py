@@ -2,7 +2,8 @@
 
     logits = x @ W_router.T                   the caller's GEMM
     route:   softmax -> top-k (-> renormalise), sigmoid(x . w_shared_gate)   } one single-program kernel up to
-    align:   group the (token, slot) pairs by expert: stable counting sort   } ROUTE_ALIGN_MAX_PAIRS pairs, else two
+    align:   group the (token, slot) pairs by expert: stable counting sort   } ROUTE_ALIGN_MAX_PAIRS pairs, else two;
+             (a small multi-token step, SCAN_MAX_PAIRS pairs: no align launch, the GEMMs scan the ids: PairScan)
     gate_up: act = silu(x @ Wg[e].T) * (x @ Wu[e].T) per pair                one grouped kernel
     down:    y = act @ Wd[e].T per pair, written at the pair's own row       one grouped kernel
     combine: out[t] = sum_j w[t, j] * y[t, j], j in slot order, float32      one kernel
@@ -344,7 +345,7 @@ if HAVE_TRITON:
 
     @triton.jit
     def _grouped_gemm_kernel(A, W, WU, SW, SWU, OUT, SORTED, ITEM_EXPERT, ITEM_START, ITEM_COUNT, NUM_ITEMS,
-                             QS, QZ, QGS, BIAS,
+                             QS, QZ, QGS, BIAS, IDS, P,
                              N_OUT: tl.constexpr, K: tl.constexpr, SLOTS: tl.constexpr, E: tl.constexpr,
                              GATED: tl.constexpr, SHARED: tl.constexpr, USE_DOT: tl.constexpr,
                              DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -353,9 +354,14 @@ if HAVE_TRITON:
                              HAS_GS: tl.constexpr, GS_FACTOR: tl.constexpr, FAST: tl.constexpr,
                              W_STRIDE: tl.constexpr, S_STRIDE: tl.constexpr, Z_STRIDE: tl.constexpr,
                              HAS_BIAS: tl.constexpr, CLAMPED: tl.constexpr, LIMIT: tl.constexpr,
-                             ALPHA: tl.constexpr, PDL: tl.constexpr = False):
+                             ALPHA: tl.constexpr, SCAN: tl.constexpr = False, TOP_K: tl.constexpr = 1,
+                             PB: tl.constexpr = 1, PDL: tl.constexpr = False):
         # One program: one work item (an expert and up to CHUNK of its pairs, contiguous in SORTED) times
         # BLOCK_N output columns; it loops over the item's pairs BLOCK_M at a time.
+        # SCAN (a small step, no align launch): program p of the P = T * SLOTS pairs takes pair p's expert if p is
+        #   that expert's first pair (else returns), and finds the expert's pairs itself in the routing's IDS
+        #   [T, TOP_K] (PB: P rounded up to a power of two), ascending as the align kernel sorts them; act and y
+        #   are both in pair order (the combine's rows).
         # GATED (gate_up): A = x [T, K] read at each pair's token; W = gate_up [E, 2 * N_OUT, K] (gate rows
         #   n, up rows N_OUT + n); OUT = act [P, N_OUT] in sorted order; act(gate, up) in the epilogue: SiLU(gate)
         #   * up, or (CLAMPED) GPT-OSS's clamped SwiGLU with LIMIT and ALPHA.
@@ -370,13 +376,24 @@ if HAVE_TRITON:
         N_W: tl.constexpr = 2 * N_OUT if GATED else N_OUT  # rows of one expert's weight
         wait_for_inputs(PDL)
         item = tl.program_id(0)
-        if item >= tl.load(NUM_ITEMS):
-            return
+        if SCAN:
+            q = tl.arange(0, PB)
+            e_all = tl.where(q < P, _pair_expert(IDS, q, q < P, TOP_K, SLOTS, E, False), -1)
+            e = tl.sum(tl.where(q == item, e_all, 0), axis=0)
+            member = (e_all == e).to(tl.int32)
+            if tl.sum(tl.where(q < item, member, 0), axis=0) > 0:  # not the expert's first pair
+                return
+            count = tl.sum(member, axis=0)
+            rank = tl.where(member > 0, tl.cumsum(member, 0) - 1, -1)  # place among the expert's pairs
+            start = 0
+        else:
+            if item >= tl.load(NUM_ITEMS):
+                return
+            e = tl.load(ITEM_EXPERT + item)
+            start = tl.load(ITEM_START + item)
+            count = tl.load(ITEM_COUNT + item)
         dtype = OUT.dtype.element_ty
         TILE: tl.constexpr = A.dtype.element_ty if (USE_DOT or FAST or not QUANT) else tl.float32
-        e = tl.load(ITEM_EXPERT + item)
-        start = tl.load(ITEM_START + item)
-        count = tl.load(ITEM_COUNT + item)
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < N_OUT
         rows_g = offs_n.to(tl.int64)
@@ -416,7 +433,11 @@ if HAVE_TRITON:
             offs_m = m0 + tl.arange(0, BLOCK_M)
             m_mask = offs_m < count
             pos = start + offs_m  # place in sorted order
-            pair = tl.load(SORTED + pos, mask=m_mask, other=0)
+            if SCAN:  # the expert's pairs ranked offs_m, and act in pair order
+                pair = tl.sum(tl.where(rank[None, :] == offs_m[:, None], q[None, :], 0), axis=1)
+                pos = pair
+            else:
+                pair = tl.load(SORTED + pos, mask=m_mask, other=0)
             if GATED:
                 a_rows = A + (pair // SLOTS)[:, None].to(tl.int64) * K
             else:
@@ -757,6 +778,27 @@ class Layout:
     max_items: int
 
 
+@dataclasses.dataclass(frozen=True)
+class PairScan:
+    """A small step's grouping left to the grouped GEMMs themselves (their SCAN mode): the routing's ids [T, k]
+    and the pair count T * slots. It saves the align launch, a latency-bound few microseconds a layer (6.8 us of
+    a Qwen3.6-35B-A3B verify layer on an H100, hybrid_gpu_moe_profile_nopdl_h100_4de5e48.json), for a scan of
+    the step's ids by every program (a few hundred int32s from L2, beside its expert's weight tiles)."""
+
+    ids: torch.Tensor
+    pairs: int
+
+
+SCAN_MAX_PAIRS = 256  # pairs up to which the grouped GEMMs scan the ids themselves (a verify block of 16 tokens
+# takes 128-176 pairs: top-8 / top-10 and a shared slot); more go through the align kernel
+
+
+def scan_applies(tokens: int, top_k: int, shared: bool) -> bool:
+    """Whether a step of `tokens` tokens is grouped by the GEMMs' scan instead of an align launch: more than one
+    token (one token's slots are distinct experts: the routing launch lists them) and at most SCAN_MAX_PAIRS pairs."""
+    return tokens > 1 and tokens * (top_k + int(shared)) <= SCAN_MAX_PAIRS
+
+
 def _layout(tokens: int, top_k: int, num_experts: int, shared: bool, device: torch.device
             ) -> tuple[Layout, dict]:
     """Empty layout buffers (one allocation) and the align kernels' constants."""
@@ -784,12 +826,16 @@ def moe_align(ids: torch.Tensor, num_experts: int, shared: bool) -> Layout:
 
 
 def moe_route_align(logits: torch.Tensor, top_k: int, renormalize: bool, x: torch.Tensor | None = None,
-                    shared_gate: torch.Tensor | None = None
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, Layout]:
+                    shared_gate: torch.Tensor | None = None, group: bool = True
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, Layout | None]:
     """`moe_route` then `moe_align`, as one single-program launch when the step is small (one token, or at most
-    ROUTE_ALIGN_MAX_PAIRS pairs over at most ROUTE_ALIGN_MAX_EXPERTS experts), else as the two launches."""
+    ROUTE_ALIGN_MAX_PAIRS pairs over at most ROUTE_ALIGN_MAX_EXPERTS experts), else as the two launches.
+    group=False (the experts scan the ids themselves: `layout_wanted`): the routing alone, a token a program, and
+    no layout."""
     t, e = logits.shape
     shared = shared_gate is not None
+    if not group:
+        return (*moe_route(logits, top_k, renormalize, x, shared_gate, block_t=1), None)
     small = t * (top_k + int(shared)) <= ROUTE_ALIGN_MAX_PAIRS
     if not small or (t > 1 and e > ROUTE_ALIGN_MAX_EXPERTS):  # a small block: one token a routing program
         weights, ids, shared_w = moe_route(logits, top_k, renormalize, x, shared_gate, block_t=1 if small else None)
@@ -811,8 +857,20 @@ def moe_route_align(logits: torch.Tensor, top_k: int, renormalize: bool, x: torc
     return weights, ids, shared_w, layout
 
 
+def layout_wanted(x: torch.Tensor, top_k: int, gate_up, down, shared: SharedWeights | quant_gemv.Nvfp4Shared | None,
+                  biases: bool = False, clamped: bool = False) -> bool:
+    """Whether `moe_experts` reads an align layout for x's step, so the routing launch should build one: not
+    where the grouped GEMMs scan the ids themselves (`scan_applies`), unless NVFP4 experts take the step on
+    quant_gemv's rows kernel, which reads the layout."""
+    if not scan_applies(x.shape[0], top_k, shared is not None):
+        return True
+    if not isinstance(gate_up, torch.Tensor):
+        gate_up, down = quant_operand(gate_up, x.dtype), quant_operand(down, x.dtype)
+    return quant_gemv.moe_rows_applies(x, gate_up, down, shared, biases, clamped)
+
+
 def _grouped_gemm(a: torch.Tensor, w: Weights, wu: torch.Tensor | None, sw: torch.Tensor | None,
-                  swu: torch.Tensor | None, out: torch.Tensor, layout: Layout, slots: int, num_experts: int,
+                  swu: torch.Tensor | None, out: torch.Tensor, layout: Layout | PairScan, slots: int, num_experts: int,
                   gated: bool, cfg: GemmConfig, bias: torch.Tensor | None = None, limit: float | None = None,
                   alpha: float = 1.702) -> None:
     n_out, k = out.shape[1], a.shape[1]
@@ -832,16 +890,23 @@ def _grouped_gemm(a: torch.Tensor, w: Weights, wu: torch.Tensor | None, sw: torc
         strides = (0, 0, 0)
         weight, scales, zeros, gs = w, w, w, None
     on = pdl(a)
-    _grouped_gemm_kernel[(layout.max_items, _cdiv(n_out, cfg.block_n))](
+    if isinstance(layout, PairScan):
+        ids = layout.ids
+        items, lists = layout.pairs, (ids,) * 5
+        scan = dict(SCAN=True, TOP_K=ids.shape[1], PB=_next_pow2(layout.pairs))
+    else:
+        ids = layout.sorted_pairs
+        items, scan = layout.max_items, {}
+        lists = (layout.sorted_pairs, layout.item_expert, layout.item_start, layout.item_count, layout.num_items)
+    _grouped_gemm_kernel[(items, _cdiv(n_out, cfg.block_n))](
         a, weight, wu if wu is not None else weight, sw if sw is not None else weight,
-        swu if swu is not None else weight, out,
-        layout.sorted_pairs, layout.item_expert, layout.item_start, layout.item_count, layout.num_items,
-        scales, zeros, gs if gs is not None else scales, bias if bias is not None else scales,
+        swu if swu is not None else weight, out, *lists,
+        scales, zeros, gs if gs is not None else scales, bias if bias is not None else scales, ids, items,
         N_OUT=n_out, K=k, SLOTS=slots, E=num_experts, GATED=gated, SHARED=sw is not None, USE_DOT=cfg.use_dot,
         DOT_PRECISION=dot_precision, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         W_STRIDE=strides[0], S_STRIDE=strides[1], Z_STRIDE=strides[2], HAS_BIAS=bias is not None,
         CLAMPED=limit is not None, LIMIT=float(limit) if limit is not None else 0.0, ALPHA=float(alpha),
-        PDL=on, num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=on, **fmt)
+        PDL=on, num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=on, **fmt, **scan)
 
 
 def _check_bias(bias: torch.Tensor | None, e: int, n: int, dtype: torch.dtype, name: str) -> torch.Tensor | None:
@@ -868,7 +933,8 @@ def moe_experts(x: torch.Tensor, gate_up, down, weights: torch.Tensor, ids: torc
     shared_weight [T].
     gate_up_bias [E, 2I] / down_bias [E, H] (x's dtype) are added to the projections; `limit` (not None)
     makes the activation GPT-OSS's clamped SwiGLU with `alpha` (layers.moe.GatedActivation), else SiLU(gate)
-    * up. Four launches: align, gate_up, down, combine (three when `layout` comes from `moe_route_align`).
+    * up. Four launches: align, gate_up, down, combine; three when `layout` comes from `moe_route_align`, or when
+    the step is small enough for the GEMMs to group its pairs themselves (`scan_applies`, layout None).
     `configs` overrides the (gate_up, down) launch configs. `shared_out` ([T, H], x's dtype): a shared expert's
     output computed outside (one that does not fold: quantized), added with shared_weight in the combine launch.
     """
@@ -895,10 +961,13 @@ def moe_experts(x: torch.Tensor, gate_up, down, weights: torch.Tensor, ids: torc
         act = quant_gemv.nvfp4_moe(x, ids, gate_up, gated=True, shared=shared)  # one token: no alignment needed
         y = quant_gemv.nvfp4_moe(act, ids, down, gated=False, shared=shared)
         return _combine(x, y, weights, shared_weight, residual, k, slots, has_shared, shared_out)
-    if layout is None:
+    rows = configs is None and quant_gemv.moe_rows_applies(x, gate_up, down, shared, gate_up_bias is not None
+                                                           or down_bias is not None, limit is not None)
+    if layout is None and not rows and scan_applies(t, k, has_shared):
+        layout = PairScan(ids if ids.is_contiguous() else ids.contiguous(), t * slots)
+    elif layout is None:
         layout = moe_align(ids, e, has_shared)
-    if configs is None and quant_gemv.moe_rows_applies(x, gate_up, down, shared, gate_up_bias is not None
-                                                       or down_bias is not None, limit is not None):
+    if rows:
         rows = dict(slots=slots, tokens=t, shared=shared)  # a verify block
         act = quant_gemv.nvfp4_moe_rows(x, layout, gate_up, gated=True, **rows)
         y = quant_gemv.nvfp4_moe_rows(act, layout, down, gated=False, **rows)
@@ -906,10 +975,10 @@ def moe_experts(x: torch.Tensor, gate_up, down, weights: torch.Tensor, ids: torc
     if isinstance(shared, quant_gemv.Nvfp4Shared):
         raise ValueError("a quantized shared expert folds in only where the NVFP4 rows kernel takes the experts "
                          "(see shared_foldable)")
-    if configs is None:
+    if configs is None:  # the worst case's items either way: the align path's tiles, so the same sums
         tiles = dict(quantized=quantized, itemsize=x.element_size())
-        configs = (gemm_config(t, i, h, layout.max_items, True, **tiles),
-                   gemm_config(t, h, i, layout.max_items, False, **tiles))
+        items = max_items(t, slots, e + int(has_shared))
+        configs = (gemm_config(t, i, h, items, True, **tiles), gemm_config(t, h, i, items, False, **tiles))
     act = torch.empty(t * slots, i, dtype=x.dtype, device=x.device)
     y = torch.empty(t * slots, h, dtype=x.dtype, device=x.device)
     _grouped_gemm(x, gate_up, None, shared.gate if has_shared else None, shared.up if has_shared else None,

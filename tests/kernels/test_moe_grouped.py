@@ -257,8 +257,66 @@ def test_popular_expert_split_into_chunks():
     assert int(layout.num_items) == 6  # experts 1, 3 and the shared one: two pieces each
     shared_w, y_shared = shared_ref(x, sw, gate_w)
     want = experts_reference(x, gate_up, down, weights, ids) + shared_w[:, None] * y_shared
-    got = moe_experts(x, gate_up, down, weights, ids, sw, shared_w, configs=wide(t, h, i))
+    got = moe_experts(x, gate_up, down, weights, ids, sw, shared_w, configs=wide(t, h, i), layout=layout)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+# (T, E, k, shared, popular): small steps the grouped GEMMs group themselves; `popular`: every token's first slot
+# on expert 0, so one expert has T pairs (several 16-row tiles past T = 16)
+SCAN_CASES = [(2, 8, 2, True, False), (16, 8, 4, False, False), (16, 64, 8, True, False), (48, 32, 4, True, False),
+              (40, 16, 4, True, True), (25, 512, 10, False, True)]
+
+
+@kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("t,e,k,shared,popular", SCAN_CASES, ids=str)
+def test_scanning_experts_equal_the_aligned_layout(t, e, k, shared, popular, dtype):
+    """A small step's pairs found by the GEMMs themselves (no align launch): the same tiles of the same pairs in
+    the same order as the align kernel's layout, so the same output bit for bit; int64 ids (an override's) too."""
+    assert mg.scan_applies(t, k, shared)
+    h, i = 64, 32
+    gate_up, down, sw, gate_w = make_experts(e, h, i, dtype, seed=e, shared=shared)
+    weights, ids = random_routing(t, e, k, dtype, seed=t)
+    if popular:  # expert 0 in every token's first slot, its old place there taken by the expert it displaced
+        first = ids[:, :1].clone()
+        ids = torch.where(ids == 0, first, ids)
+        ids[:, 0] = 0
+    x = torch.randn(t, h, generator=torch.Generator().manual_seed(5)).to(dtype=dtype, device=DEVICE)
+    shared_w = torch.sigmoid(F.linear(x, gate_w))[:, 0] if shared else None
+    configs = wide(t, h, i)
+    aligned = moe_experts(x, gate_up, down, weights, ids, sw, shared_w, configs=configs,
+                          layout=moe_align(ids, e, shared))
+    for route_ids in (ids.to(torch.int32), ids):
+        assert torch.equal(moe_experts(x, gate_up, down, weights, route_ids, sw, shared_w, configs=configs), aligned)
+    want = experts_reference(x, gate_up, down, weights, ids)
+    if shared:
+        want = want + shared_w[:, None] * shared_ref(x, sw, gate_w)[1]
+    assert rel_err(aligned, want) < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+def test_layout_wanted_only_where_the_gemms_do_not_scan():
+    """One token (the routing launch lists its slots) and steps past SCAN_MAX_PAIRS pairs take the align layout;
+    a verify block of 16 tokens over unquantized experts does not."""
+    gate_up, down = torch.zeros(8, 64, 32), torch.zeros(8, 32, 32)
+    for t, k, want in ((1, 8, True), (16, 8, False), (16, 10, False), (64, 8, True)):
+        assert mg.layout_wanted(torch.zeros(t, 32), k, gate_up, down, None) is want, (t, k)
+    assert mg.scan_applies(16, 15, True) and not mg.scan_applies(16, 16, True)  # 256 pairs, then 272
+
+
+@kernel
+def test_route_without_grouping():
+    """moe_route_align(group=False): the routing alone (a token a program), no layout."""
+    g = torch.Generator().manual_seed(9)
+    t, e, k, h = 16, 256, 8, 32
+    logits = torch.randn(t, e, generator=g).to(DEVICE)
+    x = torch.randn(t, h, generator=g).to(DEVICE)
+    gate_w = torch.randn(1, h, generator=g).to(DEVICE)
+    w, ids, sw, layout = moe_route_align(logits, k, True, x, gate_w, group=False)
+    assert layout is None
+    want_w, want_ids = route(logits, k, True)
+    assert torch.equal(ids.long(), want_ids)
+    torch.testing.assert_close(w, want_w)
+    torch.testing.assert_close(sw, torch.sigmoid(F.linear(x, gate_w))[:, 0])
 
 
 @kernel

@@ -39,6 +39,7 @@ from blockspec.errors import ConfigError
 from blockspec.kernels.moe_grouped import (
     SharedWeights,
     fused_supported,
+    layout_wanted,
     moe_experts,
     moe_route,
     moe_route_align,
@@ -337,8 +338,9 @@ class SparseMoeBlock(nn.Module):
     def _forward_fused(self, x: torch.Tensor, residual: torch.Tensor | None = None,
                        logits: torch.Tensor | None = None) -> torch.Tensor:
         """Router GEMM (unless its `logits` are given), routing (top-k and the shared gate) + grouping by expert,
-        gate_up, down, combine: five launches for a small step (the routing and grouping share one), six for a
-        large one."""
+        gate_up, down, combine: five launches for a small step (the routing and grouping share one, or a verify
+        block's grouped GEMMs find their experts' pairs themselves: moe_grouped.layout_wanted), six for a large
+        one."""
         x = x if x.is_contiguous() else x.contiguous()
         gate = self.gate
         if logits is None:
@@ -350,8 +352,13 @@ class SparseMoeBlock(nn.Module):
         beside = separate and isinstance(self.shared_expert_gate, Linear) and self.shared_expert_gate.bias is None
         shared_gate = self.shared_expert_gate.weight if shared is not None else None
         layout = None
+        ex = self.experts  # Experts, or QuantExperts (the kernels dequantize its layouts in registers)
+        biases = ex.gate_up_proj_bias is not None or ex.down_proj_bias is not None
         if self.route_override is None:
-            weights, ids, shared_w, layout = moe_route_align(logits, self.top_k, self.renormalize, x, shared_gate)
+            group = layout_wanted(x, self.top_k, ex.gate_up_proj, ex.down_proj, shared, biases,
+                                  ex.activation.limit is not None)
+            weights, ids, shared_w, layout = moe_route_align(logits, self.top_k, self.renormalize, x, shared_gate,
+                                                             group=group)
         else:
             weights, ids = self.route_override(logits)
             shared_w = moe_route(logits, self.top_k, self.renormalize, x, shared_gate, topk=False)[2]
@@ -360,7 +367,6 @@ class SparseMoeBlock(nn.Module):
                                  topk=False)[2]
         if self.record_routing:
             self._record(ids)
-        ex = self.experts  # Experts, or QuantExperts (the kernels dequantize its layouts in registers)
         alone = separate and not beside  # the shared expert's whole path in module ops
         out = moe_experts(x, ex.gate_up_proj, ex.down_proj, weights, ids, shared, shared_w, layout=layout,
                           residual=None if alone else residual, gate_up_bias=ex.gate_up_proj_bias,
