@@ -78,7 +78,8 @@ def resources(cubin: bytes) -> tuple[int, int] | None:
 def cases() -> list[tuple[str, tuple, dict]]:
     out = []
     bf16 = {n: "*bf16" for n in ("X", "W", "B", "NW", "Y", "W2", "Y2", "XN")}
-    skinny = {**bf16, "M": "i32", "N_OUT": "i32", "eps": "fp32", "N2": "i32", "TILES1": "i32"}
+    skinny = {**bf16, "M": "i32", "N_OUT": "i32", "eps": "fp32", "N2": "i32", "TILES1": "i32", "WS": "*fp32",
+              "CNT": "*i32"}
     base = dict(K=2048, HAS_BIAS=False, HAS_NORM=True, GATED=False, HAS_RES=False, DOT_PRECISION="tf32")
     for dot in (False, True):
         tile = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128) if dot else dict(BLOCK_M=1, BLOCK_N=8, BLOCK_K=1024)
@@ -92,6 +93,12 @@ def cases() -> list[tuple[str, tuple, dict]]:
                                                          PAIR=False, NORM_OUT=False, BLOCK_M=1, BLOCK_N=8,
                                                          BLOCK_K=1024)), {}))
     pdl_ptx = ("griddepcontrol.wait", "griddepcontrol.launch_dependents")  # wait_for_inputs, release_dependents
+    for split, n_k in ((2, (2048, 4096)), (8, (128, 2048))):  # a residual projection and an MoE router, K split
+        bn, bk, warps, stages = sl._launch_config(16, *n_k)
+        out.append((f"skinny_linear split_k={split} N={n_k[0]}", (sl._skinny_linear_kernel, skinny, dict(
+            base, K=n_k[1], HAS_NORM=False, HAS_RES=split == 2, USE_DOT=True, PAIR=False, NORM_OUT=False, BLOCK_M=16,
+            BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, PDL=True)),
+            dict(num_warps=warps, num_stages=stages, no_spill=True, ptx_has=pdl_ptx + ("atom.",))))
     for dot in (False, True):  # programmatic dependent launch: the wait and the release
         tile = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128) if dot else dict(BLOCK_M=1, BLOCK_N=8, BLOCK_K=1024)
         out.append((f"skinny_linear PDL dot={dot}", (sl._skinny_linear_kernel, skinny, dict(

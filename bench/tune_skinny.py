@@ -29,7 +29,7 @@ import triton.testing
 
 from blockspec.kernels.activation import silu_mul
 from blockspec.kernels.rms_norm import rms_norm
-from blockspec.kernels.skinny_linear import _launch_config, _skinny_linear_kernel, skinny_linear
+from blockspec.kernels.skinny_linear import _counters, _launch_config, _skinny_linear_kernel, skinny_linear, split_k
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # first_gpu.py sits beside this script
 from first_gpu import copy_bandwidth  # noqa: E402
@@ -46,14 +46,18 @@ SHAPES = {
     "4b": [("gdn_qkvz", 12288, 2560, "plain"), ("gdn_out", 2560, 4096, "residual"), ("attn_qkv", 10240, 2560, "plain"),
            ("gate_up", 18432, 2560, "gated"), ("down", 2560, 9216, "residual"), ("lm_head", 248320, 2560, "plain")],
     "35b": [("gdn_qkvz", 12288, 2048, "plain"), ("gdn_out", 2048, 4096, "residual"), ("attn_qkv", 9216, 2048, "plain"),
-            ("lm_head", 248320, 2048, "plain")],
+            ("router", 256, 2048, "plain"), ("lm_head", 248320, 2048, "plain")],
     # Qwen3-Coder-30B-A3B (qwen3_moe): attention q|k|v and o, the router, the head
     "coder30b": [("qkv", 5120, 2048, "plain"), ("o", 2048, 4096, "residual"), ("router", 128, 2048, "plain"),
                  ("lm_head", 151936, 2048, "plain")],
 }
-DOT_CONFIGS = [c for c in itertools.product((16, 32, 64), (128, 256), (4, 8), (3, 5))
+# (BLOCK_N, BLOCK_K, warps, stages, K split): the dot path also with its K split over 2-8 programs a tile (4 warps;
+# where the split leaves whole BLOCK_K steps and no SwiGLU), the one-row path unsplit
+DOT_CONFIGS = [(*c, 1) for c in itertools.product((16, 32, 64), (128, 256), (4, 8), (3, 5))
                if not (c[0] == 16 and c[2] == 8)]
-ROW_CONFIGS = list(itertools.product((4, 8, 16), (256, 512, 1024), (4, 8), (3,)))
+DOT_CONFIGS += [(bn, bk, 4, st, sk)
+                for bn, bk, st, sk in itertools.product((16, 32, 64), (128, 256), (3, 5), (2, 4, 8))]
+ROW_CONFIGS = [(*c, 1) for c in itertools.product((4, 8, 16), (256, 512, 1024), (4, 8), (3,))]
 
 
 def prologue(x, nw, epilogue):
@@ -80,23 +84,39 @@ def dispatched(x, w, nw, res, epilogue):
     return fn
 
 
+def splits_fit(cfg, k: int, epilogue: str) -> bool:
+    """A K split leaves whole BLOCK_K steps and takes no SwiGLU (the kernel's rule)."""
+    bn, bk, _, _, sk = cfg
+    return sk == 1 or (epilogue != "gated" and k % (sk * bk) == 0)
+
+
 def dot_path(x, w, nw, res, epilogue, cfg):
-    bn, bk, warps, stages = cfg
+    bn, bk, warps, stages, sk = cfg
     m, k = x.shape
     one_row = m == 1
     n_out = w.shape[0] // 2 if epilogue == "gated" else w.shape[0]
     out = res if epilogue == "residual" else torch.empty(m, n_out, dtype=x.dtype, device=x.device)
+    tiles = triton.cdiv(n_out, bn)
+    ws = torch.empty(tiles * sk * 16 * bn, dtype=torch.float32, device=x.device) if sk > 1 else x
+    cnt = _counters(x.device) if sk > 1 else x
 
     def fn():
         h = x if one_row else prologue(x, nw, epilogue)  # one row: the norm folds into the kernel
         norm = one_row and epilogue != "residual"
-        _skinny_linear_kernel[(triton.cdiv(n_out, bn),)](
-            h, w, h, nw if norm else h, out, m, n_out, 1e-6, w, out, n_out, 0, h, K=k, HAS_BIAS=False,
+        _skinny_linear_kernel[(tiles * sk,)](
+            h, w, h, nw if norm else h, out, m, n_out, 1e-6, w, out, n_out, 0, h, ws, cnt, K=k, HAS_BIAS=False,
             HAS_NORM=norm, GATED=epilogue == "gated", HAS_RES=epilogue == "residual", USE_DOT=not one_row,
             DOT_PRECISION="tf32", BLOCK_M=1 if one_row else 16, BLOCK_N=bn, BLOCK_K=bk, PAIR=False, NORM_OUT=False,
-            num_warps=warps, num_stages=stages)
+            SPLIT_K=sk, num_warps=warps, num_stages=stages)
         return out
     return fn
+
+
+def dispatched_config(m: int, n_out: int, k: int, epilogue: str) -> tuple[int, ...]:
+    """The config skinny_linear launches for this shape, its K split last."""
+    bn, bk, warps, stages = _launch_config(m, n_out, k, epilogue == "gated")
+    sk = split_k(m, n_out, k, bn, bk) if epilogue != "gated" and m > 1 else 1
+    return bn, bk, warps, stages, sk
 
 
 def rotating(fns: list[Callable[[], torch.Tensor]]) -> Callable[[], torch.Tensor]:
@@ -140,6 +160,8 @@ def main() -> None:
             want = current_path(x, w, nw, torch.zeros_like(res), epilogue)().float()
             rows = []
             for cfg in configs:
+                if not splits_fit(cfg, k, epilogue):
+                    continue
                 fn = dot_path(x, w, nw, torch.zeros_like(res), epilogue, cfg)
                 try:
                     got = fn().float()
@@ -156,7 +178,7 @@ def main() -> None:
             table.append({"shape": name, "n": n, "k": k, "rows": args.rows, "epilogue": epilogue, "copies": copies,
                           "ideal_us": round(ideal_us, 2), "current_us": round(cur_us, 2),
                           "dispatched_us": round(ours_us, 2),
-                          "dispatched_config": _launch_config(args.rows, n_out, k, epilogue == "gated"),
+                          "dispatched_config": dispatched_config(args.rows, n_out, k, epilogue),
                           "best_dot_us": round(best_us, 2), "best_config": best_cfg, "rel_err": round(best_err, 5),
                           "all": [[round(t, 2), list(c)] for t, c, _ in rows]})
             print(f"{name:9s} ideal {ideal_us:7.1f} us  cuBLAS {cur_us:7.1f}  ours {ours_us:7.1f}  best {best_us:7.1f} "

@@ -35,11 +35,12 @@ if HAVE_TRITON:
         return acc
 
     @triton.jit(do_not_specialize=["N2", "TILES1"])  # PAIR's second width may be 1: no constexpr to reassign
-    def _skinny_linear_kernel(X, W, B, NW, Y, M, N_OUT, eps, W2, Y2, N2, TILES1, XN, K: tl.constexpr,
+    def _skinny_linear_kernel(X, W, B, NW, Y, M, N_OUT, eps, W2, Y2, N2, TILES1, XN, WS, CNT, K: tl.constexpr,
                               HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr, GATED: tl.constexpr,
                               HAS_RES: tl.constexpr, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                              PAIR: tl.constexpr, NORM_OUT: tl.constexpr, PDL: tl.constexpr = False):
+                              PAIR: tl.constexpr, NORM_OUT: tl.constexpr, SPLIT_K: tl.constexpr = 1,
+                              PDL: tl.constexpr = False):
         # One program owns BLOCK_N output columns for all M rows; with GATED it reads the matching gate rows
         # (n) and up rows (N_OUT + n) of W. With HAS_RES, Y is the residual: read, added to, written back.
         # With PAIR the programs from TILES1 on compute a second projection of the same x (W2 -> Y2, N2
@@ -49,8 +50,16 @@ if HAVE_TRITON:
         # K is constexpr: a model has a handful of K values, the trip count and (when BLOCK_K divides K) the
         # K masks become compile-time, and Triton's interpreter cannot range() over a runtime scalar under
         # NumPy >= 2.4.
+        # SPLIT_K > 1 (the dot path, no norm, gate or pair; SPLIT_K * BLOCK_K divides K): programs tile * SPLIT_K
+        # + s each take K / SPLIT_K of a tile's columns and store their float32 sums to WS; the last of them to
+        # arrive (CNT[tile], reset to 0 by it) adds the SPLIT_K sums in split order and runs the epilogue, so the
+        # result does not depend on which program came last.
         dtype = Y.dtype.element_ty
         pid = tl.program_id(0)
+        split = 0
+        if SPLIT_K > 1:
+            split = pid % SPLIT_K
+            pid = pid // SPLIT_K
         if PAIR:  # noqa: SIM102 (a compile-time branch around a runtime one: not one condition in Triton)
             if pid >= TILES1:
                 W = W2
@@ -84,8 +93,9 @@ if HAVE_TRITON:
             acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
             acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         ss1 = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)  # one-row norm: x^2 summed across K at the end
-        for k0 in range(0, K, BLOCK_K):
-            ks = k0 + offs_k
+        K_PART: tl.constexpr = K // SPLIT_K
+        for kk in range(0, K_PART, BLOCK_K):
+            ks = split * K_PART + kk + offs_k
             k_mask = ks < K
             x_mask = m_mask[:, None] & k_mask[None, :]
             xv = tl.load(x_rows + ks[None, :], mask=x_mask, other=0.0)
@@ -111,6 +121,17 @@ if HAVE_TRITON:
                 wu = tl.load(u_rows + ks[None, :], mask=w_mask, other=0.0)
                 acc_u = _accumulate(acc_u, xv, wu, USE_DOT, DOT_PRECISION)
 
+        if SPLIT_K > 1:
+            cols = tl.arange(0, BLOCK_N)
+            part = WS + (pid * SPLIT_K * BLOCK_M + offs_m[:, None]) * BLOCK_N + cols[None, :]
+            tl.store(part + split * (BLOCK_M * BLOCK_N), acc_g)
+            tl.debug_barrier()  # every thread's sums stored before the arrival is counted (release, gpu scope)
+            if tl.atomic_add(CNT + pid, 1, sem="acq_rel") != SPLIT_K - 1:
+                return
+            acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for s in tl.static_range(SPLIT_K):  # split order, whoever arrived last
+                acc_g += tl.load(part + s * (BLOCK_M * BLOCK_N), cache_modifier=".cg")
+            tl.atomic_xchg(CNT + pid, 0)  # ready for the next launch
         if USE_DOT:
             yg = acc_g
             yu = acc_u
@@ -224,6 +245,38 @@ def _launch_config(m: int, n: int, k: int, gated: bool = False) -> tuple[int, in
     return block_n, block_k, 4, 3
 
 
+_SPLIT_MAX_TILES = 16  # launches of at most this many tiles split their K
+
+
+def split_k(m: int, n: int, k: int, block_n: int, block_k: int) -> int:
+    """Programs a tile's K is split over (a power of two) on the dot path: a weight so narrow that a few programs
+    each walk all of K (an MoE router, 128-256 columns at 16 rows: 8-16 tiles) gets up to _MIN_PROGRAMS programs,
+    each with whole BLOCK_K steps. bench/tune_skinny.py on an H100 (16 rows, weights streamed from HBM, with the
+    router's norm launch: tune_skinny_{coder30b,35b,8b}_m16_h100_74fd879.json): Qwen3-Coder-30B-A3B's router 6.48 ->
+    5.56 us at 8 splits, Qwen3.6-35B-A3B's 6.45 -> 5.73; but wider launches lost at every split: o_proj 2048 x 4096
+    (128 tiles) 9.56 -> 10.8 us at 2, Coder q|k|v (80 tiles) 12.5 -> 14.1, Qwen3-8B down 37.8 -> 38.9."""
+    tiles = _cdiv(n, block_n)
+    if m == 1 or tiles > _SPLIT_MAX_TILES:
+        return 1
+    split = 1
+    while tiles * split * 2 <= _MIN_PROGRAMS and k % (2 * split * block_k) == 0:
+        split *= 2
+    return split
+
+
+_ARRIVALS = 4096  # tiles a split-K launch may have: its per-tile arrival counters, one zeroed buffer a device
+_arrival_counters: dict[torch.device, torch.Tensor] = {}
+
+
+def _counters(device: torch.device) -> torch.Tensor:
+    """The device's arrival counters: zero between launches (each tile's last program resets its own). One stream
+    at a time: two split-K launches running concurrently on two streams would share them."""
+    cnt = _arrival_counters.get(device)
+    if cnt is None:
+        cnt = _arrival_counters[device] = torch.zeros(_ARRIVALS, dtype=torch.int32, device=device)
+    return cnt
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, except that 2 or 3 rows on CPU are padded to 4. MKL's 2- and 3-row GEMM reads the
     weight about once per row: 1.2-1.5x the 4-row time on decoder-sized weights and 1.7x on SmolLM2's
@@ -270,21 +323,33 @@ def _operands_fit(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 def _skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                           norm_weight: torch.Tensor | None, eps: float, gated: bool,
-                          residual: torch.Tensor | None, norm_out: torch.Tensor | None = None) -> torch.Tensor:
-    """Launch without the support checks (the tests call it on CPU tensors under TRITON_INTERPRET=1)."""
+                          residual: torch.Tensor | None, norm_out: torch.Tensor | None = None,
+                          split: int | None = None) -> torch.Tensor:
+    """Launch without the support checks (the tests call it on CPU tensors under TRITON_INTERPRET=1). `split`:
+    the K split of the dot path (default `split_k`; 1 where a norm or the SwiGLU rides along)."""
     m, k = x.shape
     n_out = weight.shape[0] // 2 if gated else weight.shape[0]
     out = residual if residual is not None else torch.empty(m, n_out, dtype=x.dtype, device=x.device)
     block_n, block_k, num_warps, num_stages = _launch_config(m, n_out, k, gated)
     use_dot = m > 1
+    tiles = triton.cdiv(n_out, block_n)
+    if not use_dot or norm_weight is not None or gated or tiles > _ARRIVALS:
+        split = 1
+    elif split is None:
+        split = split_k(m, n_out, k, block_n, block_k)
+    if split > 1 and k % (split * block_k):
+        raise ValueError(f"a K split of {split} needs K = {k} in whole {block_k}-column steps a split")
+    ws, cnt = x, x  # (not read without a split)
+    if split > 1:
+        ws, cnt = torch.empty(tiles * split * 16 * block_n, dtype=torch.float32, device=x.device), _counters(x.device)
     on = pdl(x)
-    _skinny_linear_kernel[(triton.cdiv(n_out, block_n),)](
+    _skinny_linear_kernel[(tiles * split,)](
         x, weight, bias if bias is not None else x, norm_weight if norm_weight is not None else x, out,
-        m, n_out, eps, weight, out, n_out, 0, norm_out if norm_out is not None else x, K=k,
+        m, n_out, eps, weight, out, n_out, 0, norm_out if norm_out is not None else x, ws, cnt, K=k,
         HAS_BIAS=bias is not None, HAS_NORM=norm_weight is not None, GATED=gated, HAS_RES=residual is not None,
         USE_DOT=use_dot, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         BLOCK_M=16 if use_dot else 1, BLOCK_N=block_n, BLOCK_K=block_k, PAIR=False,
-        NORM_OUT=norm_out is not None and norm_weight is not None, PDL=on, num_warps=num_warps,
+        NORM_OUT=norm_out is not None and norm_weight is not None, SPLIT_K=split, PDL=on, num_warps=num_warps,
         num_stages=num_stages, launch_pdl=on)
     return out
 
@@ -301,7 +366,7 @@ def _skinny_pair_triton(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, nor
     use_dot = m > 1
     on = pdl(x)
     _skinny_linear_kernel[(tiles1 + triton.cdiv(n2, block_n),)](
-        x, w1, x, norm_weight if norm_weight is not None else x, y1, m, n1, eps, w2, y2, n2, tiles1, x, K=k,
+        x, w1, x, norm_weight if norm_weight is not None else x, y1, m, n1, eps, w2, y2, n2, tiles1, x, x, x, K=k,
         HAS_BIAS=False, HAS_NORM=norm_weight is not None, GATED=False, HAS_RES=False, USE_DOT=use_dot,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", BLOCK_M=16 if use_dot else 1,
         BLOCK_N=block_n, BLOCK_K=block_k, PAIR=True, NORM_OUT=False, PDL=on, num_warps=num_warps,

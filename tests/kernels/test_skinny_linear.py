@@ -276,3 +276,51 @@ def test_norm_out_on_the_reference_path():
     y = skinny_linear(x, w, norm_weight=nw, eps=1e-6, norm_out=xn)
     torch.testing.assert_close(xn, rms_norm_ref(x, nw, 1e-6)[0])
     torch.testing.assert_close(y, skinny_linear_ref(x, w, norm_weight=nw, eps=1e-6))
+
+
+def test_split_k_only_for_narrow_dot_launches():
+    """The K split fills the SMs a very narrow weight's tiles leave idle (an MoE router at 16 rows), in whole BLOCK_K
+    steps; one row and wider weights (measured slower split) keep one program a tile."""
+    from blockspec.kernels.skinny_linear import split_k
+
+    assert split_k(16, 128, 2048, 16, 256) == 8  # a router's 8 tiles, each split to one 256-column step
+    assert split_k(16, 256, 2048, 16, 256) == 8  # 16 tiles
+    assert split_k(16, 48, 1024, 16, 256) == 4
+    assert split_k(1, 128, 2048, 16, 256) == 1
+    assert split_k(16, 2048, 4096, 16, 256) == 1  # an o_proj's 128 tiles: measured slower split
+    assert split_k(16, 6144, 4096, 32, 128) == 1
+    assert split_k(16, 128, 96, 16, 128) == 1  # no whole step to split
+
+
+@kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
+@pytest.mark.parametrize("m", [2, 16])
+def test_split_k_matches_one_program_a_tile(monkeypatch, m, residual, dtype):
+    """A tile's K over 4 programs, the last to arrive summing their float32 sums in split order: the reference's
+    result (and the unsplit launch's to float32 rounding), the same on a second call, and the arrival counters
+    back at zero for the next launch (a CUDA graph replays it)."""
+    from blockspec.kernels.skinny_linear import _arrival_counters, _launch_config, _skinny_linear_triton, split_k
+
+    if INTERPRET:
+        _interpreter_like_gpu(monkeypatch)
+    n, k = 48, 1024
+    assert split_k(m, n, k, *_launch_config(m, n, k)[:2]) == 4
+    inp = make_inputs(m, n, k, dtype, device=KERNEL_DEVICE, seed=11, bias=True, norm=False, gated=False,
+                      residual=residual)
+    res0 = inp["residual"].clone() if residual else None
+
+    def run(split: int | None) -> torch.Tensor:
+        res = res0.clone() if residual else None
+        with torch.no_grad():
+            return _skinny_linear_triton(inp["x"], inp["weight"], inp["bias"], None, 0.0, False, res, split=split)
+
+    split, one = run(None), run(1)
+    expected = skinny_linear_ref(inp["x"], inp["weight"], inp["bias"],
+                                 residual=res0.clone() if residual else None)
+    assert rel_err(split, expected) < (1e-2 if dtype == torch.bfloat16 else 1e-5)
+    assert rel_err(split, one) < (1e-2 if dtype == torch.bfloat16 else 1e-5)
+    assert torch.equal(run(None), split)
+    assert not _arrival_counters[inp["x"].device].any()
+    with pytest.raises(ValueError, match="whole 256-column steps"):
+        run(8)
