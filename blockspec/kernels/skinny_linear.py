@@ -252,9 +252,9 @@ def split_k(m: int, n: int, k: int, block_n: int, block_k: int) -> int:
     """Programs a tile's K is split over (a power of two) on the dot path: a weight so narrow that a few programs
     each walk all of K (an MoE router, 128-256 columns at 16 rows: 8-16 tiles) gets up to _MIN_PROGRAMS programs,
     each with whole BLOCK_K steps. bench/tune_skinny.py on an H100 (16 rows, weights streamed from HBM, with the
-    router's norm launch: tune_skinny_{coder30b,35b,8b}_m16_h100_74fd879.json): Qwen3-Coder-30B-A3B's router 6.48 ->
-    5.56 us at 8 splits, Qwen3.6-35B-A3B's 6.45 -> 5.73; but wider launches lost at every split: o_proj 2048 x 4096
-    (128 tiles) 9.56 -> 10.8 us at 2, Coder q|k|v (80 tiles) 12.5 -> 14.1, Qwen3-8B down 37.8 -> 38.9."""
+    router's norm launch: tune_skinny_{coder30b,35b,8b}_m16_split_h100_74fd879.json): Qwen3-Coder-30B-A3B's router
+    6.48 -> 5.56 us at 8 splits, Qwen3.6-35B-A3B's 6.45 -> 5.73; but wider launches lost at every split: o_proj
+    2048 x 4096 (128 tiles) 9.56 -> 10.8 us at 2, Coder q|k|v (80 tiles) 12.5 -> 14.1, Qwen3-8B down 37.8 -> 38.9."""
     tiles = _cdiv(n, block_n)
     if m == 1 or tiles > _SPLIT_MAX_TILES:
         return 1
@@ -266,6 +266,10 @@ def split_k(m: int, n: int, k: int, block_n: int, block_k: int) -> int:
 
 _ARRIVALS = 4096  # tiles a split-K launch may have: its per-tile arrival counters, one zeroed buffer a device
 _arrival_counters: dict[torch.device, torch.Tensor] = {}
+
+
+def _capturing(x: torch.Tensor) -> bool:
+    return x.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def _counters(device: torch.device) -> torch.Tensor:
@@ -337,6 +341,8 @@ def _skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
         split = 1
     elif split is None:
         split = split_k(m, n_out, k, block_n, block_k)
+        if split > 1 and x.device not in _arrival_counters and _capturing(x):
+            split = 1  # the counters must outlive any one graph: allocated by an eager launch (the warm-up's) first
     if split > 1 and k % (split * block_k):
         raise ValueError(f"a K split of {split} needs K = {k} in whole {block_k}-column steps a split")
     ws, cnt = x, x  # (not read without a split)

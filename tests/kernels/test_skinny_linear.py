@@ -324,3 +324,32 @@ def test_split_k_matches_one_program_a_tile(monkeypatch, m, residual, dtype):
     assert not _arrival_counters[inp["x"].device].any()
     with pytest.raises(ValueError, match="whole 256-column steps"):
         run(8)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_split_k_inside_a_graph_capture(monkeypatch):
+    """The arrival counters outlive every graph: allocated by an eager launch, then captured and replayed (reset by
+    each replay's last programs); a capture with none allocated yet takes the unsplit launch instead of allocating
+    them from the graph's pool."""
+    import blockspec.kernels.skinny_linear as sl
+    from blockspec.runner.decode_graphs import capture_graph
+
+    monkeypatch.setattr(sl, "_arrival_counters", {})
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(16, 2048, generator=g).to("cuda", torch.bfloat16)
+    w = (torch.randn(128, 2048, generator=g) * 0.02).to("cuda", torch.bfloat16)
+    with torch.no_grad():
+        one = sl._skinny_linear_triton(x, w, None, None, 0.0, False, None, split=1)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = sl._skinny_linear_triton(x, w, None, None, 0.0, False, None)
+        graph.replay()
+        assert not sl._arrival_counters and torch.equal(captured, one)
+        eager = sl._skinny_linear_triton(x, w, None, None, 0.0, False, None)  # allocates the counters
+        graph, out = capture_graph(lambda: sl._skinny_linear_triton(x, w, None, None, 0.0, False, None))
+        for _ in range(3):
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, eager)
+            assert not sl._arrival_counters[x.device].any()
+    assert rel_err(eager, one) < 1e-2
