@@ -961,13 +961,13 @@ def moe_experts(x: torch.Tensor, gate_up, down, weights: torch.Tensor, ids: torc
         act = quant_gemv.nvfp4_moe(x, ids, gate_up, gated=True, shared=shared)  # one token: no alignment needed
         y = quant_gemv.nvfp4_moe(act, ids, down, gated=False, shared=shared)
         return _combine(x, y, weights, shared_weight, residual, k, slots, has_shared, shared_out)
-    rows = configs is None and quant_gemv.moe_rows_applies(x, gate_up, down, shared, gate_up_bias is not None
-                                                           or down_bias is not None, limit is not None)
-    if layout is None and not rows and scan_applies(t, k, has_shared):
+    on_rows = configs is None and quant_gemv.moe_rows_applies(x, gate_up, down, shared, gate_up_bias is not None
+                                                              or down_bias is not None, limit is not None)
+    if layout is None and not on_rows and scan_applies(t, k, has_shared):
         layout = PairScan(ids if ids.is_contiguous() else ids.contiguous(), t * slots)
     elif layout is None:
         layout = moe_align(ids, e, has_shared)
-    if rows:
+    if on_rows:
         rows = dict(slots=slots, tokens=t, shared=shared)  # a verify block
         act = quant_gemv.nvfp4_moe_rows(x, layout, gate_up, gated=True, **rows)
         y = quant_gemv.nvfp4_moe_rows(act, layout, down, gated=False, **rows)

@@ -268,10 +268,6 @@ _ARRIVALS = 4096  # tiles a split-K launch may have: its per-tile arrival counte
 _arrival_counters: dict[torch.device, torch.Tensor] = {}
 
 
-def _capturing(x: torch.Tensor) -> bool:
-    return x.is_cuda and torch.cuda.is_current_stream_capturing()
-
-
 def _counters(device: torch.device) -> torch.Tensor:
     """The device's arrival counters: zero between launches (each tile's last program resets its own). One stream
     at a time: two split-K launches running concurrently on two streams would share them."""
@@ -341,7 +337,7 @@ def _skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
         split = 1
     elif split is None:
         split = split_k(m, n_out, k, block_n, block_k)
-        if split > 1 and x.device not in _arrival_counters and _capturing(x):
+        if split > 1 and x.device not in _arrival_counters and x.is_cuda and torch.cuda.is_current_stream_capturing():
             split = 1  # the counters must outlive any one graph: allocated by an eager launch (the warm-up's) first
     if split > 1 and k % (split * block_k):
         raise ValueError(f"a K split of {split} needs K = {k} in whole {block_k}-column steps a split")

@@ -353,8 +353,8 @@ class SparseMoeBlock(nn.Module):
         shared_gate = self.shared_expert_gate.weight if shared is not None else None
         layout = None
         ex = self.experts  # Experts, or QuantExperts (the kernels dequantize its layouts in registers)
-        biases = ex.gate_up_proj_bias is not None or ex.down_proj_bias is not None
         if self.route_override is None:
+            biases = ex.gate_up_proj_bias is not None or ex.down_proj_bias is not None
             group = layout_wanted(x, self.top_k, ex.gate_up_proj, ex.down_proj, shared, biases,
                                   ex.activation.limit is not None)
             weights, ids, shared_w, layout = moe_route_align(logits, self.top_k, self.renormalize, x, shared_gate,
