@@ -551,6 +551,7 @@ def task_model(args: argparse.Namespace, key: str, res: dict[str, Any], save: Ca
         if count_experts:  # random tokens in every block: the uniform router's spread
             res["routing"][mode]["verify_blocks"] = touched(mode)
         v = res["verify"][mode] = hp.median_runs(request, runs, warmup)
+        v["drafts"] = engine.runner.proposer.method  # "synthetic": no drafter pass in these steps
         if args.profile and args.device == "cuda":  # real verify steps: their own routing, host gaps included
             from profile_decode import replay_sequence, steps_table
 

@@ -291,8 +291,14 @@ def set_routing(engine: Engine, share: float | None) -> None:
 
 
 def recapture(engine: Engine) -> None:
-    """Re-make the decode step (and its CUDA graphs) at the current k, so hook changes are captured."""
-    engine.set_num_speculative_tokens(engine.num_speculative_tokens)
+    """Re-make the decode step (and its CUDA graphs) at the current k, so hook changes are captured. Synthetic
+    drafts stay synthetic: set_num_speculative_tokens alone would bring the configured drafter back, and a
+    "verify step alone" would then time the drafter's pass as well."""
+    synthetic = engine.synthetic
+    if synthetic is not None:
+        engine.enable_synthetic_drafts(synthetic.references, synthetic.accept_prob, engine.num_speculative_tokens)
+    else:
+        engine.set_num_speculative_tokens(engine.num_speculative_tokens)
 
 
 def distinct_experts(engine: Engine, prompt: list[int], tokens: int, q: int) -> dict[str, Any]:

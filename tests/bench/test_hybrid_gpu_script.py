@@ -57,6 +57,8 @@ def test_tiny_cpu_flow(tmp_path, routing_hooks, capsys):
         assert m["ar"]["tok_s"] > 0 and m["k15"]["uniform"]["step_ms"] > 0 and m["verify"]["uniform"]["step_ms"] > 0
         assert 0 < m["ar_bytes_per_token"] <= m["bytes"]["total"] and m["roofline_tok_s"] > 0
         assert m["ar"]["steps"] == 7 and m["k15"]["uniform"]["tau"] >= 1
+        # the verify steps alone: synthetic drafts in every routing mode (a re-capture keeps them)
+        assert {v["drafts"] for v in m["verify"].values()} == {"synthetic"}, key
     assert models["4b"]["bytes"]["embedding"] == 0 and models["4b"]["bytes"]["lm_head"] > 0  # tied: read as the head
     for key in ("35b", "coder30b"):  # MoE: experts touched by 16-token verify passes, both routers
         rout, split = models[key]["routing"], models[key]["bytes"]
