@@ -766,8 +766,8 @@ def table(results: dict[str, Any]) -> str:
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", default=None, help=f"comma-separated of {','.join(CONFIGS)} (default: "
-                    f"{','.join(ORDER)}, those that fit)")
+    ap.add_argument("--models", default=None, help=f"comma-separated of {','.join(CONFIGS)}, or none (the checks "
+                    f"only; default: {','.join(ORDER)}, those that fit)")
     ap.add_argument("--context", type=int, default=1024, help="prompt tokens")
     ap.add_argument("--tokens", type=int, default=128, help="new tokens per request")
     ap.add_argument("--runs", type=int, default=3)
@@ -791,7 +791,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--equality-dtype", default="float32", help="dtype of the graphs-vs-eager check")
     ap.add_argument("--profile", action="store_true", help="per-kernel GPU time of the batch-1 graphs")
     ap.add_argument("--task-timeout", type=float, default=420, help="seconds one model may take")
-    ap.add_argument("--deadline", type=float, default=570, help="seconds for the whole run (the device allows 600)")
+    ap.add_argument("--deadline", type=float, default=3600,
+                    help="seconds for the whole run (a guard; on a lent device whose calls end at 600 s, pass 570)")
     ap.add_argument("--in-process", action="store_true", help="run every task in this process (tests)")
     ap.add_argument("--out", default=os.environ.get("OUT", str(BENCH / "results")))
     ap.add_argument("--task", default=None, help=argparse.SUPPRESS)  # internal: run one task (child process)
@@ -803,7 +804,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args.concurrency = [int(c) for c in args.concurrency.split(",") if c]
     args.concurrency_models = args.concurrency_models.split(",")
     args.force = args.force or args.models is not None  # named models are tried even when they look too big
-    args.models = args.models.split(",") if args.models else list(ORDER)
+    args.models = ([] if args.models == "none" else args.models.split(",")) if args.models else list(ORDER)
     unknown = [m for m in args.models if m not in CONFIGS]
     if unknown:
         ap.error(f"unknown model(s) {unknown}: choose from {', '.join(CONFIGS)}")
@@ -854,7 +855,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.device == "cuda" and not env.get("fla_available"):
         results["warning"] = "fla-core not importable: hybrids run the reference delta rule (slow); see --help"
     if not args.skip_equality:
-        results["graphs_vs_eager"] = run_task(args, argv, "equality", min(150.0, left()))
+        # float32 kernels of three small models, graphs and eager: a fresh machine compiles them all first (150 s
+        # timed out on an H100, session 24)
+        results["graphs_vs_eager"] = run_task(args, argv, "equality", min(600.0, left()))
         write()
     for key in args.models:
         if left() < 60:

@@ -147,3 +147,8 @@ def test_122b_nvfp4_shape_and_tiny_flow(tmp_path):
     assert load["weight_bytes"] == m["bytes"]["total"] + m["drafter_weight_bytes"] == m["weights_estimate_bytes"]
     assert load["peak_bytes"] is None and "note" in load
     assert [(t["metric"], t["pass"]) for t in res["targets"]] == [("load_peak_over_weights_GB", None)]
+
+
+def test_models_none_runs_the_checks_only():
+    assert hybrid_gpu.parse_args(["--models", "none"]).models == []
+    assert hybrid_gpu.parse_args([]).models == list(hybrid_gpu.ORDER)
