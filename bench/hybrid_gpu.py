@@ -804,7 +804,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args.concurrency = [int(c) for c in args.concurrency.split(",") if c]
     args.concurrency_models = args.concurrency_models.split(",")
     args.force = args.force or args.models is not None  # named models are tried even when they look too big
-    args.models = ([] if args.models == "none" else args.models.split(",")) if args.models else list(ORDER)
+    if args.models == "none":
+        args.models = []
+    else:
+        args.models = args.models.split(",") if args.models else list(ORDER)
     unknown = [m for m in args.models if m not in CONFIGS]
     if unknown:
         ap.error(f"unknown model(s) {unknown}: choose from {', '.join(CONFIGS)}")

@@ -332,6 +332,7 @@ def _skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     out = residual if residual is not None else torch.empty(m, n_out, dtype=x.dtype, device=x.device)
     block_n, block_k, num_warps, num_stages = _launch_config(m, n_out, k, gated)
     use_dot = m > 1
+    block_m = 16 if use_dot else 1
     tiles = triton.cdiv(n_out, block_n)
     if not use_dot or norm_weight is not None or gated or tiles > _ARRIVALS:
         split = 1
@@ -343,14 +344,15 @@ def _skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
         raise ValueError(f"a K split of {split} needs K = {k} in whole {block_k}-column steps a split")
     ws, cnt = x, x  # (not read without a split)
     if split > 1:
-        ws, cnt = torch.empty(tiles * split * 16 * block_n, dtype=torch.float32, device=x.device), _counters(x.device)
+        ws = torch.empty(tiles * split * block_m * block_n, dtype=torch.float32, device=x.device)
+        cnt = _counters(x.device)
     on = pdl(x)
     _skinny_linear_kernel[(tiles * split,)](
         x, weight, bias if bias is not None else x, norm_weight if norm_weight is not None else x, out,
         m, n_out, eps, weight, out, n_out, 0, norm_out if norm_out is not None else x, ws, cnt, K=k,
         HAS_BIAS=bias is not None, HAS_NORM=norm_weight is not None, GATED=gated, HAS_RES=residual is not None,
         USE_DOT=use_dot, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        BLOCK_M=16 if use_dot else 1, BLOCK_N=block_n, BLOCK_K=block_k, PAIR=False,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PAIR=False,
         NORM_OUT=norm_out is not None and norm_weight is not None, SPLIT_K=split, PDL=on, num_warps=num_warps,
         num_stages=num_stages, launch_pdl=on)
     return out
