@@ -125,11 +125,9 @@ class LlamaDecoderLayer(nn.Module):
             if isinstance(self.mlp, LlamaMLP):  # h is the norm's fresh sum: updated in place
                 return self.mlp.forward_residual(x, h)
             return h + self.mlp(x)
-        dense = isinstance(self.mlp, LlamaMLP)
         h = fused_attention_residual(h, self.input_layernorm, attn.qkv_proj, attn.o_proj,
-                                     lambda qkv: attn.attend(positions, qkv),
-                                     ahead=(self.mlp.gate_up_proj,) if dense else ())
-        if not dense:  # MoE blocks keep their own path
+                                     lambda qkv: attn.attend(positions, qkv))
+        if not isinstance(self.mlp, LlamaMLP):  # MoE blocks keep their own path
             return self.mlp.forward_norm_residual(h, self.post_attention_layernorm)  # the norm in the router GEMM
         return fused_swiglu_residual(h, self.post_attention_layernorm, self.mlp.gate_up_proj, self.mlp.down_proj)
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from blockspec.kernels.l2_prefetch import prefetch_ahead
 from blockspec.kernels.rms_norm import rms_norm_ref
 from blockspec.kernels.rotary import NORM_ZERO_CENTERED, rope_heads
 from blockspec.models import deterministic
@@ -97,7 +96,6 @@ class GatedAttention(nn.Module):
         q/k norms, partial rotary and the K/V cache write in one kernel, the add in o_proj's GEMM."""
         nq, nk, d = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = folded_linear(h, self.qkv_proj, norm)
-        prefetch_ahead([self.o_proj], h)  # into L2 while rope and attention read little from HBM
         cache = self.attn.cache_for_store()
         rope_heads(qkv, positions, self.rotary.cos, self.rotary.sin, nq, nk, d, 2 * d, 2 * nq * d,
                    (2 * nq + nk) * d, NORM_ZERO_CENTERED, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 
 import torch
 
-from blockspec.kernels import l2_prefetch
 from blockspec.kernels.decode_inputs import ROW_INPUTS
 
 # Integer inputs of a decode step: name -> length per sequence row (q: tokens per row, m: max blocks).
@@ -58,7 +57,6 @@ def capture_graph(fn: Callable[..., object], *args: object, pool=None) -> tuple[
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, pool=pool):
         out = fn(*args)
-        l2_prefetch.join()  # the side stream the layers' weight prefetches forked
     return graph, out
 
 

@@ -35,7 +35,6 @@ from torch import nn
 from blockspec.errors import ConfigError
 from blockspec.kernels.deterministic_gated_deltanet import conv_windows
 from blockspec.kernels.gated_deltanet import causal_conv_update, gated_rms_norm, gdn_recurrent, verify_fuses_norm
-from blockspec.kernels.l2_prefetch import prefetch_ahead
 from blockspec.kernels.rms_norm import rms_norm
 from blockspec.kernels.skinny_linear import skinny_linear, skinny_linear_pair
 from blockspec.models.layers import delta_rule, delta_rule_fla, deterministic_deltanet
@@ -213,7 +212,6 @@ class GatedDeltaNet(nn.Module):
         else:  # quantized input projections: the norm once, then each projection on its own kernel
             x = rms_norm(h, w, eps)[0]
             qkvz, ba = folded_linear(x, self.in_proj_qkvz), folded_linear(x, self.in_proj_ba)
-        prefetch_ahead([self.out_proj], h)  # into L2 while the conv and the recurrence read only the state
         return folded_linear(self._decode_core(qkvz, ba, sd), self.out_proj, residual=h)
 
     def _decode_core(self, qkvz: torch.Tensor, ba: torch.Tensor, sd: DecodeStateMetadata) -> torch.Tensor:

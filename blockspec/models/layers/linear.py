@@ -12,7 +12,6 @@ import torch
 from torch import nn
 
 from blockspec.kernels._triton import use_triton
-from blockspec.kernels.l2_prefetch import prefetch_ahead
 from blockspec.kernels.rms_norm import rms_norm
 from blockspec.kernels.skinny_linear import linear, skinny_linear, skinny_supported
 
@@ -75,14 +74,9 @@ def folds(x: torch.Tensor, proj: nn.Module) -> bool:
 
 
 def fused_attention_residual(h: torch.Tensor, norm: nn.Module, qkv_proj: nn.Module, o_proj: nn.Module,
-                             attend: Callable[[torch.Tensor], torch.Tensor],
-                             ahead: tuple[nn.Module, ...] = ()) -> torch.Tensor:
-    """h += o_proj(attend(qkv_proj(norm(h)))); `attend` maps the fused q|k|v rows to attention output. While it
-    runs (rope, attention, the split merge: little HBM traffic) o_proj's weights and then `ahead`'s (the MLP's)
-    are pulled into L2 on a side stream (kernels/l2_prefetch.py; inside CUDA-graph captures only)."""
-    qkv = folded_linear(h, qkv_proj, norm)
-    prefetch_ahead([o_proj, *ahead], h)
-    return folded_linear(attend(qkv), o_proj, residual=h)
+                             attend: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """h += o_proj(attend(qkv_proj(norm(h)))); `attend` maps the fused q|k|v rows to attention output."""
+    return folded_linear(attend(folded_linear(h, qkv_proj, norm)), o_proj, residual=h)
 
 
 def fused_swiglu_residual(h: torch.Tensor, norm: nn.Module, gate_up_proj: nn.Module,
