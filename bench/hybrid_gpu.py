@@ -39,6 +39,7 @@ Usage (repository root, on the GPU machine):
     python bench/hybrid_gpu.py [--models 4b,27b,35b,coder30b] [--tokens 128] [--runs 3] [--out DIR]
     python bench/hybrid_gpu.py --models gptoss20b,gptoss120b --skip-equality      # GPT-OSS, H200
     python bench/hybrid_gpu.py --models 122b --quant nvfp4 --skip-equality        # 122B-A10B NVFP4, H200
+    RTN_NUM_BITS=4 python bench/hybrid_gpu.py --models 8b --quant int4 --draft-quantization rtn   # 4-bit drafter
 fla-core is not in the GPU image: carry its wheel (pure Python; Triton and einops are there):
     python -m pip download --no-deps -d .whl fla-core==0.6.0        # here, once
     pip install -q --no-index --no-deps --target /tmp/site .whl/fla_core-0.6.0-*.whl && \\
@@ -445,7 +446,8 @@ def task_model(args: argparse.Namespace, key: str, res: dict[str, Any], save: Ca
     draft_dir = hp.write_model_dir(work / f"{key}-draft", draft, tokenizer=False)
     t0 = time.perf_counter()
     engine = hp.build_engine(model_dir, draft_dir, 15, args.device, args.dtype, max_len, max_num_seqs,
-                             None if args.gpu_memory_utilization else kv, args.gpu_memory_utilization, eager)
+                             None if args.gpu_memory_utilization else kv, args.gpu_memory_utilization, eager,
+                             args.draft_quantization)
     res["build_s"] = round(time.perf_counter() - t0, 1)
     if args.device == "cuda":  # weights + drafter + caches + whatever loading left behind at its peak
         res["peak_memory_during_build_bytes"] = torch.cuda.max_memory_allocated()
@@ -456,7 +458,11 @@ def task_model(args: argparse.Namespace, key: str, res: dict[str, Any], save: Ca
     split = hp.weight_split(engine.runner.target)
     res["bytes"] = split
     drafter = engine.runner.proposer
-    res["drafter_weight_bytes"] = sum(p.numel() * p.element_size() for p in drafter.parameters()) if drafter else None
+    from blockspec.engine.memory import weight_bytes
+
+    # as held (a quantized drafter's packed weights + scales are buffers), its own LM head copy included if any
+    res["drafter_weight_bytes"] = weight_bytes(drafter)[0] if drafter is not None else None
+    res["drafter_own_lm_head"] = getattr(drafter, "lm_head", None) is not None
     res["load_memory"] = load_memory(engine)
     if res["load_memory"]["over_weights_bytes"] is not None:
         res["load_peak_over_weights_GB"] = res["load_memory"]["over_weights_bytes"] / 1e9
@@ -578,7 +584,8 @@ def k15_bytes_bound(res: dict[str, Any]) -> float | None:
     if not drafter:
         return None
     ar = res["ar_bytes_per_token"]
-    return (ar + drafter + res["bytes"]["lm_head"]) / ar
+    head = 0 if res.get("drafter_own_lm_head") else res["bytes"]["lm_head"]  # counted in drafter's bytes then
+    return (ar + drafter + head) / ar
 
 
 def load_memory(engine) -> dict[str, Any]:
@@ -787,6 +794,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--quant", default=None, choices=sorted(QUANT_WEIGHTS),
                     help="random weights in this compressed-tensors format (issue 14's figures)")
+    ap.add_argument("--draft-quantization", default=None,
+                    help="--speculative-config's \"quantization\" for the drafter: fp8 or rtn (RTN_NUM_BITS, "
+                         "RTN_GROUP_SIZE from the environment, as vLLM)")
     ap.add_argument("--skip-equality", action="store_true")
     ap.add_argument("--equality-dtype", default="float32", help="dtype of the graphs-vs-eager check")
     ap.add_argument("--profile", action="store_true", help="per-kernel GPU time of the batch-1 graphs")
@@ -825,6 +835,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     settings = {k: getattr(args, k) for k in ("context", "tokens", "runs", "route_share", "concurrency", "quant",
+                                              "draft_quantization",
                                               "concurrency_models", "device", "dtype", "tiny", "enforce_eager",
                                               "kv_cache_memory", "gpu_memory_utilization")}
     settings["batch"] = 1
@@ -832,6 +843,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                "targets": []}
 
     out_name = f"hybrid_gpu_{args.quant}.json" if args.quant else "hybrid_gpu.json"
+    if args.draft_quantization:
+        settings["rtn"] = {k: os.environ.get(k) for k in ("RTN_NUM_BITS", "RTN_GROUP_SIZE")}
+        out_name = out_name.replace(".json", f"_draft_{args.draft_quantization}.json")
 
     def left() -> float:
         return args.deadline - (time.perf_counter() - start)

@@ -114,10 +114,11 @@ def kv_cache_bytes(target: dict[str, Any], drafter: dict[str, Any] | None, dtype
 
 def build_engine(model_dir: Path, draft_dir: Path | None, k: int, device: str, dtype: str, max_model_len: int,
                  max_num_seqs: int, kv_cache_memory: int | None, gpu_memory_utilization: float | None,
-                 enforce_eager: bool = False) -> Engine:
-    """The engine `serve` would build for these flags (random weights: load_format dummy)."""
-    spec = SpeculativeConfig(model=str(draft_dir), num_speculative_tokens=k, load_format="dummy") \
-        if draft_dir is not None else SpeculativeConfig()
+                 enforce_eager: bool = False, draft_quantization: str | None = None) -> Engine:
+    """The engine `serve` would build for these flags (random weights: load_format dummy); draft_quantization is
+    --speculative-config's "quantization" (an online method quantizes the random drafter at load)."""
+    spec = SpeculativeConfig(model=str(draft_dir), num_speculative_tokens=k, load_format="dummy",
+                             quantization=draft_quantization) if draft_dir is not None else SpeculativeConfig()
     memory: dict[str, Any] = {"kv_cache_memory": kv_cache_memory} if gpu_memory_utilization is None else \
         {"gpu_memory_utilization": gpu_memory_utilization}
     return Engine(EngineConfig(model=str(model_dir), device=device, dtype=dtype, max_model_len=max_model_len,

@@ -35,6 +35,9 @@ class SpeculativeConfig:
     method: str = "dflash"  # dflash (DFlash 1 and 2 drafter checkpoints) | mtp (the target's own head)
     draft_window: int | None = None  # drafter sees at most this many context tokens
     load_format: str = "auto"  # dummy: random drafter weights in the checkpoint's shapes (benchmarks)
+    # "quantization" (vLLM's key): the drafter's weights rounded at load by an online method, fp8 or rtn
+    # (RTN_NUM_BITS / RTN_GROUP_SIZE), its drafting LM head a rounded copy of the target's (loader/quant/online.py)
+    quantization: str | None = None
 
     @classmethod
     def from_json(cls, text: str) -> SpeculativeConfig:
@@ -57,8 +60,16 @@ class SpeculativeConfig:
         if method == "mtp" and window is not None:
             raise ConfigError("\"max_model_len\" (the drafter context window) applies to DFlash drafters, "
                               "not to method \"mtp\": drop it")
+        quantization = raw.get("quantization")
+        if quantization is not None and not isinstance(quantization, str):
+            raise ConfigError(f"--speculative-config \"quantization\" must be a method name such as \"fp8\", not "
+                              f"{quantization!r}")
+        if quantization is not None and method == "mtp":
+            raise ConfigError("\"quantization\" applies to a DFlash drafter's own weights; method \"mtp\" drafts "
+                              "with the target's head, stored as the target is: drop it")
         return cls(model=model, num_speculative_tokens=None if k is None else int(k),
-                   draft_window=None if window is None else int(window), method=method)
+                   draft_window=None if window is None else int(window), method=method,
+                   quantization=None if quantization is None else quantization.lower())
 
     @property
     def enabled(self) -> bool:
@@ -177,3 +188,7 @@ class EngineConfig:
             from blockspec.loader.quant.config import check_flag
 
             check_flag(self.quantization)
+        if self.speculative.quantization is not None:
+            from blockspec.loader.quant.online import online_scheme
+
+            online_scheme(self.speculative.quantization)  # a known method, and RTN_* readable

@@ -222,31 +222,49 @@ def target_footprint(config: dict[str, Any], dtype_name: str, model_dir: Path | 
         bytes_source=source, notes=notes)
 
 
-def drafter_footprint(config: dict[str, Any], dtype_name: str) -> Footprint:
+def drafter_footprint(config: dict[str, Any], dtype_name: str, quantization: str | None = None,
+                      target_vocab_hidden: tuple[int, int] | None = None) -> Footprint:
     """Counts for a z-lab DFlash drafter: decoder layers + fc + norms (DFlash 2: + the convolutions and the
     candidate selector); embedding and LM head are the target's. A step reads all of it but the selector's
-    codebooks, of which it reads a few rows."""
+    codebooks, of which it reads a few rows. With `quantization` (--speculative-config's online method) its
+    projections are counted as that layout holds them, plus its rounded copy of the target's LM head
+    (target_vocab_hidden: the target's vocabulary and hidden size; the drafter's own fields otherwise)."""
     elem_bytes = kv_elem = DTYPE_BYTES[dtype_name]
     h = int(config["hidden_size"])
     nh = int(config["num_attention_heads"])
     nkv = int(config.get("num_key_value_heads") or nh)
     hd = int(config.get("head_dim") or h // nh)
+    inter = int(config["intermediate_size"])
     n_layers = int(config["num_hidden_layers"])
     dflash = config.get("dflash_config") or {}
     n_ctx = len(dflash.get("target_layer_ids") or config.get("target_layer_ids") or [None] * n_layers)
     qwen3_like = {**config, "model_type": "qwen3"}  # drafter layers are Qwen3 blocks (q/k norm)
-    per_layer = _attention_params(qwen3_like) + 3 * h * int(config["intermediate_size"]) + 2 * h
+    per_layer = _attention_params(qwen3_like) + 3 * h * inter + 2 * h
     taps, group = int(dflash.get("conv_kernel_size") or 0), int(dflash.get("conv_group_size") or 1)
     per_layer += 2 * (2 * taps * h + h * 2 * taps * (h // group))  # attention_conv, mlp_conv
     rank = int(dflash.get("selector_rank") or 0)
     codebooks = 2 * int(config["vocab_size"]) * rank
     total = n_layers * per_layer + n_ctx * h * h + 2 * h + codebooks + h * rank
-    read = total - codebooks
+    weight_bytes, head_params, notes = total * elem_bytes, 0, []
+    if quantization is not None:
+        from blockspec.loader.quant.online import online_scheme
+
+        scheme = online_scheme(quantization)
+        # the projections quantize_online rounds, [out, in] each (spec/dflash.DFlashDrafter.quantizable)
+        shapes = [((nh + 2 * nkv) * hd, h), (h, nh * hd), (2 * inter, h), (h, inter)] * n_layers + [(h, n_ctx * h)]
+        rounded = sum(n * k for n, k in shapes)
+        vocab, hidden = target_vocab_hidden or (int(config["vocab_size"]), h)
+        head_params = vocab * hidden
+        weight_bytes += sum(scheme.bytes_for(n, k, elem_bytes) for n, k in shapes) - rounded * elem_bytes
+        weight_bytes += scheme.bytes_for(vocab, hidden, elem_bytes)
+        notes.append(f"drafter in {scheme.describe()}, with its own rounded copy of the target's LM head")
+    read = weight_bytes - codebooks * elem_bytes
     return Footprint(
-        total_params=total, active_params=read, embedding_params=0, lm_head_params=0,
-        weight_bytes=total * elem_bytes, read_bytes_per_token=read * elem_bytes, full_attention_layers=n_layers,
-        linear_attention_layers=0, kv_bytes_per_token=n_layers * 2 * nkv * hd * kv_elem, state_bytes_per_seq=0,
-        bytes_source="config", notes=[])
+        total_params=total + head_params, active_params=total + head_params - codebooks, embedding_params=0,
+        lm_head_params=head_params, weight_bytes=weight_bytes, read_bytes_per_token=read,
+        full_attention_layers=n_layers, linear_attention_layers=0,
+        kv_bytes_per_token=n_layers * 2 * nkv * hd * kv_elem, state_bytes_per_seq=0, bytes_source="config",
+        notes=notes)
 
 
 def _quantized_bytes(model_dir: Path, elem_bytes: int, tensors: dict[str, tuple[str, tuple[int, ...]]],

@@ -43,6 +43,7 @@ UNIFIED_SAFE_UTILIZATION = 0.85  # above this a unified-memory box starves its O
 class PlanInputs:
     model: str | None = None
     draft: str | None = None
+    draft_quantization: str | None = None  # --speculative-config "quantization" (an online method)
     num_speculative_tokens: int | None = None
     gpu_memory_utilization: float = 0.9
     max_model_len: int | None = None
@@ -141,7 +142,8 @@ def make_plan(inp: PlanInputs) -> dict[str, Any]:
 
         draft_dir = Path(inp.draft)
         dcfg = DrafterConfig.from_dir(draft_dir)
-        drafter = drafter_footprint(read_config_json(draft_dir), dtype)
+        drafter = drafter_footprint(read_config_json(draft_dir), dtype, inp.draft_quantization,
+                                    (int(text["vocab_size"]), int(text["hidden_size"])))
         block = dcfg.block_size
         if mcfg is not None:
             try:
@@ -156,10 +158,10 @@ def make_plan(inp: PlanInputs) -> dict[str, Any]:
     max_len = inp.max_model_len or limit
     if max_len > limit:
         reasons.append(f"--max-model-len {max_len} exceeds the model's max_position_embeddings {limit}: lower it")
-    engine_cfg = EngineConfig(model=str(model_dir), speculative=SpeculativeConfig(model=inp.draft,
-                              num_speculative_tokens=k), max_model_len=max_len, max_num_seqs=inp.max_num_seqs,
-                              max_num_batched_tokens=inp.max_num_batched_tokens, block_size=inp.block_size,
-                              gpu_memory_utilization=inp.gpu_memory_utilization,
+    spec = SpeculativeConfig(model=inp.draft, num_speculative_tokens=k, quantization=inp.draft_quantization)
+    engine_cfg = EngineConfig(model=str(model_dir), speculative=spec, max_model_len=max_len,
+                              max_num_seqs=inp.max_num_seqs, max_num_batched_tokens=inp.max_num_batched_tokens,
+                              block_size=inp.block_size, gpu_memory_utilization=inp.gpu_memory_utilization,
                               enable_prefix_caching=inp.enable_prefix_caching, mamba_cache_mode=inp.mamba_cache_mode,
                               mamba_block_size=inp.mamba_block_size, mamba_cache_snapshots=inp.mamba_cache_snapshots)
     try:
@@ -290,8 +292,9 @@ def _roofline(bandwidth: float | None, target: Footprint, drafter: Footprint | N
     out: dict[str, Any] = {"bandwidth_gbs": bandwidth, "bytes_per_token": target.read_bytes_per_token + state_rw,
                            "ar_tok_s": ar, "ar_tok_s_at_max_model_len": at_len}
     if drafter is not None and k:
-        lm_head = int(text["vocab_size"]) * int(text["hidden_size"]) * elem  # the drafter reads the target's
-        step = target.read_bytes_per_token + state_rw + drafter.weight_bytes + lm_head
+        # the drafter reads the target's LM head, or its own rounded copy (counted in its bytes then)
+        lm_head = 0 if drafter.lm_head_params else int(text["vocab_size"]) * int(text["hidden_size"]) * elem
+        step = target.read_bytes_per_token + state_rw + drafter.read_bytes_per_token + lm_head
         taus = [t for t in (2, 3, 4, 5, 6, 8) if t <= k + 1]
         out["dflash_step_bytes"] = step
         out["dflash_tok_s_at_tau"] = {str(t): bps * t / step for t in taus}

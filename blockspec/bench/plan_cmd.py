@@ -109,14 +109,15 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def inputs_from_args(args: argparse.Namespace) -> PlanInputs:
-    draft, k = args.draft, args.num_speculative_tokens
+    draft, k, draft_quantization = args.draft, args.num_speculative_tokens, None
     if args.speculative_config:
         from blockspec.config import SpeculativeConfig
 
         spec = SpeculativeConfig.from_json(args.speculative_config)
         draft = draft or spec.model
         k = k if k is not None else spec.num_speculative_tokens
-    return PlanInputs(model=args.model, draft=draft, num_speculative_tokens=k,
+        draft_quantization = spec.quantization
+    return PlanInputs(model=args.model, draft=draft, draft_quantization=draft_quantization, num_speculative_tokens=k,
                       gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
                       max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                       block_size=args.block_size, dtype=args.dtype,

@@ -28,6 +28,8 @@ from blockspec.engine.scheduler import Scheduler
 from blockspec.engine.sequence import Sequence
 from blockspec.engine.state_pool import allocate_state, block_allocator, resize_for_k
 from blockspec.errors import ConfigError, OutOfMemoryError, RequestError
+from blockspec.loader.quant.config import declared_quantization
+from blockspec.loader.quant.online import online_scheme
 from blockspec.loader.tokenizer import load_eos_token_ids, load_tokenizer
 from blockspec.loader.weights import load_weights, resolve_model_path
 from blockspec.models import deterministic
@@ -71,6 +73,8 @@ class Engine:
             load_base = start_load_peak(self.device)
             drafter = self._load_drafter()
             target = self._load_target()
+            if drafter is not None and self.config.speculative.quantization:  # its drafting head, from the target's
+                drafter.quantize_online(online_scheme(self.config.speculative.quantization), target.lm_head_weight)
             # the configured proposer, kept when k is set to 0 or drafts turn synthetic, so it can come back
             self.proposer: Proposer | None = drafter if drafter is not None else self._load_mtp(target)
             # device bytes at the load's peak over those held before it (None off CUDA): weights + what loading
@@ -187,9 +191,18 @@ class Engine:
         cfg = DrafterConfig.from_dir(draft_dir)
         cfg.check_target(self.model_config)
         rope_len = self.max_model_len + cfg.block_size
+        declared, source = declared_quantization(draft_dir)
+        if declared is not None:
+            method = declared.get("quant_method") or "a quantization"
+            raise ConfigError(f"draft model {spec.model} is stored quantized ({source} declares {method}); "
+                              "blockspec reads DFlash drafters in bf16 / fp16 / fp32 and quantizes them itself: "
+                              "point \"model\" at the unquantized drafter and add \"quantization\": \"fp8\" (or "
+                              "\"rtn\") to --speculative-config")
         drafter = build_module(lambda: DFlashDrafter(cfg, rope_len), self.device, self.dtype)
         if "dummy" not in (self.config.load_format, spec.load_format):
             load_weights(drafter, draft_dir, self.device, self.dtype)
+        if spec.quantization is not None:  # its layers now (their bf16 freed before the target loads), its head later
+            drafter.quantize_online(online_scheme(spec.quantization), None)
         return drafter
 
     def enable_synthetic_drafts(self, references: dict[str, list[int]], accept_prob: float, k: int) -> None:

@@ -24,10 +24,19 @@ from torch import nn
 from blockspec.errors import ConfigError
 from blockspec.kernels.paged_attention import paged_attention
 from blockspec.kernels.rotary import rope_qk
-from blockspec.kernels.skinny_linear import linear, skinny_linear, skinny_supported
+from blockspec.kernels.skinny_linear import linear, skinny_linear
+from blockspec.loader.quant.online import OnlineScheme, quantize_modules, quantize_weight
 from blockspec.models.layers.attention import DecodeMetadata, gather_kv, pad_index, sdpa, store_kv
-from blockspec.models.layers.linear import FusedLinear, Linear, fused_attention_residual, fused_swiglu_residual
+from blockspec.models.layers.linear import (
+    FusedLinear,
+    Linear,
+    folded_linear,
+    folds,
+    fused_attention_residual,
+    fused_swiglu_residual,
+)
 from blockspec.models.layers.norm import RMSNorm
+from blockspec.models.layers.quant_linear import QuantLinear
 from blockspec.models.layers.rotary import RotaryEmbedding
 from blockspec.models.model_config import ModelConfig, read_config_json
 from blockspec.models.weight_utils import copy_named
@@ -240,13 +249,32 @@ class DFlashAttention(nn.Module):
         self.causal, self.window = causal, window
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
+        self._row_views: dict[tuple[int, int], tuple[torch.Tensor, QuantLinear | None]] = {}
+
+    def rows(self, first: int, last: int) -> nn.Module | tuple[torch.Tensor, torch.Tensor | None]:
+        """Checkpoint projections first..last of q|k|v as one projection: (weight, bias) row slices of a plain
+        fused weight, or a QuantLinear sharing a quantized one's storage (made once: a plain attribute, so the
+        bytes are not counted twice). A quantized layout that cannot be cut there runs whole (None view)."""
+        p = self.qkv_proj
+        start, end = p.shard_offset(first), p.shard_offset(last + 1)
+        if not isinstance(p, QuantLinear):
+            return p.weight[start:end], None if p.bias is None else p.bias[start:end]
+        cached = self._row_views.get((start, end))
+        if cached is None or cached[0] is not p.qweight:  # re-made after the layer's storage moved (.to())
+            cached = (p.qweight, p.row_slice(start, end))
+            self._row_views[(start, end)] = cached
+        return cached[1] if cached[1] is not None else p
 
     def _shard(self, x: torch.Tensor, shard: int) -> torch.Tensor:
         """x through one checkpoint projection (0: q, 1: k, 2: v), a row slice of the fused weight: the same
         GEMM, and the same numbers, as the separate q_proj/k_proj/v_proj layers gave."""
-        p = self.qkv_proj
-        start, end = p.shard_offset(shard), p.shard_offset(shard + 1)
-        return linear(x, p.weight[start:end], None if p.bias is None else p.bias[start:end])
+        proj = self.rows(shard, shard)
+        if isinstance(proj, tuple):
+            return linear(x, *proj)
+        y = proj(x)
+        if proj is self.qkv_proj:  # an uncuttable quantized layout: all of q|k|v, then its columns
+            y = y[..., self.qkv_proj.shard_offset(shard):self.qkv_proj.shard_offset(shard + 1)]
+        return y
 
     def proj_q(self, x: torch.Tensor) -> torch.Tensor:
         return self._shard(x, 0)
@@ -289,10 +317,13 @@ class DFlashAttention(nn.Module):
         """write_context on the un-normed fc output: the drafter's hidden_norm folds into this layer's K|V
         GEMM as its prologue, then rope_qk does k_norm + rotary and writes K and V to the cache. rope_qk
         norms only when given a q weight, so q_norm's rides along unused (no q heads: num_q=0)."""
-        p = self.qkv_proj
-        start = p.shard_offset(1)  # k|v rows: a contiguous view
-        kv = skinny_linear(ctx_raw, p.weight[start:], None if p.bias is None else p.bias[start:],
-                           norm_weight=norm.weight, eps=norm.eps)
+        proj = self.rows(1, 2)  # k|v rows: a contiguous view
+        if isinstance(proj, tuple):
+            kv = skinny_linear(ctx_raw, *proj, norm_weight=norm.weight, eps=norm.eps)
+        else:
+            kv = folded_linear(ctx_raw, proj, norm)
+            if proj is self.qkv_proj:
+                kv = kv[:, self.qkv_proj.shard_offset(1):].contiguous()
         rope_qk(kv, positions, self.rotary.cos, self.rotary.sin, 0, self.num_kv_heads, self.head_dim,
                 self.q_norm.weight, self.k_norm.weight, self.k_norm.eps, self.k_cache, self.v_cache, slots)
 
@@ -357,7 +388,7 @@ class DFlashLayer(nn.Module):
         if self.attention_conv is not None:
             h = h + self.convolved(attn, self.attention_conv, self.input_layernorm(h), meta)
             return h + self.convolved(mlp, self.mlp_conv, self.post_attention_layernorm(h), meta)
-        if not (attn.decode_fusable(meta) and skinny_supported(h, attn.qkv_proj.weight)):
+        if not (attn.decode_fusable(meta) and folds(h, attn.qkv_proj)):
             h = h + attn(self.input_layernorm(h), meta)
             return h + mlp(self.post_attention_layernorm(h))
         h = fused_attention_residual(h, self.input_layernorm, attn.qkv_proj, attn.o_proj,
@@ -388,10 +419,37 @@ class DFlashDrafter(Proposer):
         self.method = cfg.method
         self.needs = TargetNeeds(layer_ids=tuple(cfg.target_layer_ids))
         self.num_candidates = cfg.selector_top_k
+        # --speculative-config "quantization" (an online method): the drafter's own rounded copy of the target's
+        # LM head, so drafting reads it in the drafter's precision too (quantize_online)
+        self.draft_head: QuantLinear | None = None
+        self.quantization: str | None = None
+
+    def quantizable(self) -> list[str]:
+        """The projections an online quantization rounds: every layer's q|k|v, o, gate|up and down, and fc (the
+        step's bytes; DFlash 2's small convolution and selector projections stay as loaded)."""
+        names = ["fc"]
+        for i in range(len(self.layers)):
+            names += [f"layers.{i}.self_attn.qkv_proj", f"layers.{i}.self_attn.o_proj",
+                      f"layers.{i}.mlp.gate_up_proj", f"layers.{i}.mlp.down_proj"]
+        return names
+
+    def quantize_online(self, scheme: OnlineScheme, lm_head_weight: torch.Tensor | None) -> None:
+        """Round the loaded weights to `scheme` (each full-precision projection freed once its copy exists) and,
+        given the target's LM head, draft through a copy of it in the same scheme."""
+        quantize_modules(self, self.quantizable(), scheme)
+        if lm_head_weight is not None:
+            self.draft_head = quantize_weight(lm_head_weight, scheme, lm_head_weight.dtype, "the drafting LM head")
+        self.quantization = scheme.describe()
 
     @property
     def max_drafts(self) -> int:
         return self.config.block_size - 1
+
+    def describe(self) -> str:
+        if self.quantization is None:
+            return self.method
+        head = ", its LM head copy too" if self.draft_head is not None else ""
+        return f"{self.method} ({self.quantization}{head})"
 
     @property
     def attention_layers(self) -> list[DFlashAttention]:
@@ -405,9 +463,9 @@ class DFlashDrafter(Proposer):
         if features.shape[0] == 0:
             return
         attns = self.attention_layers
-        if skinny_supported(features, self.fc.weight) and all(a.can_fuse() for a in attns):
+        if folds(features, self.fc) and all(a.can_fuse() for a in attns):
             # decode steps: fc, then per layer one K|V GEMM (hidden_norm as its prologue) and one rope_qk
-            ctx_raw = skinny_linear(features, self.fc.weight)
+            ctx_raw = folded_linear(features, self.fc)
             for attn in attns:
                 attn.write_context_fused(ctx_raw, self.hidden_norm, positions, slots)
             return
@@ -432,7 +490,9 @@ class DFlashDrafter(Proposer):
 
     def compute_logits(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
         # rows flattened to 2-D: a 3-D input sends CPU linear through a batched matmul over the whole head
-        logits = linear(hidden.reshape(-1, hidden.shape[-1]), lm_head_weight).view(*hidden.shape[:-1], -1)
+        rows = hidden.reshape(-1, hidden.shape[-1])
+        logits = linear(rows, lm_head_weight) if self.draft_head is None else self.draft_head(rows.contiguous())
+        logits = logits.view(*hidden.shape[:-1], -1)
         if self.config.output_multiplier != 1.0:
             logits = logits * self.config.output_multiplier
         cap = self.config.final_logit_softcapping

@@ -15,7 +15,10 @@ import blockspec.kernels.skinny_linear as skinny_mod
 import blockspec.spec.dflash as dflash
 from blockspec.kernels._triton import kernel_device, use_triton
 from blockspec.kernels.paged_attention import paged_attention, paged_attention_ref
+from blockspec.loader.quant.online import OnlineScheme
 from blockspec.models.layers.attention import DecodeMetadata
+from blockspec.models.layers.linear import folds
+from blockspec.models.layers.quant_linear import QuantLinear
 from blockspec.spec.dflash import DFlashDrafter, DrafterConfig, DraftMetadata
 
 DEVICE = kernel_device()
@@ -37,14 +40,17 @@ def _config(bias: bool, sliding: bool = False) -> DrafterConfig:
         "dflash_config": {"mask_token_id": 1, "target_layer_ids": [1, 2]}})
 
 
-def _step(device: str, bias: bool, sliding: bool = False):
-    """A drafter with random weights and random cache contents, and one decode step's inputs."""
+def _step(device: str, bias: bool, sliding: bool = False, quant: OnlineScheme | None = None):
+    """A drafter with random weights and random cache contents, and one decode step's inputs; `quant`: its
+    projections rounded at load (--speculative-config "quantization")."""
     g = torch.Generator().manual_seed(0)
     drafter = DFlashDrafter(_config(bias, sliding), 64).to(device).eval()
     with torch.no_grad():
         for name, p in drafter.named_parameters():
             noise = torch.randn(p.shape, generator=g)
             p.copy_(1 + 0.1 * noise if name.endswith("norm.weight") else 0.08 * noise)
+    if quant is not None:
+        drafter.quantize_online(quant, None)
     m = drafter.config.model
     caches = torch.randn(2 * m.num_hidden_layers, 10, PAGE, m.num_key_value_heads, m.head_dim, generator=g)
 
@@ -89,15 +95,16 @@ def _paged_attention(q: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     return (paged_attention if q.is_cuda else paged_attention_ref)(q, *args, **kwargs)
 
 
-def _compare(monkeypatch, device: str, bias: bool, force: bool, sliding: bool = False) -> dict[str, int]:
+def _compare(monkeypatch, device: str, bias: bool, force: bool, sliding: bool = False,
+             quant: OnlineScheme | None = None) -> dict[str, int]:
     """Reference (fused path off) vs fused path; `force` takes the fused path's wiring even where the
-    kernels cannot run (skinny_linear and rope_qk then run their PyTorch references)."""
-    drafter, caches, features, embeds, meta = _step(device, bias, sliding)
+    kernels cannot run (skinny_linear, quant_linear and rope_qk then run their PyTorch references)."""
+    drafter, caches, features, embeds, meta = _step(device, bias, sliding, quant)
     before = embeds.clone()
     monkeypatch.setattr(dflash, "paged_attention", _paged_attention)
-    monkeypatch.setattr(dflash, "skinny_supported", lambda x, w: False)
+    monkeypatch.setattr(dflash, "folds", lambda x, proj: False)
     ref_hidden, ref_caches = _run(drafter, caches, features, embeds, meta)
-    monkeypatch.setattr(dflash, "skinny_supported", skinny_mod.skinny_supported)
+    monkeypatch.setattr(dflash, "folds", folds)
 
     calls = {"skinny_triton": 0, "rope_qk": 0}
     triton_launch = getattr(skinny_mod, "_skinny_linear_triton", None)
@@ -112,13 +119,14 @@ def _compare(monkeypatch, device: str, bias: bool, force: bool, sliding: bool = 
         return rotary_mod.rope_qk(qkv, *args, **kwargs)
     monkeypatch.setattr(dflash, "rope_qk", counting_rope)
     if force:
-        monkeypatch.setattr(dflash, "skinny_supported", lambda x, w: True)
+        monkeypatch.setattr(dflash, "folds", lambda x, proj: True)
     hidden, fused_caches = _run(drafter, caches, features, embeds, meta)
 
     assert torch.equal(embeds, before)  # the fused layers update their own copy in place, not the caller's
-    assert rel_err(hidden, ref_hidden) < 1e-4
+    tol = 1e-4 if quant is None else 1e-3  # the quantized kernels sum in another order than dequantize + matmul
+    assert rel_err(hidden, ref_hidden) < tol
     for i in range(fused_caches.shape[0]):  # every layer's K and V, context and block rows
-        assert rel_err(fused_caches[i], ref_caches[i]) < 1e-4
+        assert rel_err(fused_caches[i], ref_caches[i]) < tol
     touched = torch.zeros(10 * PAGE, dtype=torch.bool)
     touched[meta.ctx_slots.cpu()] = True
     touched[meta.block_slots.cpu()] = True
@@ -142,6 +150,26 @@ def test_fused_kernels_match_unfused(monkeypatch, bias):
     layers = 2
     # write_context: fc + one K|V GEMM per layer; each layer: qkv, o_proj, gate|up, down
     assert calls == {"skinny_triton": 1 + layers + 4 * layers, "rope_qk": 2 * layers}
+
+
+QUANTS = [OnlineScheme("fp8", "fp8", 0), OnlineScheme("rtn", "int8", 32), OnlineScheme("rtn", "int4", 32),
+          OnlineScheme("rtn", "int4", 0)]
+
+
+@pytest.mark.parametrize("quant", QUANTS, ids=lambda q: f"{q.scheme}g{q.group_size}")
+def test_quantized_fused_wiring_matches_unfused(monkeypatch, quant):
+    """A drafter quantized at load takes the same fused path, its projections as QuantLinears (the context write's
+    K|V GEMM on a row view of q|k|v), and agrees with its unfused path."""
+    drafter = _step("cpu", True, quant=quant)[0]
+    assert all(isinstance(drafter.get_submodule(n), QuantLinear) for n in drafter.quantizable())
+    _compare(monkeypatch, DEVICE or "cpu", True, force=True, quant=quant)
+
+
+@pytest.mark.skipif(DEVICE is None, reason="Triton kernels need a CUDA GPU (or TRITON_INTERPRET=1)")
+@pytest.mark.parametrize("quant", QUANTS, ids=lambda q: f"{q.scheme}g{q.group_size}")
+def test_quantized_fused_kernels_match_unfused(monkeypatch, quant):
+    """The real decode path of a quantized drafter: its projections on the quantized kernels."""
+    _compare(monkeypatch, DEVICE, False, force=False, quant=quant)
 
 
 def test_fused_path_only_for_decode_fast_path_layers():

@@ -373,6 +373,32 @@ class QuantLinear(_QuantTensors):
         bias = None if self.bias is None else self.bias.to(x.dtype)
         return linear(x, self.dequantize(x.dtype), bias)
 
+    def row_slice(self, start: int, end: int) -> QuantLinear | None:
+        """Outputs [start, end) as a layer of their own that shares this one's storage (the k|v rows of a fused
+        q|k|v: a drafter's context write reads only those), or None where the layout cannot be cut there (fp8
+        128-row scale blocks cut off their boundary)."""
+        if not 0 <= start < end <= self.out_features:
+            raise ValueError(f"rows [{start}, {end}) outside [0, {self.out_features})")
+        if self.scheme == "fp8" and self.group_size and (start % FP8_BLOCK or (end % FP8_BLOCK and
+                                                                              end != self.out_features)):
+            return None
+        view = QuantLinear(self.scheme, self.in_features, end - start, self.group_size, bias=False,
+                           symmetric=self.symmetric, dtype=self.dtype, device="meta")
+        block = FP8_BLOCK if self.scheme == "fp8" and self.group_size else 1
+        for name in ("qweight", "scales", "zeros", "scale_zero"):
+            t = getattr(self, name)
+            if t is None or (name in ("scales", "zeros") and self.scale_zero is not None):
+                continue
+            rows = slice(start // block, -(-end // block)) if name == "scales" else slice(start, end)
+            view._buffers[name] = t[rows]
+        if self.scale_zero is not None:
+            view._alias_scale_zero(self.dtype)
+        view._buffers["global_scale"] = self.global_scale
+        view._buffers["perm"] = self.perm
+        if self.bias is not None:
+            view.bias = nn.Parameter(self.bias[start:end], requires_grad=False)
+        return view
+
 
 class QuantExpertWeights(_QuantTensors):
     """One stacked expert projection ([E, N, K] logically): gate|up (shards [I, I]) or down."""
