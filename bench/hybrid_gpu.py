@@ -462,7 +462,7 @@ def task_model(args: argparse.Namespace, key: str, res: dict[str, Any], save: Ca
 
     # as held (a quantized drafter's packed weights + scales are buffers), its own LM head copy included if any
     res["drafter_weight_bytes"] = weight_bytes(drafter)[0] if drafter is not None else None
-    res["drafter_own_lm_head"] = getattr(drafter, "lm_head", None) is not None
+    res["drafter_own_lm_head"] = getattr(drafter, "draft_head", None) is not None
     res["load_memory"] = load_memory(engine)
     if res["load_memory"]["over_weights_bytes"] is not None:
         res["load_peak_over_weights_GB"] = res["load_memory"]["over_weights_bytes"] / 1e9
