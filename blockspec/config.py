@@ -189,6 +189,7 @@ class EngineConfig:
 
             check_flag(self.quantization)
         if self.speculative.quantization is not None:
-            from blockspec.loader.quant.online import online_scheme
+            from blockspec.loader.quant.online import draft_head_copy, online_scheme
 
             online_scheme(self.speculative.quantization)  # a known method, and RTN_* readable
+            draft_head_copy()  # BLOCKSPEC_DRAFT_HEAD readable, before anything loads

@@ -29,7 +29,7 @@ from blockspec.engine.sequence import Sequence
 from blockspec.engine.state_pool import allocate_state, block_allocator, resize_for_k
 from blockspec.errors import ConfigError, OutOfMemoryError, RequestError
 from blockspec.loader.quant.config import declared_quantization
-from blockspec.loader.quant.online import online_scheme
+from blockspec.loader.quant.online import draft_head_copy, online_scheme
 from blockspec.loader.tokenizer import load_eos_token_ids, load_tokenizer
 from blockspec.loader.weights import load_weights, resolve_model_path
 from blockspec.models import deterministic
@@ -74,7 +74,8 @@ class Engine:
             drafter = self._load_drafter()
             target = self._load_target()
             if drafter is not None and self.config.speculative.quantization:  # its drafting head, from the target's
-                drafter.quantize_online(online_scheme(self.config.speculative.quantization), target.lm_head_weight)
+                head = target.lm_head_weight if draft_head_copy() else None
+                drafter.quantize_online(online_scheme(self.config.speculative.quantization), head)
             # the configured proposer, kept when k is set to 0 or drafts turn synthetic, so it can come back
             self.proposer: Proposer | None = drafter if drafter is not None else self._load_mtp(target)
             # device bytes at the load's peak over those held before it (None off CUDA): weights + what loading

@@ -135,3 +135,17 @@ def test_plan_counts_the_bytes_the_engine_holds(tiny_models, tiny_drafter, monke
     assert plan.weight_bytes == weight_bytes(engine.proposer)[0]
     plain = drafter_footprint(json.loads((tiny_drafter / "config.json").read_text()), "float32")
     assert plan.lm_head_params == target["vocab_size"] * 64 and plain.lm_head_params == 0
+
+
+def test_draft_head_can_stay_the_targets(tiny_models, tiny_drafter, ar_tokens, monkeypatch):
+    """BLOCKSPEC_DRAFT_HEAD=target: the layers rounded, the drafts read through the target's head as loaded (no
+    copy's memory); a value other than copy / target is refused."""
+    monkeypatch.setenv("RTN_GROUP_SIZE", "32")
+    monkeypatch.setenv("BLOCKSPEC_DRAFT_HEAD", "target")
+    engine = _engine(tiny_models["qwen3"], tiny_drafter, "rtn", max_num_batched_tokens=24)
+    assert engine.proposer.draft_head is None
+    assert isinstance(engine.proposer.fc, QuantLinear)
+    assert [o.token_ids for o in _generate(engine, PROMPTS)] == ar_tokens
+    monkeypatch.setenv("BLOCKSPEC_DRAFT_HEAD", "bf16")
+    with pytest.raises(ConfigError, match="BLOCKSPEC_DRAFT_HEAD='bf16': use copy or target"):
+        _engine(tiny_models["qwen3"], tiny_drafter, "rtn")

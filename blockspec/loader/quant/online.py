@@ -55,6 +55,15 @@ class OnlineScheme:
         return n * k + n * groups * elem_bytes
 
 
+def draft_head_copy() -> bool:
+    """Whether a drafter quantized at load drafts through its own rounded copy of the target's LM head
+    (BLOCKSPEC_DRAFT_HEAD=copy) or through the target's head as loaded (=target)."""
+    value = os.environ.get("BLOCKSPEC_DRAFT_HEAD", "copy")
+    if value not in ("copy", "target"):
+        raise ConfigError(f"BLOCKSPEC_DRAFT_HEAD={value!r}: use copy or target")
+    return value == "copy"
+
+
 def _env_int(name: str, default: int) -> int:
     raw = os.environ.get(name)
     if raw is None or raw == "":
