@@ -46,6 +46,7 @@ which also read "mxfp4" through `quant_meta`.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, replace
 
 import torch
@@ -173,7 +174,9 @@ if HAVE_TRITON:
     import triton.language as tl
 
     from blockspec.kernels._triton import release_dependents, wait_for_inputs
-    from blockspec.kernels.quant_tiles import _dequant_tile  # the per-scheme tiles, shared with the MoE kernels
+
+    # the per-scheme tiles, shared with the MoE kernels
+    from blockspec.kernels.quant_tiles import _dequant_tile, _int4_tile, _tile_scales
 
     @triton.jit
     def _accumulate(acc, w, xv, USE_DOT: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -190,6 +193,45 @@ if HAVE_TRITON:
         else:
             acc += w.to(tl.float32) * xv.to(tl.float32)[:, None, :]
         return acc
+
+    @triton.jit
+    def _accumulate_group_scaled(acc, w, xv, s, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                                 BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        """The dot path's acc += s * (Wd_s @ x_s^T) for int4 tiles Wd of q - z whose slices each lie in one group
+        (POST_SCALE): the group scale s [SPLIT, BN, 1] multiplies each row's dot product once instead of every
+        weight before it."""
+        if SPLIT == 1:
+            part = tl.dot(tl.reshape(w, [BLOCK_N, BLOCK_K]), tl.trans(tl.reshape(xv, [BLOCK_M, BLOCK_K])),
+                          input_precision=DOT_PRECISION)
+            acc += part * tl.reshape(s, [BLOCK_N, 1]).to(tl.float32)
+        else:
+            part = tl.dot(w, tl.permute(xv, [0, 2, 1]), input_precision=DOT_PRECISION)
+            acc += part * s.to(tl.float32)
+        return acc
+
+    @triton.jit
+    def _step_weights(QW, S, Z, rows, n_mask, k0, z_row, SPLIT: tl.constexpr, SCHEME: tl.constexpr, K: tl.constexpr,
+                      G: tl.constexpr, NG: tl.constexpr, SCALE_ROW_DIV: tl.constexpr, HAS_ZERO: tl.constexpr,
+                      PER_ROW: tl.constexpr, POST_SCALE: tl.constexpr, FAST: tl.constexpr, TILE: tl.constexpr,
+                      EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
+        """One K step's weight tile [SPLIT, BN, BK] and what _step_accumulate scales its products by: the
+        dequantized tile (and no scale), or (POST_SCALE) the int4 tile's q - z and its slices' group scales."""
+        if POST_SCALE:
+            s, z = _tile_scales(S, Z, rows, n_mask, k0, SPLIT, SCHEME, K, G, NG, SCALE_ROW_DIV, HAS_ZERO, PER_ROW,
+                                BLOCK_K)
+            kk = k0 + tl.arange(0, SPLIT) * BLOCK_K
+            return _int4_tile(QW, s, z, rows, n_mask, kk, K, G, BLOCK_K, EVEN_K, FAST, TILE, False), s
+        w = _dequant_tile(QW, S, Z, rows, n_mask, k0, z_row, SPLIT, SCHEME, K, G, NG, SCALE_ROW_DIV, HAS_ZERO,
+                          PER_ROW, BLOCK_K, EVEN_K, FAST, TILE)
+        return w, 1.0
+
+    @triton.jit
+    def _step_accumulate(acc, w, xv, s, USE_DOT: tl.constexpr, POST_SCALE: tl.constexpr, SPLIT: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         DOT_PRECISION: tl.constexpr):
+        if POST_SCALE:
+            return _accumulate_group_scaled(acc, w, xv, s, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
+        return _accumulate(acc, w, xv, USE_DOT, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
 
     @triton.jit
     def _x_tile(x_rows, m_mask, ks, K: tl.constexpr, EVEN_K: tl.constexpr):
@@ -232,7 +274,8 @@ if HAVE_TRITON:
                              HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr, GATED: tl.constexpr,
                              HAS_RES: tl.constexpr, USE_DOT: tl.constexpr, FAST: tl.constexpr,
                              DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                             BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr = False):
+                             BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr = False,
+                             POST_SCALE: tl.constexpr = False):
         # Program (pid_n, pid_m) owns BLOCK_N output columns of BLOCK_M rows. Each step of the K loop covers
         # SPLIT * BLOCK_K columns of the weight: slice s = [k0 + s * BLOCK_K, + BLOCK_K). The dot path computes
         # the weight-as-A product acc[s] += W_s @ x_s^T as one batched dot (the warps split over the slices)
@@ -282,8 +325,8 @@ if HAVE_TRITON:
         ss = tl.zeros([SPLIT, BLOCK_K], dtype=tl.float32)  # one-row norm: x^2, summed across K after the loop
         for k0 in range(0, K, BLOCK_K * SPLIT):
             kk = k0 + tl.arange(0, SPLIT) * BLOCK_K
-            w = _dequant_tile(QW, S, Z, rows, n_mask, k0, z_row, SPLIT, SCHEME, K, G, NG, SCALE_ROW_DIV, HAS_ZERO,
-                              PER_ROW, BLOCK_K, EVEN_K, FAST, TILE)
+            w, ws = _step_weights(QW, S, Z, rows, n_mask, k0, z_row, SPLIT, SCHEME, K, G, NG, SCALE_ROW_DIV, HAS_ZERO,
+                                  PER_ROW, POST_SCALE, FAST, TILE, EVEN_K, BLOCK_K)
             ks = kk[:, None] + tl.arange(0, BLOCK_K)[None, :]  # [S, BK]
             if USE_DOT:
                 xv = _x_tile(x_rows, m_mask, ks, K, EVEN_K)
@@ -302,11 +345,13 @@ if HAVE_TRITON:
                 else:
                     ss += xf * xf
                     xv = (xf * nw).to(dtype)
-            acc = _accumulate(acc, w, xv, USE_DOT, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
+            acc = _step_accumulate(acc, w, xv, ws, USE_DOT, POST_SCALE, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K,
+                                   DOT_PRECISION)
             if GATED:
-                wu = _dequant_tile(QW, S, Z, rows_u, n_mask, k0, z_row_u, SPLIT, SCHEME, K, G, NG, SCALE_ROW_DIV,
-                                   HAS_ZERO, PER_ROW, BLOCK_K, EVEN_K, FAST, TILE)
-                acc_u = _accumulate(acc_u, wu, xv, USE_DOT, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
+                wu, wus = _step_weights(QW, S, Z, rows_u, n_mask, k0, z_row_u, SPLIT, SCHEME, K, G, NG, SCALE_ROW_DIV,
+                                        HAS_ZERO, PER_ROW, POST_SCALE, FAST, TILE, EVEN_K, BLOCK_K)
+                acc_u = _step_accumulate(acc_u, wu, xv, wus, USE_DOT, POST_SCALE, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K,
+                                         DOT_PRECISION)
 
         rstd = 1.0
         if HAS_NORM and USE_DOT:
@@ -625,17 +670,29 @@ def bytes_read(layer, meta: QuantMeta | None = None) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+def post_scale_applies(meta: QuantMeta, cfg: LaunchConfig) -> bool:
+    """Whether the dot path scales int4 groups after their dot products (POST_SCALE): every K slice lies in one
+    group (G >= BLOCK_K, both powers of two), so the tile is q - z, exact, and one multiply per output and slice
+    replaces one per weight (the decode's second bf16x2 fma and the per-byte scale operands). Decode and verify
+    tiles only (<= 16 rows: a 32-64-row tile has as many outputs as weights a step, nothing to save).
+    BLOCKSPEC_INT4_POST_SCALE=0 turns it off (bench/int4_post_scale.py times both)."""
+    return (meta.scheme == "int4" and cfg.use_dot and cfg.block_m <= 16 and meta.group >= cfg.block_k
+            and os.environ.get("BLOCKSPEC_INT4_POST_SCALE", "1") != "0")
+
+
 def _gemm_triton(x: torch.Tensor, layer, meta: QuantMeta, residual: torch.Tensor | None,
                  cfg: LaunchConfig | None = None, fast: bool | None = None, *, norm_weight: torch.Tensor | None = None,
-                 eps: float = 0.0, gated: bool = False, kernel=None) -> torch.Tensor:
+                 eps: float = 0.0, gated: bool = False, kernel=None, post_scale: bool | None = None) -> torch.Tensor:
     """Launch the GEMM on a contiguous 2-D x without the support checks (tests call it on CPU tensors under
     TRITON_INTERPRET=1; bench/quant_gemm.py passes its own cfg). norm_weight: RMSNorm folded in as the
     prologue; gated: SwiGLU over the [gate; up] halves of the layer's rows as the epilogue (meta.n / 2 outputs).
-    kernel: the compiled variant (--deterministic passes its copy unspecialised on M)."""
+    kernel: the compiled variant (--deterministic passes its copy unspecialised on M). post_scale: int4 groups
+    scaled after their dot products (None: post_scale_applies)."""
     m = x.shape[0]
     n_out = meta.n // 2 if gated else meta.n
     cfg = cfg or launch_config(meta, m, gated)
     fast = fast_unpack(meta, x.dtype) if fast is None else fast
+    post_scale = post_scale_applies(meta, cfg) if post_scale is None else post_scale
     out = residual if residual is not None else torch.empty(m, n_out, dtype=x.dtype, device=x.device)
     gs_factor = FP4_GLOBAL_BIAS if (meta.scheme in ("nvfp4", "mxfp4") and fast) else 1.0
     gs = layer.global_scale if meta.has_gs else x
@@ -650,7 +707,7 @@ def _gemm_triton(x: torch.Tensor, layer, meta: QuantMeta, residual: torch.Tensor
         HAS_BIAS=layer.bias is not None, HAS_NORM=norm_weight is not None, GATED=gated,
         HAS_RES=residual is not None, USE_DOT=cfg.use_dot, FAST=fast, DOT_PRECISION=dot_precision,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=cfg.split, PDL=on,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=on)
+        POST_SCALE=post_scale, num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=on)
     return out
 
 

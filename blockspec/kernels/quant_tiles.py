@@ -47,31 +47,37 @@ INT4_REGS = ".reg .b32 v, t<4>, one, nz;\n"
 _INT4_MAGIC = {"bf16x2": ("0x43004300", "0x3F803F80"), "f16x2": ("0x64006400", "0x3C003C00")}  # (magic, 1.0) pairs
 
 
-def int4_decode_ptx(src: str, zero_pairs: str | list[str], scale_pairs: str | list[str], out: str = "t",
+def int4_decode_ptx(src: str, zero_pairs: str | list[str], scale_pairs: str | list[str] | None, out: str = "t",
                     ty: str = "bf16x2") -> str:
     """PTX lines decoding the 4 int4 bytes in register `src` into out0..out3 (temporaries declared by INT4_REGS):
     byte i's (low, high) nibbles as the `ty` pair (q - z) * s, rounded once as dequantize() rounds it (above).
-    `zero_pairs` holds -(magic + z) as a pair, `scale_pairs` s: one register for all 4 bytes, or one a byte."""
+    `zero_pairs` holds -(magic + z) as a pair, `scale_pairs` s: one register for all 4 bytes, or one a byte;
+    None: the pairs q - z alone (exact), the caller scaling the sums they feed (a group's dot product)."""
     magic, one = _INT4_MAGIC[ty]
     zeros = [zero_pairs] * 4 if isinstance(zero_pairs, str) else zero_pairs
-    scales = [scale_pairs] * 4 if isinstance(scale_pairs, str) else scale_pairs
-    return (f"mov.b32 one, {one};\nmov.b32 nz, 0x80008000;\nshr.b32 v, {src}, 4;\n"
+    head = (f"mov.b32 one, {one};\nmov.b32 nz, 0x80008000;\nshr.b32 v, {src}, 4;\n"
             + "".join(f"prmt.b32 t{i}, {src}, v, 0xF{i + 4}F{i};\n" for i in range(4))
-            + "".join(f"lop3.b32 t{i}, t{i}, 0x000F000F, {magic}, 0xEA;\n" for i in range(4))
-            + "".join(f"fma.rn.{ty} t{i}, t{i}, one, {zeros[i]};\n" for i in range(4))
+            + "".join(f"lop3.b32 t{i}, t{i}, 0x000F000F, {magic}, 0xEA;\n" for i in range(4)))
+    if scale_pairs is None:
+        return head + "".join(f"fma.rn.{ty} {out}{i}, t{i}, one, {zeros[i]};\n" for i in range(4))
+    scales = [scale_pairs] * 4 if isinstance(scale_pairs, str) else scale_pairs
+    return (head + "".join(f"fma.rn.{ty} t{i}, t{i}, one, {zeros[i]};\n" for i in range(4))
             + "".join(f"fma.rn.{ty} {out}{i}, t{i}, {scales[i]}, nz;\n" for i in range(4)))
 
 
-def _int4_asm(ty: str) -> str:
-    """The fast int4 unpacker: bytes in $4, per-byte zero pairs $5..$8 and scale pairs $9..$12, out $0..$3."""
-    return "{\n" + INT4_REGS + int4_decode_ptx("$4", [f"${5 + i}" for i in range(4)], [f"${9 + i}" for i in range(4)],
-                                                "$", ty) + "}"
+def _int4_asm(ty: str, scaled: bool = True) -> str:
+    """The fast int4 unpacker: bytes in $4, per-byte zero pairs $5..$8 and (scaled) scale pairs $9..$12, out
+    $0..$3."""
+    scales = [f"${9 + i}" for i in range(4)] if scaled else None
+    return "{\n" + INT4_REGS + int4_decode_ptx("$4", [f"${5 + i}" for i in range(4)], scales, "$", ty) + "}"
 
 
 _E2M1_ASM = "{\n" + E2M1_REGS + e2m1_decode_ptx("$4") + "".join(
     f"fma.rn.bf16x2 ${i}, t{i}, ${i + 5}, nz;\n" for i in range(4)) + "}"
 INT4_ASM_BF16 = _int4_asm("bf16x2")
 INT4_ASM_FP16 = _int4_asm("f16x2")
+INT4_DIFF_ASM_BF16 = _int4_asm("bf16x2", scaled=False)
+INT4_DIFF_ASM_FP16 = _int4_asm("f16x2", scaled=False)
 E2M1_ASM_BF16 = _E2M1_ASM
 
 if HAVE_TRITON:
@@ -80,6 +86,8 @@ if HAVE_TRITON:
 
     _INT4_ASM_BF16 = tl.constexpr(INT4_ASM_BF16)
     _INT4_ASM_FP16 = tl.constexpr(INT4_ASM_FP16)
+    _INT4_DIFF_ASM_BF16 = tl.constexpr(INT4_DIFF_ASM_BF16)
+    _INT4_DIFF_ASM_FP16 = tl.constexpr(INT4_DIFF_ASM_FP16)
     _E2M1_ASM_BF16 = tl.constexpr(E2M1_ASM_BF16)
 
     @triton.jit
@@ -104,6 +112,16 @@ if HAVE_TRITON:
                                              dtype=tl.int32, is_pure=True, pack=4)
         else:
             return tl.inline_asm_elementwise(_INT4_ASM_FP16, "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r", [b, nz2, s2],
+                                             dtype=tl.int32, is_pure=True, pack=4)
+
+    @triton.jit
+    def _unpack_int4_diff_fast(b, nz2, IS_BF16: tl.constexpr):
+        """uint8 bytes -> int32 pairs of (low, high) nibbles minus the zero, q - z, exact in the 16-bit dtype."""
+        if IS_BF16:
+            return tl.inline_asm_elementwise(_INT4_DIFF_ASM_BF16, "=r,=r,=r,=r,r,r,r,r,r", [b, nz2],
+                                             dtype=tl.int32, is_pure=True, pack=4)
+        else:
+            return tl.inline_asm_elementwise(_INT4_DIFF_ASM_FP16, "=r,=r,=r,=r,r,r,r,r,r", [b, nz2],
                                              dtype=tl.int32, is_pure=True, pack=4)
 
     @triton.jit
@@ -174,9 +192,10 @@ if HAVE_TRITON:
 
     @triton.jit
     def _int4_tile(QW, s, z, rows, n_mask, kk, K: tl.constexpr, G: tl.constexpr, BLOCK_K: tl.constexpr,
-                   EVEN_K: tl.constexpr, FAST: tl.constexpr, OUT: tl.constexpr):
+                   EVEN_K: tl.constexpr, FAST: tl.constexpr, OUT: tl.constexpr, SCALED: tl.constexpr = True):
         """int4 weights [SPLIT, BLOCK_N, BLOCK_K] starting at columns kk (one per slice), as OUT; s, z are the
-        tile's group scales and zeros (_tile_scales)."""
+        tile's group scales and zeros (_tile_scales). SCALED False: q - z only (exact; s unread), for a caller
+        that scales each group's dot product instead of each weight."""
         GT: tl.constexpr = G if G < BLOCK_K else BLOCK_K
         NGT: tl.constexpr = BLOCK_K // GT
         b = _packed_bytes(QW, rows, n_mask, kk, K, NGT, GT, EVEN_K)
@@ -184,15 +203,24 @@ if HAVE_TRITON:
             IS_BF16: tl.constexpr = tl.bfloat16 == OUT
             NEG_MAGIC: tl.constexpr = 0xC300 if IS_BF16 else 0xE400  # sign bit | magic
             nz = z.to(tl.int32) | NEG_MAGIC
-            pair = _unpack_int4_fast(b, tl.broadcast_to((nz | (nz << 16))[:, :, :, None], b.shape),
-                                     tl.broadcast_to(_pair16(s.to(OUT))[:, :, :, None], b.shape), IS_BF16)
+            nz2 = tl.broadcast_to((nz | (nz << 16))[:, :, :, None], b.shape)
+            if SCALED:
+                pair = _unpack_int4_fast(b, nz2, tl.broadcast_to(_pair16(s.to(OUT))[:, :, :, None], b.shape),
+                                         IS_BF16)
+            else:
+                pair = _unpack_int4_diff_fast(b, nz2, IS_BF16)
             lo, hi = _split_pairs(pair, OUT)
-        else:
+        elif SCALED:
             bi = b.to(tl.int32)
             zi = z.to(tl.int32)[:, :, :, None]
             sf = s.to(tl.float32)[:, :, :, None]
             lo = (_int_to_float((bi & 0xF) - zi) * sf).to(OUT)
             hi = (_int_to_float((bi >> 4) - zi) * sf).to(OUT)
+        else:
+            bi = b.to(tl.int32)
+            zi = z.to(tl.int32)[:, :, :, None]
+            lo = _int_to_float((bi & 0xF) - zi).to(OUT)
+            hi = _int_to_float((bi >> 4) - zi).to(OUT)
         w = tl.interleave(lo, hi)  # [S, BN, NGT, GT]: element k even from the low nibble
         return tl.reshape(w, [w.shape[0], w.shape[1], BLOCK_K])
 

@@ -795,3 +795,32 @@ def test_deterministic_dispatch(launch):
         got = ql.deterministic_quant_linear(x, narrow)
         assert torch.equal(got, deterministic_linear_triton(x, ql.dequantize_layer(narrow, x.dtype)))
         assert rel_err(got, ql.quant_linear_ref(x, narrow)) < 1e-2
+
+
+@kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("group", [128, 512], ids=["g128", "per_row"])
+@pytest.mark.parametrize("m,gated", [(1, False), (16, False), (5, True)])
+def test_int4_group_scale_after_the_dot_matches_reference(launch, m, gated, group, dtype):
+    """POST_SCALE: the tile holds q - z (exact) and each slice's group scale multiplies its dot product; against the
+    reference and against the per-weight scaling it replaces."""
+    layer = make_layer("int4", 48 if gated else 24, 512, dtype, group=group, bias=m == 16, seed=m).to(KERNEL_DEVICE)
+    meta = ql.quant_meta(layer)
+    assert ql.post_scale_applies(meta, ql.launch_config(meta, m, gated))
+    x = torch.randn(m, 512, dtype=dtype, device=KERNEL_DEVICE)
+    expected = ql.quant_linear_ref(x, layer, gated=gated)
+    on = launch(x, layer, gated=gated, post_scale=True)
+    off = launch(x, layer, gated=gated, post_scale=False)
+    tol = TOL[dtype] * (2 if gated else 1)
+    assert rel_err(on, expected) < tol and rel_err(off, expected) < tol
+    assert rel_err(on, off) < tol
+
+
+def test_int4_post_scale_only_where_slices_hold_one_group(monkeypatch):
+    g32 = ql.quant_meta(make_layer("int4", 24, 512, torch.float32, group=32))
+    g128 = ql.quant_meta(make_layer("int4", 24, 512, torch.float32, group=128))
+    assert not ql.post_scale_applies(g32, ql.launch_config(g32, 1))  # 4 groups a 128-wide slice
+    assert ql.post_scale_applies(g128, ql.launch_config(g128, 1))
+    assert not ql.post_scale_applies(g128, ql.launch_config(g128, 64))  # 64-row tiles: as many outputs as weights
+    monkeypatch.setenv("BLOCKSPEC_INT4_POST_SCALE", "0")
+    assert not ql.post_scale_applies(g128, ql.launch_config(g128, 1))
