@@ -216,22 +216,26 @@ if HAVE_TRITON:
                       EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
         """One K step's weight tile [SPLIT, BN, BK] and what _step_accumulate scales its products by: the
         dequantized tile (and no scale), or (POST_SCALE) the int4 tile's q - z and its slices' group scales."""
-        if POST_SCALE:
-            s, z = _tile_scales(S, Z, rows, n_mask, k0, SPLIT, SCHEME, K, G, NG, SCALE_ROW_DIV, HAS_ZERO, PER_ROW,
-                                BLOCK_K)
+        if POST_SCALE:  # a static branch: each launch compiles one of the two (they return different types)
+            scale, z = _tile_scales(S, Z, rows, n_mask, k0, SPLIT, SCHEME, K, G, NG, SCALE_ROW_DIV, HAS_ZERO, PER_ROW,
+                                    BLOCK_K)
             kk = k0 + tl.arange(0, SPLIT) * BLOCK_K
-            return _int4_tile(QW, s, z, rows, n_mask, kk, K, G, BLOCK_K, EVEN_K, FAST, TILE, False), s
-        w = _dequant_tile(QW, S, Z, rows, n_mask, k0, z_row, SPLIT, SCHEME, K, G, NG, SCALE_ROW_DIV, HAS_ZERO,
-                          PER_ROW, BLOCK_K, EVEN_K, FAST, TILE)
-        return w, 1.0
+            w = _int4_tile(QW, scale, z, rows, n_mask, kk, K, G, BLOCK_K, EVEN_K, FAST, TILE, False)
+        else:
+            w = _dequant_tile(QW, S, Z, rows, n_mask, k0, z_row, SPLIT, SCHEME, K, G, NG, SCALE_ROW_DIV, HAS_ZERO,
+                              PER_ROW, BLOCK_K, EVEN_K, FAST, TILE)
+            scale = 1.0
+        return w, scale
 
     @triton.jit
     def _step_accumulate(acc, w, xv, s, USE_DOT: tl.constexpr, POST_SCALE: tl.constexpr, SPLIT: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          DOT_PRECISION: tl.constexpr):
         if POST_SCALE:
-            return _accumulate_group_scaled(acc, w, xv, s, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
-        return _accumulate(acc, w, xv, USE_DOT, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
+            acc = _accumulate_group_scaled(acc, w, xv, s, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
+        else:
+            acc = _accumulate(acc, w, xv, USE_DOT, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
+        return acc
 
     @triton.jit
     def _x_tile(x_rows, m_mask, ks, K: tl.constexpr, EVEN_K: tl.constexpr):
@@ -517,14 +521,17 @@ def _balance(programs: int) -> float:
     return programs / (_cdiv(programs, _NUM_SMS) * _NUM_SMS)
 
 
-def launch_config(meta: QuantMeta, m: int, gated: bool = False) -> LaunchConfig:
+def launch_config(meta: QuantMeta, m: int, gated: bool = False, post_scale: bool = True) -> LaunchConfig:
     """The launch for m rows of the layer: `_launch_config`'s. With `gated` (the SwiGLU folded in: each program
     dequantizes a gate tile and the matching up tile) the config of the unfused [gate; up] GEMM over the same
     meta.n = 2I weight rows, with half its BLOCK_N where that leaves a valid tile (>= 16 rows for the mma; the
     32-64-row tiles keep their 64: narrower ones dequantize each weight once per warp): as many programs over
     the I output columns, each streaming the weight bytes (and holding the tile registers) of one unfused
-    program."""
+    program. An int4 layer that scales its groups after the dot (post_scale_wanted; `post_scale` False: never)
+    takes K slices of at most one group."""
     cfg = _launch_config(meta, m)
+    if post_scale and cfg.use_dot and cfg.block_m <= 16 and cfg.block_k > meta.group and post_scale_wanted(meta, m):
+        cfg = replace(cfg, block_k=meta.group)  # K > 4096: 128-wide slices, each in one group
     if not gated or m > 16:
         return cfg
     return replace(cfg, block_n=max(16 if cfg.use_dot else 4, cfg.block_n // 2))
@@ -670,14 +677,27 @@ def bytes_read(layer, meta: QuantMeta | None = None) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+POST_SCALE_MIN_N = 12288  # weight rows from which 9-16-row int4 tiles scale groups after the dot (measured below)
+
+
+def post_scale_wanted(meta: QuantMeta, m: int) -> bool:
+    """Whether m rows of this layer take POST_SCALE (below): int4 groups of >= 128, 9-16 rows (verify blocks), wide
+    layers. bench/int4_post_scale.py on an H200 (us, per weight -> post-scale): 16 rows gate|up 24576 x 4096 30.8 ->
+    28.7, Qwen3.6-27B q|gate|k|v 14336 x 5120 32.4 -> 27.3 (128-wide slices); but qkv 6144 x 4096 10.8 -> 11.2, and
+    one row qkv 8.2 -> 8.9, gate|up 22.8 -> 23.0: no gain where the dequantization is not the bound.
+    BLOCKSPEC_INT4_POST_SCALE=0 turns it off, =all takes it wherever it applies (A/B runs)."""
+    mode = os.environ.get("BLOCKSPEC_INT4_POST_SCALE", "1")
+    if mode == "0" or meta.scheme != "int4" or meta.group < 128:
+        return False
+    return mode == "all" or (8 < m <= 16 and meta.n >= POST_SCALE_MIN_N)
+
+
 def post_scale_applies(meta: QuantMeta, cfg: LaunchConfig) -> bool:
-    """Whether the dot path scales int4 groups after their dot products (POST_SCALE): every K slice lies in one
+    """Whether the dot path can scale int4 groups after their dot products (POST_SCALE): every K slice lies in one
     group (G >= BLOCK_K, both powers of two), so the tile is q - z, exact, and one multiply per output and slice
     replaces one per weight (the decode's second bf16x2 fma and the per-byte scale operands). Decode and verify
-    tiles only (<= 16 rows: a 32-64-row tile has as many outputs as weights a step, nothing to save).
-    BLOCKSPEC_INT4_POST_SCALE=0 turns it off (bench/int4_post_scale.py times both)."""
-    return (meta.scheme == "int4" and cfg.use_dot and cfg.block_m <= 16 and meta.group >= cfg.block_k
-            and os.environ.get("BLOCKSPEC_INT4_POST_SCALE", "1") != "0")
+    tiles only (<= 16 rows: a 32-64-row tile has as many outputs as weights a step, nothing to save)."""
+    return meta.scheme == "int4" and cfg.use_dot and cfg.block_m <= 16 and meta.group >= cfg.block_k
 
 
 def _gemm_triton(x: torch.Tensor, layer, meta: QuantMeta, residual: torch.Tensor | None,
@@ -687,12 +707,13 @@ def _gemm_triton(x: torch.Tensor, layer, meta: QuantMeta, residual: torch.Tensor
     TRITON_INTERPRET=1; bench/quant_gemm.py passes its own cfg). norm_weight: RMSNorm folded in as the
     prologue; gated: SwiGLU over the [gate; up] halves of the layer's rows as the epilogue (meta.n / 2 outputs).
     kernel: the compiled variant (--deterministic passes its copy unspecialised on M). post_scale: int4 groups
-    scaled after their dot products (None: post_scale_applies)."""
+    scaled after their dot products (None: where post_scale_wanted and post_scale_applies)."""
     m = x.shape[0]
     n_out = meta.n // 2 if gated else meta.n
     cfg = cfg or launch_config(meta, m, gated)
     fast = fast_unpack(meta, x.dtype) if fast is None else fast
-    post_scale = post_scale_applies(meta, cfg) if post_scale is None else post_scale
+    if post_scale is None:
+        post_scale = post_scale_applies(meta, cfg) and post_scale_wanted(meta, m)
     out = residual if residual is not None else torch.empty(m, n_out, dtype=x.dtype, device=x.device)
     gs_factor = FP4_GLOBAL_BIAS if (meta.scheme in ("nvfp4", "mxfp4") and fast) else 1.0
     gs = layer.global_scale if meta.has_gs else x
@@ -794,7 +815,7 @@ def deterministic_config(meta: QuantMeta, gated: bool = False) -> LaunchConfig:
     from the row count: the dot path's config for a 16-row tile, taken for one decode row, a verify block and
     a long prefill alike. A row's K is then always reduced in the same order: SPLIT slices of BLOCK_K inside
     the program, summed in one fixed order after the loop, nothing split across programs."""
-    cfg = launch_config(meta, DETERMINISTIC_BLOCK_M, gated)
+    cfg = launch_config(meta, DETERMINISTIC_BLOCK_M, gated, post_scale=False)  # one rounding for every row count
     if not (cfg.use_dot and cfg.block_m == DETERMINISTIC_BLOCK_M):
         raise AssertionError(f"the 16-row config of {meta.scheme} is not a 16-row dot tile: {cfg}")
     return cfg
@@ -817,7 +838,7 @@ def deterministic_quant_linear_triton(x: torch.Tensor, layer, *, gated: bool = F
     if x.shape[0] == 0:
         return residual if residual is not None else x.new_empty(0, meta.n // 2 if gated else meta.n)
     return _gemm_triton(x, layer, meta, residual, deterministic_config(meta, gated), gated=gated,
-                        kernel=_deterministic_quant_kernel)
+                        kernel=_deterministic_quant_kernel, post_scale=False)
 
 
 def deterministic_quant_linear(x: torch.Tensor, layer, *, gated: bool = False,

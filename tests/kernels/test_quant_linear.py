@@ -816,11 +816,21 @@ def test_int4_group_scale_after_the_dot_matches_reference(launch, m, gated, grou
     assert rel_err(on, off) < tol
 
 
-def test_int4_post_scale_only_where_slices_hold_one_group(monkeypatch):
+def test_int4_post_scale_only_where_slices_hold_one_group_and_it_measured_faster(monkeypatch):
+    monkeypatch.delenv("BLOCKSPEC_INT4_POST_SCALE", raising=False)
     g32 = ql.quant_meta(make_layer("int4", 24, 512, torch.float32, group=32))
-    g128 = ql.quant_meta(make_layer("int4", 24, 512, torch.float32, group=128))
-    assert not ql.post_scale_applies(g32, ql.launch_config(g32, 1))  # 4 groups a 128-wide slice
-    assert ql.post_scale_applies(g128, ql.launch_config(g128, 1))
-    assert not ql.post_scale_applies(g128, ql.launch_config(g128, 64))  # 64-row tiles: as many outputs as weights
+    narrow = ql.quant_meta(make_layer("int4", 24, 512, torch.float32, group=128))
+    wide = ql.quant_meta(make_layer("int4", ql.POST_SCALE_MIN_N, 512, torch.float32, group=128))
+    deep = ql.quant_meta(make_layer("int4", ql.POST_SCALE_MIN_N, 8192, torch.float32, group=128))
+    assert not ql.post_scale_applies(g32, ql.launch_config(g32, 16))  # 4 groups a 128-wide slice
+    assert ql.post_scale_applies(narrow, ql.launch_config(narrow, 1))  # it could, but
+    assert not ql.post_scale_wanted(narrow, 16) and not ql.post_scale_wanted(wide, 1)  # measured no faster there
+    assert ql.post_scale_wanted(wide, 16) and ql.post_scale_applies(wide, ql.launch_config(wide, 16))
+    assert not ql.post_scale_applies(wide, ql.launch_config(wide, 64))  # 64-row tiles: as many outputs as weights
+    # K > 4096 takes 256-wide slices, but 128 where the groups are scaled after the dot
+    assert ql.launch_config(deep, 16).block_k == 128 and ql.launch_config(deep, 1).block_k == 256
+    assert ql.deterministic_config(deep).block_k == 256  # --deterministic: one rounding for every row count
+    monkeypatch.setenv("BLOCKSPEC_INT4_POST_SCALE", "all")
+    assert ql.post_scale_wanted(narrow, 1)
     monkeypatch.setenv("BLOCKSPEC_INT4_POST_SCALE", "0")
-    assert not ql.post_scale_applies(g128, ql.launch_config(g128, 1))
+    assert not ql.post_scale_wanted(wide, 16) and ql.launch_config(deep, 16).block_k == 256
