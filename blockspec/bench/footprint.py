@@ -247,17 +247,19 @@ def drafter_footprint(config: dict[str, Any], dtype_name: str, quantization: str
     total = n_layers * per_layer + n_ctx * h * h + 2 * h + codebooks + h * rank
     weight_bytes, head_params, notes = total * elem_bytes, 0, []
     if quantization is not None:
-        from blockspec.loader.quant.online import online_scheme
+        from blockspec.loader.quant.online import draft_head_copy, online_scheme
 
         scheme = online_scheme(quantization)
         # the projections quantize_online rounds, [out, in] each (spec/dflash.DFlashDrafter.quantizable)
         shapes = [((nh + 2 * nkv) * hd, h), (h, nh * hd), (2 * inter, h), (h, inter)] * n_layers + [(h, n_ctx * h)]
         rounded = sum(n * k for n, k in shapes)
-        vocab, hidden = target_vocab_hidden or (int(config["vocab_size"]), h)
-        head_params = vocab * hidden
         weight_bytes += sum(scheme.bytes_for(n, k, elem_bytes) for n, k in shapes) - rounded * elem_bytes
-        weight_bytes += scheme.bytes_for(vocab, hidden, elem_bytes)
-        notes.append(f"drafter in {scheme.describe()}, with its own rounded copy of the target's LM head")
+        notes.append(f"drafter in {scheme.describe()}")
+        if draft_head_copy():  # BLOCKSPEC_DRAFT_HEAD
+            vocab, hidden = target_vocab_hidden or (int(config["vocab_size"]), h)
+            head_params = vocab * hidden
+            weight_bytes += scheme.bytes_for(vocab, hidden, elem_bytes)
+            notes[-1] += ", with its own rounded copy of the target's LM head"
     read = weight_bytes - codebooks * elem_bytes
     return Footprint(
         total_params=total + head_params, active_params=total + head_params - codebooks, embedding_params=0,

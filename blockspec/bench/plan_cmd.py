@@ -31,7 +31,8 @@ def format_plan(p: dict[str, Any]) -> str:
         w += f", {m['active_params'] / 1e9:.3f} B active"
     w += f", from {m['bytes_source']})"
     if d:
-        w += f"  drafter {_gib(d['weight_bytes'])} ({d['total_params'] / 1e6:.1f} M params)"
+        w += f"  drafter {_gib(d['weight_bytes'])} ({d['total_params'] / 1e6:.1f} M params"
+        w += f"; {'; '.join(d['notes'])})" if d.get("notes") else ")"
     lines.append(w)
     k_line = f"KV per token     target {_kib(kv['target_bytes_per_token'])} ({m['full_attention_layers']} layers)"
     if d:

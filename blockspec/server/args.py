@@ -113,7 +113,8 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="one more served name with its own default sampling parameters, e.g. fast:temperature=0")
     s.add_argument("--speculative-config", default=None,
                    help='JSON, e.g. {"method": "dflash", "model": "/draft", "num_speculative_tokens": 15, '
-                        '"max_model_len": 1024} (DFlash 1 or 2 drafters), or {"method": "mtp", '
+                        '"max_model_len": 1024, "quantization": "rtn"} (DFlash 1 or 2 drafters; "quantization": '
+                        'fp8 or rtn (RTN_NUM_BITS, RTN_GROUP_SIZE) rounds the drafter at load), or {"method": "mtp", '
                         '"num_speculative_tokens": 3} (the checkpoint\'s own MTP head: Qwen3-Next, Qwen3.5/3.6)')
     s.add_argument("--kv-cache-dtype", default="auto", help="auto: the model dtype")
     s.add_argument("--quantization", "-q", default=None,

@@ -146,6 +146,8 @@ def test_draft_head_can_stay_the_targets(tiny_models, tiny_drafter, ar_tokens, m
     assert engine.proposer.draft_head is None
     assert isinstance(engine.proposer.fc, QuantLinear)
     assert [o.token_ids for o in _generate(engine, PROMPTS)] == ar_tokens
+    plan = drafter_footprint(json.loads((tiny_drafter / "config.json").read_text()), "float32", "rtn")
+    assert plan.weight_bytes == weight_bytes(engine.proposer)[0] and plan.lm_head_params == 0
     monkeypatch.setenv("BLOCKSPEC_DRAFT_HEAD", "bf16")
     with pytest.raises(ConfigError, match="BLOCKSPEC_DRAFT_HEAD='bf16': use copy or target"):
         _engine(tiny_models["qwen3"], tiny_drafter, "rtn")
