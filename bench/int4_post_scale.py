@@ -39,7 +39,7 @@ def row(name: str, m: int, bw: float) -> dict:
     layer = qg.random_layer("int4", n, k)
     layers = qg.rotation(layer)
     meta = ql.quant_meta(layer)
-    cfg = ql.launch_config(meta, m)
+    cfg = ql.launch_config(meta, m, post_scale=False)  # the per-weight launch, as it was before POST_SCALE
     x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
     res = torch.zeros(m, n, dtype=torch.bfloat16, device="cuda")
     out = {"shape": name, "n": n, "k": k, "rows": m, "cfg": vars(cfg), "bytes": qg.bytes_read(layer)}

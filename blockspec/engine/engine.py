@@ -73,9 +73,8 @@ class Engine:
             load_base = start_load_peak(self.device)
             drafter = self._load_drafter()
             target = self._load_target()
-            if drafter is not None and self.config.speculative.quantization:  # its drafting head, from the target's
-                head = target.lm_head_weight if draft_head_copy() else None
-                drafter.quantize_online(online_scheme(self.config.speculative.quantization), head)
+            if drafter is not None and drafter.online is not None and draft_head_copy():
+                drafter.copy_head(target.lm_head_weight)  # once the target's head exists
             # the configured proposer, kept when k is set to 0 or drafts turn synthetic, so it can come back
             self.proposer: Proposer | None = drafter if drafter is not None else self._load_mtp(target)
             # device bytes at the load's peak over those held before it (None off CUDA): weights + what loading
@@ -203,7 +202,7 @@ class Engine:
         if "dummy" not in (self.config.load_format, spec.load_format):
             load_weights(drafter, draft_dir, self.device, self.dtype)
         if spec.quantization is not None:  # its layers now (their bf16 freed before the target loads), its head later
-            drafter.quantize_online(online_scheme(spec.quantization), None)
+            drafter.quantize_online(online_scheme(spec.quantization))
         return drafter
 
     def enable_synthetic_drafts(self, references: dict[str, list[int]], accept_prob: float, k: int) -> None:

@@ -419,10 +419,10 @@ class DFlashDrafter(Proposer):
         self.method = cfg.method
         self.needs = TargetNeeds(layer_ids=tuple(cfg.target_layer_ids))
         self.num_candidates = cfg.selector_top_k
-        # --speculative-config "quantization" (an online method): the drafter's own rounded copy of the target's
-        # LM head, so drafting reads it in the drafter's precision too (quantize_online)
+        # --speculative-config "quantization": the online scheme its projections were rounded to (quantize_online),
+        # and its own rounded copy of the target's LM head to draft through (copy_head)
+        self.online: OnlineScheme | None = None
         self.draft_head: QuantLinear | None = None
-        self.quantization: str | None = None
 
     def quantizable(self) -> list[str]:
         """The projections an online quantization rounds: every layer's q|k|v, o, gate|up and down, and fc (the
@@ -433,23 +433,26 @@ class DFlashDrafter(Proposer):
                       f"layers.{i}.mlp.gate_up_proj", f"layers.{i}.mlp.down_proj"]
         return names
 
-    def quantize_online(self, scheme: OnlineScheme, lm_head_weight: torch.Tensor | None) -> None:
-        """Round the loaded weights to `scheme` (each full-precision projection freed once its copy exists) and,
-        given the target's LM head, draft through a copy of it in the same scheme."""
+    def quantize_online(self, scheme: OnlineScheme) -> None:
+        """Round the loaded projections to `scheme`, each full-precision weight freed once its copy exists."""
         quantize_modules(self, self.quantizable(), scheme)
-        if lm_head_weight is not None:
-            self.draft_head = quantize_weight(lm_head_weight, scheme, lm_head_weight.dtype, "the drafting LM head")
-        self.quantization = scheme.describe()
+        self.online = scheme
+
+    def copy_head(self, lm_head_weight: torch.Tensor) -> None:
+        """Draft through a copy of the target's LM head rounded as the projections were (after quantize_online)."""
+        if self.online is None:
+            raise RuntimeError("copy_head rounds the head as the drafter's projections are: quantize_online first")
+        self.draft_head = quantize_weight(lm_head_weight, self.online, lm_head_weight.dtype, "the drafting LM head")
 
     @property
     def max_drafts(self) -> int:
         return self.config.block_size - 1
 
     def describe(self) -> str:
-        if self.quantization is None:
+        if self.online is None:
             return self.method
         head = ", its LM head copy too" if self.draft_head is not None else ""
-        return f"{self.method} ({self.quantization}{head})"
+        return f"{self.method} ({self.online.describe()}{head})"
 
     @property
     def attention_layers(self) -> list[DFlashAttention]:

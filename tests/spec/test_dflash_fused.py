@@ -50,7 +50,7 @@ def _step(device: str, bias: bool, sliding: bool = False, quant: OnlineScheme | 
             noise = torch.randn(p.shape, generator=g)
             p.copy_(1 + 0.1 * noise if name.endswith("norm.weight") else 0.08 * noise)
     if quant is not None:
-        drafter.quantize_online(quant, None)
+        drafter.quantize_online(quant)
     m = drafter.config.model
     caches = torch.randn(2 * m.num_hidden_layers, 10, PAGE, m.num_key_value_heads, m.head_dim, generator=g)
 

@@ -13,6 +13,7 @@ whatever the drafter computes, so its weights may be rounded. The results are or
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -20,7 +21,7 @@ import torch
 from torch import nn
 
 from blockspec.errors import ConfigError
-from blockspec.models.layers.quant_linear import QuantLinear, check_shape, pack_nibbles
+from blockspec.models.layers.quant_linear import QuantLinear, check_shape, layout_shapes, pack_nibbles, packs_scale_zero
 
 ONLINE_METHODS = ("fp8", "rtn")
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -46,13 +47,19 @@ class OnlineScheme:
         return f"rtn {self.scheme} ({group}, symmetric, online)"
 
     def bytes_for(self, n: int, k: int, elem_bytes: int) -> int:
-        """In-memory bytes of an [n, k] weight in this scheme (packed weights + scales, as QuantLinear holds them)."""
-        if self.scheme == "fp8":
-            return n * k + 4 * n
-        groups = k // (self.group_size or k)
-        if self.scheme == "int4":  # packed scale|zero: one int32 a group with 16-bit scales
-            return n * k // 2 + n * groups * (4 if elem_bytes <= 2 else elem_bytes + 1)
-        return n * k + n * groups * elem_bytes
+        """In-memory bytes of an [n, k] weight in this scheme with a model dtype of `elem_bytes`, from the layout's
+        own shapes (quant_linear.layout_shapes; int4 with 16-bit scales holds one int32 scale|zero a group)."""
+        dtype = torch.float32 if elem_bytes == 4 else torch.bfloat16
+        packed = packs_scale_zero(self.scheme, dtype)
+        total = 0
+        for name, spec in layout_shapes(self.scheme, n, k, 0 if self.scheme == "fp8" else self.group_size or k,
+                                        True).items():
+            if spec is None or (packed and name == "zeros"):
+                continue
+            shape, tdtype = spec
+            size = 4 if packed and name == "scales" else torch.empty(0, dtype=tdtype or dtype).element_size()
+            total += math.prod(shape) * size
+        return total
 
 
 def draft_head_copy() -> bool:
@@ -144,9 +151,7 @@ def quantize_modules(root: nn.Module, names: list[str], scheme: OnlineScheme) ->
     count = 0
     for name in names:
         module = root.get_submodule(name)
-        if isinstance(module, QuantLinear):
-            continue
-        if not isinstance(module, nn.Linear):
+        if not isinstance(module, nn.Linear):  # a QuantLinear too: rounding twice is a caller's mistake
             raise TypeError(f"{name} is a {type(module).__name__}, not a Linear")
         parent, _, child = name.rpartition(".")
         setattr(root.get_submodule(parent) if parent else root, child, quantize_linear(module, scheme, name))
@@ -154,5 +159,5 @@ def quantize_modules(root: nn.Module, names: list[str], scheme: OnlineScheme) ->
     return count
 
 
-__all__ = ["ONLINE_METHODS", "OnlineScheme", "online_scheme", "quantize_linear", "quantize_modules",
-           "quantize_weight"]
+__all__ = ["ONLINE_METHODS", "OnlineScheme", "draft_head_copy", "online_scheme", "quantize_linear",
+           "quantize_modules", "quantize_weight"]
