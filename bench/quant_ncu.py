@@ -176,4 +176,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with torch.inference_mode():  # the kernels take no-grad calls only (kernels/_triton.use_triton)
+        main()
