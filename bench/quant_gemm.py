@@ -133,12 +133,20 @@ def baselines(x, w, epilogue, res) -> tuple[float, float]:
     return skinny, cublas
 
 
-def sweep_configs(m: int) -> list[ql.LaunchConfig]:
+# the dot path with its warps along the weight rows (SPLIT 1: one K slice a step, the x tile shared by every warp of
+# the program; 64-row tiles go to wgmma): (BLOCK_N, BLOCK_K, warps, stages)
+ROWS_WARPS = [(32, 128, 2, 4), (64, 64, 4, 4), (64, 128, 4, 3), (64, 128, 4, 4), (64, 256, 4, 3), (128, 64, 8, 4),
+              (128, 128, 8, 3), (128, 128, 4, 3)]
+
+
+def sweep_configs(m: int, warps_along_rows: bool = False) -> list[ql.LaunchConfig]:
     """~30 configs per shape (each costs a compile of 1-2 s): the dot path's (BLOCK_N, SPLIT = warps) pairs that
     keep >= 4 warps per SM on a 4096-wide projection, two K blocks, 3-4 stages; and, for one row, the
-    reduction path around skinny_linear's one-row configs."""
-    cfgs = []
+    reduction path around skinny_linear's one-row configs. warps_along_rows: ROWS_WARPS instead."""
     bm = 8 if m <= 8 else 16
+    if warps_along_rows:
+        return [ql.LaunchConfig(True, bm, bn, bk, 1, warps, stages) for bn, bk, warps, stages in ROWS_WARPS]
+    cfgs = []
     for (bn, split), bk, stages in itertools.product(((16, 2), (16, 4), (16, 8), (32, 2), (32, 4), (32, 8), (64, 2)),
                                                      (128, 256), (3, 4)):
         smem = (stages - 1) * split * bk * (2 * bm + bn)  # x tiles + weight bytes (<= 1 per weight) in flight
@@ -175,12 +183,13 @@ def measure(name, n, k, epilogue, m, scheme, x, res, bf16, bw) -> tuple[dict, li
     return row, layers
 
 
-def sweep(row: dict, layers: list[ql.QuantWeights], x, res, epilogue, bw, deadline: float) -> dict | None:
+def sweep(row: dict, layers: list[ql.QuantWeights], x, res, epilogue, bw, deadline: float,
+          warps_along_rows: bool = False) -> dict | None:
     """Time every sweep config on this shape (until the deadline); the best and the full list."""
     layer = layers[0]
     fast = ql.fast_unpack(ql.quant_meta(layer), x.dtype)
     results = []
-    for c in sweep_configs(x.shape[0]):
+    for c in sweep_configs(x.shape[0], warps_along_rows):
         if time.time() > deadline:
             print("   sweep budget spent", flush=True)
             break
@@ -261,6 +270,8 @@ def main() -> None:
     ap.add_argument("--shapes", default=",".join(s[0] for s in SHAPES))
     ap.add_argument("--sweep", action="store_true", help="also sweep launch configs (int4 / nvfp4 unless --schemes)")
     ap.add_argument("--sweep-budget", type=float, default=420.0, help="seconds after which sweeping stops")
+    ap.add_argument("--warps-along-rows", action="store_true", help="sweep ROWS_WARPS (warps along the weight rows, "
+                    "SPLIT 1) instead of the default set")
     ap.add_argument("--prefill", default="", help="row counts for the tl.dot vs dequantize + cuBLAS comparison")
     ap.add_argument("--folds", action="store_true", help="only the folded decoder ops vs their own launches, per "
                     "shape (--rows, --schemes)")
@@ -287,7 +298,7 @@ def main() -> None:
                     row, layers = measure(name, n, k, epilogue, m, scheme, x, res, bf16, bw)
                     table.append(row)
                     if args.sweep and scheme in sweep_schemes:
-                        result = sweep(row, layers, x, res, epilogue, bw, deadline)
+                        result = sweep(row, layers, x, res, epilogue, bw, deadline, args.warps_along_rows)
                         if result:
                             sweeps.append(result)
             del w
