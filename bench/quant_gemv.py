@@ -60,20 +60,13 @@ def dot_fn(x, layers, gated: bool):
 
 SWEEP = [quant_gemv.GemvConfig(w, s, p) for w in (2, 4, 8, 16, 32) for s in (2, 4, 8) for p in (1, 2, 4, 8)
          if 64 * p <= 32 * w]  # x (64 P pairs a span) loaded in the lane layout: no more elements than threads
-
-
-def sweep_reps(reps: list[int]) -> list[quant_gemv.GemvConfig]:
-    """One-row launches holding `reps` 8-row blocks a warp (their x registers shared), up to 16 warps' worth of
-    tile rows and 2 spans a step (each block keeps 32 float32 accumulators a lane)."""
-    return [quant_gemv.GemvConfig(w, s, p, r) for r in reps for w in (2, 4, 8) for s in (1, 2) for p in (1, 2, 4, 8)
-            if 64 * p <= 32 * w and w * r <= 16]
 SWEEP_ROWS = [quant_gemv.GemvConfig(w, s, p) for w in (4, 8, 16) for s in (1, 2, 4) for p in (1, 2, 4, 8)
               if p <= w]
 
 
-def sweep(x, layer, layers, ref, k, gated: bool, reps: list[int]) -> dict:
+def sweep(x, layer, layers, ref, k, gated: bool) -> dict:
     best = None
-    for cfg in (sweep_reps(reps) if reps else SWEEP) if x.shape[0] == 1 else SWEEP_ROWS:
+    for cfg in SWEEP if x.shape[0] == 1 else SWEEP_ROWS:
         if k % (128 * cfg.spans * cfg.parts) or (gated and x.shape[0] == 1 and cfg.block // cfg.parts % 2):
             continue
         err = qgm.rel_err(gemv_fn(x, [layer], cfg, gated)(), ref)
@@ -83,7 +76,7 @@ def sweep(x, layer, layers, ref, k, gated: bool, reps: list[int]) -> dict:
         us = qgm.bench(gemv_fn(x, layers, cfg, gated))
         print(f"  {cfg}: {us:.1f} us", flush=True)
         if best is None or us < best["us"]:
-            best = dict(us=us, warps=cfg.warps, spans=cfg.spans, parts=cfg.parts, reps=cfg.reps)
+            best = dict(us=us, warps=cfg.warps, spans=cfg.spans, parts=cfg.parts)
     return best
 
 
@@ -94,8 +87,6 @@ def main() -> None:
     ap.add_argument("--schemes", default="nvfp4,int4", help="nvfp4 and / or int4 (g128, asymmetric)")
     ap.add_argument("--rows", default="1", help="rows of x (comma-separated): 1 the GEMV, 2-16 the rows kernel")
     ap.add_argument("--gated", action="store_true", help="the gate|up shapes with SwiGLU too")
-    ap.add_argument("--sweep-reps", default="", help="one row: sweep launches of these 8-row blocks a warp "
-                    "(comma-separated, e.g. 1,2,4) instead of the default sweep")
     args = ap.parse_args()
     torch.manual_seed(0)
     bw = copy_bandwidth()
@@ -119,8 +110,7 @@ def main() -> None:
                                      gemv_pct=qgm.pct(nbytes, gemv, bw),
                                      dispatched=quant_gemv.launch_config(meta, m, gated) is not None))
                     if args.sweep:
-                        rows[-1]["best"] = sweep(x, layer, layers, ref, k, gated,
-                                                 [int(r) for r in args.sweep_reps.split(",") if r])
+                        rows[-1]["best"] = sweep(x, layer, layers, ref, k, gated)
                     print(rows[-1], flush=True)
             del layers
     out = Path(os.environ.get("OUT", "bench/results"))
@@ -136,7 +126,7 @@ def main() -> None:
               f"{'mma' if r['dispatched'] else 'dot'}"
               + (f"  best {r['best']['us']:.1f} us ({qgm.pct(r['bytes'], r['best']['us'], bw):.1f}%): "
                  f"warps {r['best']['warps']} spans {r['best']['spans']} "
-                 f"parts {r['best']['parts']} reps {r['best']['reps']}" if r.get("best") else ""))
+                 f"parts {r['best']['parts']}" if r.get("best") else ""))
 
 
 if __name__ == "__main__":

@@ -58,14 +58,11 @@ class GemvConfig:
     warps: int  # a program: 8 mma columns a warp
     spans: int  # 64-byte spans a loop step
     parts: int  # K parts a weight row is split over (P mma columns a row)
-    reps: int = 1  # the GEMV: 8-column blocks a warp holds at once, each lane's x registers shared by all of them
 
     @property
     def block(self) -> int:
-        """Tile rows a program: 8 a warp and repetition (the GEMV: weight rows x K parts). A lane loads x beside
-        each 16 weight bytes of a span (64 bytes of x pairs): with reps blocks those x registers serve reps x 16
-        weight bytes, a quarter as much x traffic through L1 per weight byte at reps = 4."""
-        return 8 * self.warps * self.reps
+        """Tile rows a program: 8 a warp (the GEMV: weight rows x K parts)."""
+        return 8 * self.warps
 
     @property
     def rows_block(self) -> int:
@@ -127,7 +124,7 @@ def _fit_k(cfg: GemvConfig, k: int) -> GemvConfig | None:
     parts = cfg.parts
     while parts >= 1:
         for spans in (cfg.spans, cfg.spans // 2, cfg.spans // 4, 1):
-            fitted = GemvConfig(cfg.warps, max(spans, 1), parts, cfg.reps)
+            fitted = GemvConfig(cfg.warps, max(spans, 1), parts)
             if _tiles_k(fitted, k):
                 return fitted
         parts //= 2
@@ -436,7 +433,7 @@ def gemv(x: torch.Tensor, layer, meta, cfg: GemvConfig, residual: torch.Tensor |
     separate add) and returned; `gated`: SiLU(gate) * up of the output's [gate; up] halves, [M, N / 2], rounded
     as silu_mul_ref rounds. One row takes the GEMV, 2 to 16 the rows kernel."""
     m = x.shape[0]
-    if not 1 <= m <= MAX_ROWS or not _tiles_k(cfg, meta.k) or (m > 1 and cfg.reps != 1):
+    if not 1 <= m <= MAX_ROWS or not _tiles_k(cfg, meta.k):
         raise ValueError(f"{m} rows of K = {meta.k} do not fit the mma kernels with {cfg}")
     if gated and (residual is not None or meta.n % 2 or (m == 1 and (cfg.block // cfg.parts) % 2)):
         raise ValueError(f"SwiGLU over {meta.n} rows with {cfg} (and a residual: {residual is not None}) does not fit")
@@ -667,199 +664,6 @@ if HAVE_TRITON:
         _rows_store(acc_a, Y, GS, pid, 0, M, N, BN, P, HAS_GS, HAS_RES, INT4, GATED)
         if TWO:
             _rows_store(acc_b, Y, GS, pid, 8, M, N, BN, P, HAS_GS, HAS_RES, INT4, GATED)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# int4, 1 to 16 rows: the tokens as the mma's A operand and the weights as B, straight from one 16-byte load a lane
-
-
-@dataclass(frozen=True)
-class BlocksConfig:
-    """A launch of `_blocks_kernel`: each warp holds `reps` blocks of 8 weight rows of one of `parts` K parts (the
-    parts' sums added after the loop), streaming `spans` 64-byte spans of each row a step."""
-
-    warps: int
-    spans: int
-    parts: int
-    reps: int  # gated: even (gate and up blocks of the same outputs in turn)
-
-    @property
-    def rows(self) -> int:
-        """Weight rows a program."""
-        return 8 * self.warps * self.reps // self.parts
-
-
-def blocks_fit(meta, cfg: BlocksConfig, m: int, gated: bool) -> bool:
-    """Whether `_blocks_kernel` runs m rows of this int4 layer with cfg: whole spans in every K part, whole warps
-    a part, 1 to 16 rows, groups of >= 32 weights (each lane's 16 bytes in one group), gated with an even reps."""
-    return (meta.scheme == "int4" and meta.group >= 32 and 1 <= m <= MAX_ROWS and cfg.warps % cfg.parts == 0
-            and (meta.k // 2) % (SPAN_BYTES * cfg.spans * cfg.parts) == 0 and not (gated and (cfg.reps % 2
-                                                                                           or meta.n % 2)))
-
-
-def _blocks_mma_ptx(two: bool) -> str:
-    """One lane's span of one 8-row block: decode its 16 bytes of weight row g (4 words $8..$11, the row's zero pair
-    -(128 + z) $12 and scale pair $13) to bf16 pairs (q - z) * s as dequantize() rounds them, and 8 mmas into C
-    $0..$3 (in: $4..$7). A is x: token g's pairs beside the lane's bytes $14..$29 and (two) token g + 8's
-    $30..$45 (else zeros); mma h of word v takes bytes 4 v + 2 h (k 2t) and 4 v + 2 h + 1 (k 2t + 8)."""
-    xa = [f"${14 + j}" for j in range(16)]
-    xb = [f"${30 + j}" for j in range(16)] if two else ["zx"] * 16
-    mma = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
-    body = [INT4_REGS, ".reg .b32 zx;\nmov.b32 zx, 0;\n"]
-    for v in range(4):
-        body.append(int4_decode_ptx(f"${8 + v}", "$12", "$13"))
-        for h in range(2):
-            j = 4 * v + 2 * h
-            c_in = "$4, $5, $6, $7" if v == h == 0 else "$0, $1, $2, $3"
-            body.append(f"{mma} {{$0, $1, $2, $3}}, {{{xa[j]}, {xb[j]}, {xa[j + 1]}, {xb[j + 1]}}}, "
-                        f"{{t{2 * h}, t{2 * h + 1}}}, {{{c_in}}};\n")
-    return "{\n" + "".join(body) + "}"
-
-
-def _blocks_constraints(two: bool) -> str:
-    return ",".join(["=r"] * 4 + ["r"] * (4 + 4 + 2 + (32 if two else 16)))
-
-
-if HAVE_TRITON:
-    _BLOCKS_MMA1 = tl.constexpr(_blocks_mma_ptx(False))
-    _BLOCKS_MMA2 = tl.constexpr(_blocks_mma_ptx(True))
-    _BLOCKS_CONS1 = tl.constexpr(_blocks_constraints(False))
-    _BLOCKS_CONS2 = tl.constexpr(_blocks_constraints(True))
-
-    @triton.jit
-    def _words(v, J: tl.constexpr, R: tl.constexpr):
-        """[4, J, R, 4] int32 (a lane's 16 bytes, 4 words) -> its 4 words, [4, J, R] each."""
-        a, b = tl.split(tl.reshape(v, [4, J, R, 2, 2]))
-        w0, w2 = tl.split(a)
-        w1, w3 = tl.split(b)
-        return w0, w1, w2, w3
-
-    @triton.jit
-    def _x_words(X32, tok, c16, K: tl.constexpr, J: tl.constexpr):
-        """x pairs of token tok [1, J, 1, 1] beside a lane's 16 bytes from byte c16 [4, J, 1, 1]: 16 words, [4, J, 1]
-        each."""
-        base = X32 + tok * (K // 2) + c16 + tl.arange(0, 4)[None, None, None, :]
-        x0, x1, x2, x3 = _words(tl.load(base), J, 1)
-        x4, x5, x6, x7 = _words(tl.load(base + 4), J, 1)
-        x8, x9, x10, x11 = _words(tl.load(base + 8), J, 1)
-        x12, x13, x14, x15 = _words(tl.load(base + 12), J, 1)
-        return x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15
-
-    @triton.jit
-    def _blocks_kernel(X, QW, SZ, Y, M, N, K: tl.constexpr, G2: tl.constexpr, W: tl.constexpr, R: tl.constexpr,
-                       P: tl.constexpr, SPANS: tl.constexpr, TWO: tl.constexpr, HAS_RES: tl.constexpr = False,
-                       GATED: tl.constexpr = False, PDL: tl.constexpr = False):
-        # element (t, j = 8 w + g, rep) is lane (g, t) of warp w, block rep: K part w % P of the 8 weight rows of the
-        # block (lane row g its B column), x of tokens g and g + 8 its A rows; C register (token g | g + 8, weight
-        # row 2 t + e of the block). The dims are ordered (t, j, rep[, word]) because Triton lays out a load's
-        # non-contiguous dims in their order: t then g across the lanes, the warps along j, the blocks in
-        # registers, which is the mma's lane layout. GATED (N = 2I rows of [gate; up]): block rep 2 i + h reads
-        # the gate (h = 0) or up (h = 1) rows of the same 8 outputs
-        pid = tl.program_id(0)
-        J: tl.constexpr = 8 * W
-        WB: tl.constexpr = W // P  # blocks a rep (one a warp of each part)
-        KB: tl.constexpr = K // 2  # bytes a weight row
-        KP: tl.constexpr = KB // P
-        NG: tl.constexpr = KB // G2
-        t = tl.arange(0, 4)[:, None, None, None]
-        j = tl.arange(0, J)[None, :, None, None]
-        rep = tl.arange(0, R)[None, None, :, None]
-        g = j % 8
-        part = (j // 8) % P
-        if GATED:
-            blk = (rep // 2) * WB + (j // 8) // P
-            row = (rep % 2) * (N // 2) + tl.minimum(pid * (8 * (R // 2) * WB) + 8 * blk + g, N // 2 - 1)
-        else:
-            blk = rep * WB + (j // 8) // P
-            row = tl.minimum(pid * (8 * R * WB) + 8 * blk + g, N - 1)
-        row = row.to(tl.int64)  # [1, J, R, 1]
-        sz_row = tl.reshape(row, [1, J, R]) * NG
-        sz_c = tl.reshape(part, [1, J, 1]) * KP + 16 * tl.arange(0, 4)[:, None, None]  # [4, J, 1]
-        QW32 = QW.to(tl.pointer_type(tl.int32))
-        X32 = X.to(tl.pointer_type(tl.int32))
-        tok_a = tl.minimum(g, M - 1)
-        tok_b = tl.minimum(g + 8, M - 1)
-        acc0 = tl.zeros([4, J, R], dtype=tl.float32)
-        acc1 = tl.zeros([4, J, R], dtype=tl.float32)
-        acc2 = tl.zeros([4, J, R], dtype=tl.float32)
-        acc3 = tl.zeros([4, J, R], dtype=tl.float32)
-        wait_for_inputs(PDL)
-        for b0 in range(0, KP, 64 * SPANS):
-            for u in tl.static_range(SPANS):
-                c16 = part * KP + b0 + 64 * u + 16 * t  # [4, J, 1, 1]: the lane's first byte
-                wq = tl.load(QW32 + row * (KB // 4) + c16 // 4 + tl.arange(0, 4)[None, None, None, :])
-                w0, w1, w2, w3 = _words(wq, J, R)
-                sz = tl.load(SZ + sz_row + (sz_c + b0 + 64 * u) // G2)  # [4, J, R]
-                s = sz & 0xFFFF
-                s = s | (s << 16)
-                z = 0xC300 + ((sz >> 16) & 0xFF)
-                z = z | (z << 16)
-                xa0, xa1, xa2, xa3, xa4, xa5, xa6, xa7, xa8, xa9, xa10, xa11, xa12, xa13, xa14, xa15 = \
-                    _x_words(X32, tok_a, c16, K, J)
-                if TWO:
-                    xb0, xb1, xb2, xb3, xb4, xb5, xb6, xb7, xb8, xb9, xb10, xb11, xb12, xb13, xb14, xb15 = \
-                        _x_words(X32, tok_b, c16, K, J)
-                    acc0, acc1, acc2, acc3 = tl.inline_asm_elementwise(
-                        _BLOCKS_MMA2, _BLOCKS_CONS2,
-                        [acc0, acc1, acc2, acc3, w0, w1, w2, w3, z, s, xa0, xa1, xa2, xa3, xa4, xa5, xa6, xa7, xa8,
-                         xa9, xa10, xa11, xa12, xa13, xa14, xa15, xb0, xb1, xb2, xb3, xb4, xb5, xb6, xb7, xb8, xb9,
-                         xb10, xb11, xb12, xb13, xb14, xb15],
-                        dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
-                else:
-                    acc0, acc1, acc2, acc3 = tl.inline_asm_elementwise(
-                        _BLOCKS_MMA1, _BLOCKS_CONS1,
-                        [acc0, acc1, acc2, acc3, w0, w1, w2, w3, z, s, xa0, xa1, xa2, xa3, xa4, xa5, xa6, xa7, xa8,
-                         xa9, xa10, xa11, xa12, xa13, xa14, xa15],
-                        dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
-        release_dependents(PDL)
-        _blocks_store(acc0, acc1, Y, pid, 0, M, N, W, R, P, HAS_RES, GATED)
-        if TWO:
-            _blocks_store(acc2, acc3, Y, pid, 8, M, N, W, R, P, HAS_RES, GATED)
-
-    @triton.jit
-    def _blocks_store(c0, c1, Y, pid, tok0, M, N, W: tl.constexpr, R: tl.constexpr, P: tl.constexpr,
-                      HAS_RES: tl.constexpr, GATED: tl.constexpr):
-        """C registers [4, J, R] (token tok0 + g; weight rows 2 t (c0) and 2 t + 1 (c1) of each block), the P parts
-        summed -> y; GATED: SiLU(gate) * up of blocks 2 i and 2 i + 1."""
-        WB: tl.constexpr = W // P
-        y = tl.join(c0, c1)  # [t, j, rep, e]: weight row 2 t + e
-        y = tl.sum(tl.reshape(y, [4, WB, P, 8, R, 2]), axis=2)  # [t, slot, g, rep, e]
-        dtype = Y.dtype.element_ty
-        t = tl.arange(0, 4)[:, None, None, None, None]
-        slot = tl.arange(0, WB)[None, :, None, None, None]
-        tok = tok0 + tl.arange(0, 8)[None, None, :, None, None]
-        e = tl.arange(0, 2)[None, None, None, None, :]
-        if GATED:
-            gate, up = tl.split(tl.permute(tl.reshape(y, [4, WB, 8, R // 2, 2, 2]), [0, 1, 2, 3, 5, 4]))
-            i = tl.arange(0, R // 2)[None, None, None, :, None]
-            out = pid * (8 * (R // 2) * WB) + 8 * (i * WB + slot) + 2 * t + e
-            keep = (out < N // 2) & (tok < M)
-            tl.store(Y + tok * (N // 2) + out, _silu_mul_rounded(gate, up, dtype), mask=keep)
-        else:
-            rep = tl.arange(0, R)[None, None, None, :, None]
-            out = pid * (8 * R * WB) + 8 * (rep * WB + slot) + 2 * t + e
-            keep = (out < N) & (tok < M)
-            ptr = Y + tok * N + out
-            tl.store(ptr, _with_residual(y.to(dtype), ptr, keep, HAS_RES), mask=keep)
-
-
-def blocks_gemv(x: torch.Tensor, layer, meta, cfg: BlocksConfig, residual: torch.Tensor | None = None,
-                gated: bool = False) -> torch.Tensor:
-    """x [M, K] (bf16, contiguous, 1 <= M <= 16) @ dequantize(layer).T for an int4 layer with bf16 scales on
-    `_blocks_kernel` (`blocks_fit`); residual and gated as `gemv`."""
-    m = x.shape[0]
-    if not blocks_fit(meta, cfg, m, gated) or (gated and residual is not None):
-        raise ValueError(f"{m} rows of this {meta.scheme} layer (K = {meta.k}, gated {gated}) do not fit {cfg}")
-    from blockspec.kernels.quant_linear import kernel_operands  # (it imports this module)
-    n_out = meta.n // 2 if gated else meta.n
-    y = residual if residual is not None else torch.empty(m, n_out, dtype=x.dtype, device=x.device)
-    on = pdl(x)
-    grid = (triton.cdiv(n_out, cfg.rows // 2 if gated else cfg.rows),)
-    _blocks_kernel[grid](x, layer.qweight, kernel_operands(layer, meta)[2], y, m, meta.n, K=meta.k, G2=meta.group // 2,
-                         W=cfg.warps, R=cfg.reps, P=cfg.parts, SPANS=cfg.spans, TWO=m > 8,
-                         HAS_RES=residual is not None, GATED=gated, PDL=on, num_warps=cfg.warps, num_stages=1,
-                         launch_pdl=on)
-    return y
 
 
 # ---------------------------------------------------------------------------------------------------------------
