@@ -76,8 +76,11 @@ WIDE_ROWS = 16384  # from here one K part: many programs already (gate|up, LM he
 # HBM); Qwen3-8B's q|k|v 6144 x 4096 keeps the dot path (11.6 against 15.2)
 GEMV_WIDE_ROWS = 8192
 WIDE = GemvConfig(warps=2, spans=4, parts=1)
-# narrow layers: K in 4 parts over 16 warps (32 rows a program), while the programs fit one wave
-NARROW = GemvConfig(warps=16, spans=4, parts=4)
+# narrow layers (Qwen3-8B o_proj / down, 4096 rows): K in 4 parts over 8 warps, two spans a step. One-row NVFP4, us
+# (c75ff26, H100 / H200): o 8.55 / 8.4 -> 7.46 / 7.4, down 20.2 / 20.1 -> 19.0 / 18.3 against the 16-warp, 4-span
+# launch first measured on the H100 (d60662d), which the 2048-row layers keep (NARROWEST: 35B out_proj 4.4 against 6.3)
+NARROW = GemvConfig(warps=8, spans=2, parts=4)
+NARROW_MAX_ROWS = 4224  # up to here: where that first launch's 16-warp programs fit one wave (32 rows x 132 SMs)
 # up to 2048 outputs (Qwen3.6-35B-A3B's out_proj and o_proj, 2048 x 4096): K in 8 parts over 16 warps, 4.5 us against
 # NARROW's 8.3 (H100, bench/quant_gemv.py --sweep, quant_gemv_narrow_h100_d60662d.json); no spill with the residual
 # (110 registers, bench/compile_sm90.py), where 32 warps x 8 parts spilled
@@ -134,8 +137,8 @@ def _fit_k(cfg: GemvConfig, k: int) -> GemvConfig | None:
 def launch_config(meta, m: int = 1, gated: bool = False) -> GemvConfig | None:
     """The launch for m rows of the layer, or None where quant_linear's dot path measured faster (H100,
     bench/quant_gemv.py --sweep). int4: one row of a gate|up with SwiGLU only (INT4_WIDE). NVFP4, one row: one K part
-    for >= GEMV_WIDE_ROWS outputs; 4 parts over 16 warps for
-    layers narrow enough that their programs fit one wave (Qwen3-8B o_proj 10.2 -> 8.9 us, down 25.8 -> 21.7);
+    for >= GEMV_WIDE_ROWS outputs; 4 parts over 8 warps up to
+    NARROW_MAX_ROWS outputs (Qwen3-8B o_proj 10.2 -> 7.5 us, down 25.8 -> 19.0 on the H100 against the dot path);
     between the two (Qwen3-8B qkv: 15.6 against 11.6) the dot path; up to 2048 outputs 8 parts over 16 warps
     (NARROWEST: 32 warps spilled). 2 to MAX_ROWS rows: the rows kernel (above), with launches of its own for the
     measured Qwen3.6-27B shapes (ROWS_TUNED)."""
@@ -153,7 +156,7 @@ def launch_config(meta, m: int = 1, gated: bool = False) -> GemvConfig | None:
         return None if cfg is None else _fit_k(cfg, meta.k)
     if meta.n <= NARROWEST_ROWS and _tiles_k(NARROWEST, meta.k):
         return NARROWEST
-    cfg = WIDE if meta.n >= GEMV_WIDE_ROWS else NARROW if meta.n * NARROW.parts <= NARROW.block * NUM_SMS else None
+    cfg = WIDE if meta.n >= GEMV_WIDE_ROWS else NARROW if meta.n <= NARROW_MAX_ROWS else None
     # gated: a warp's tile rows pair up as (gate, up) of one output
     return cfg if cfg is not None and _tiles_k(cfg, meta.k) and not (gated and cfg.block // cfg.parts % 2) else None
 

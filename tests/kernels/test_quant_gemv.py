@@ -50,7 +50,9 @@ def test_dispatch_rule_keeps_cpu_narrow_and_folded_layers_off_the_gemv() -> None
     assert qg.launch_config(ql.quant_meta(make_layer("nvfp4", 9216, 2048, torch.bfloat16))) == qg.WIDE  # 35B q|g|k|v
     assert qg.launch_config(ql.quant_meta(make_layer("nvfp4", 2048, 4096, torch.bfloat16))) == qg.NARROWEST  # out_proj
     assert qg.launch_config(ql.quant_meta(make_layer("nvfp4", 2048, 2048, torch.bfloat16))) == qg.NARROW  # K short
-    assert qg.launch_config(ql.quant_meta(make_layer("nvfp4", 4096, 1024, torch.bfloat16))) is None  # K short
+    assert qg.launch_config(ql.quant_meta(make_layer("nvfp4", 4096, 1024, torch.bfloat16))) == qg.NARROW  # 1 step
+    assert qg.launch_config(ql.quant_meta(make_layer("nvfp4", 4096, 512, torch.bfloat16))) is None  # K short
+    assert qg.launch_config(ql.quant_meta(make_layer("nvfp4", qg.NARROW_MAX_ROWS + 64, 4096, torch.bfloat16))) is None
 
 
 def test_rows_dispatch_rule() -> None:
