@@ -25,12 +25,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import quant_gemm as qgm  # noqa: E402
+import quant_gemv as qgv  # noqa: E402
 
 from blockspec.kernels import quant_linear as ql  # noqa: E402
 
-SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288),
-          "27b_qgkv": (14336, 5120), "27b_gate_up": (34816, 5120)}
-GATED = ("gate_up", "27b_gate_up")
+SHAPES = {name: (n, k) for name, n, k in qgv.SHAPES}  # the GEMV bench's shapes, SwiGLU folded on its GATED_SHAPES
+RESIDUAL = tuple(name for name, _, _, epilogue in qgm.SHAPES if epilogue == "residual")  # o / down add in place
 CASES = ("int4:qkv:1,int4:o:1,int4:gate_up:1,int4:down:1,int4:qkv:16,int4:gate_up:16,int4:down:16,"
          "nvfp4:qkv:1,nvfp4:o:1,nvfp4:gate_up:1,nvfp4:down:1,nvfp4:gate_up:16")
 READ_SHAPES = ((1, 4, 2), (2, 8, 2), (4, 8, 1), (2, 8, 4), (8, 4, 2))  # (programs an SM, warps, loads in flight)
@@ -85,12 +85,12 @@ def case_fn(scheme: str, shape: str, m: int):
     layer = qgm.random_layer(scheme, n, k)
     layers = qgm.rotation(layer)
     x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
-    gated = shape in GATED
-    res = None if gated or shape not in ("o", "down") else torch.zeros(m, n, dtype=x.dtype, device="cuda")
-    turn = iter(range(1 << 30))
+    gated = shape in qgv.GATED_SHAPES
+    res = torch.zeros(m, n, dtype=x.dtype, device="cuda") if shape in RESIDUAL else None
+    turn = itertools.cycle(layers)
 
     def fn():
-        return ql.quant_linear(x, layers[next(turn) % len(layers)], residual=res, gated=gated)
+        return ql.quant_linear(x, next(turn), residual=res, gated=gated)
     return fn, qgm.bytes_read(layer)
 
 
@@ -99,14 +99,14 @@ def parse(path: str) -> list[dict]:
     lines = Path(path).read_text().splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith('"ID"'))
     rows = list(csv.DictReader(lines[start:]))[1:]  # [0] holds the units
-    picks = {"us": "gpu__time_duration.sum", "dram%": "dram__throughput.avg.pct_of_peak_sustained_elapsed",
+    # names as the sections above put them on the raw page (ncu 2025.3, H200)
+    picks = {"us": "gpu__time_duration.sum", "dram%": "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed",
              "grid": "launch__grid_size", "block": "launch__block_size", "regs": "launch__registers_per_thread",
              "occ_theory%": "sm__maximum_warps_per_active_cycle_pct",
              "occ%": "sm__warps_active.avg.pct_of_peak_sustained_active",
-             "issue%": "smsp__issue_active.avg.pct_of_peak_sustained_active",
-             "cyc/inst": "smsp__average_warp_latency_per_inst_issued.ratio",
-             "eligible": "smsp__warps_eligible.avg.per_cycle_active",
-             "active": "smsp__warps_active.avg.per_cycle_active",
+             "issue/cyc": "smsp__issue_active.avg.per_cycle_active",
+             "warps/inst": "smsp__average_warps_active_per_inst_executed.ratio",
+             "l1%": "l1tex__throughput.avg.pct_of_peak_sustained_active",
              "smem/blk": "launch__shared_mem_per_block"}
     out = []
     for r in rows:

@@ -49,7 +49,6 @@ import torch
 from blockspec.kernels._triton import HAVE_TRITON, INTERPRET, pdl
 from blockspec.kernels.quant_tiles import E2M1_REGS, FP4_GLOBAL_BIAS, INT4_REGS, e2m1_decode_ptx, int4_decode_ptx
 
-NUM_SMS = 132  # H100 / H200
 SPAN_BYTES = 64  # weight bytes a row per mma step group: 4 lanes x 16
 
 
