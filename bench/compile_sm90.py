@@ -177,6 +177,17 @@ def cases() -> list[tuple[str, tuple, dict]]:
                                                     INT4=int4, G2=group // 2, GATED=gated, **extra)),
             dict(div16=("X", "QW", "S", "Y"), num_warps=cfg.warps, num_stages=1, no_spill=True,
                  ptx_has=pdl_ptx + ("mma.sync.aligned.m16n8k16",))))
+    # the streamed one-row kernel (weights a step ahead, the first step before the PDL wait)
+    for int4, gated, res, k, cfg in ((False, False, True, 4096, qv.GemvConfig(8, 4, 4, True)),
+                                     (False, True, False, 4096, qv.GemvConfig(2, 4, 1, True, True)),
+                                     (True, True, False, 4096, qv.GemvConfig(2, 4, 1, True)),
+                                     (True, False, True, 12288, qv.GemvConfig(8, 4, 4, True, True))):
+        out.append((f"quant_gemv stream int4={int4} GATED={gated} HAS_RES={res} K={k} {cfg}", (
+            qv._stream_kernel, gemv_int4 if int4 else gemv, dict(
+                K=k, HAS_GS=not int4, BN=cfg.block, SPANS=cfg.spans, P=cfg.parts, HAS_RES=res, PDL=True, INT4=int4,
+                G2=64 if int4 else 8, GATED=gated, EARLY=cfg.early)),
+            dict(div16=("X", "QW", "S", "Y"), num_warps=cfg.warps, num_stages=1, no_spill=True,
+                 ptx_has=pdl_ptx + ("mma.sync.aligned.m16n8k16",))))
     rows = {**gemv, "M": "i32"}
     tuned = [(k, True, cfg, n < k) for (n, k), cfg in qv.ROWS_TUNED.items()]  # Qwen3.6-27B; down adds the residual
     for k, two, cfg, res in ((4096, False, qv.ROWS_FEW, False), (12288, True, qv.ROWS_LONG_K, True),

@@ -17,6 +17,7 @@ import itertools
 import json
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -64,9 +65,20 @@ SWEEP_ROWS = [quant_gemv.GemvConfig(w, s, p) for w in (4, 8, 16) for s in (1, 2,
               if p <= w]
 
 
-def sweep(x, layer, layers, ref, k, gated: bool) -> dict:
+# the streamed one-row kernel (weights a step ahead, the first step before the PDL wait): its dependents released
+# before the stores; the best of these is timed again releasing them right after the wait (`early`)
+SWEEP_STREAM = [quant_gemv.GemvConfig(w, s, p, stream=True) for w in (2, 4, 8, 16) for s in (2, 4, 8)
+                for p in (1, 2, 4, 8) if 64 * p <= 32 * w and s * p <= 16]
+
+
+def sweep(x, layer, layers, ref, k, gated: bool, stream: bool = False) -> dict:
     best = None
-    for cfg in SWEEP if x.shape[0] == 1 else SWEEP_ROWS:
+    configs = SWEEP_STREAM if stream else SWEEP if x.shape[0] == 1 else SWEEP_ROWS
+    for cfg in configs + ([replace(configs[0], early=True)] if stream else []):
+        if stream and cfg.early:  # the best streamed launch, releasing early
+            if best is None:
+                break
+            cfg = quant_gemv.GemvConfig(best["warps"], best["spans"], best["parts"], stream=True, early=True)
         if k % (128 * cfg.spans * cfg.parts) or (gated and x.shape[0] == 1 and cfg.block // cfg.parts % 2):
             continue
         err = qgm.rel_err(gemv_fn(x, [layer], cfg, gated)(), ref)
@@ -76,7 +88,7 @@ def sweep(x, layer, layers, ref, k, gated: bool) -> dict:
         us = qgm.bench(gemv_fn(x, layers, cfg, gated))
         print(f"  {cfg}: {us:.1f} us", flush=True)
         if best is None or us < best["us"]:
-            best = dict(us=us, warps=cfg.warps, spans=cfg.spans, parts=cfg.parts)
+            best = dict(us=us, warps=cfg.warps, spans=cfg.spans, parts=cfg.parts, early=cfg.early)
     return best
 
 
@@ -87,6 +99,8 @@ def main() -> None:
     ap.add_argument("--schemes", default="nvfp4,int4", help="nvfp4 and / or int4 (g128, asymmetric)")
     ap.add_argument("--rows", default="1", help="rows of x (comma-separated): 1 the GEMV, 2-16 the rows kernel")
     ap.add_argument("--gated", action="store_true", help="the gate|up shapes with SwiGLU too")
+    ap.add_argument("--stream", action="store_true", help="+ the streamed one-row kernel's launches (quant_gemv."
+                    "_stream_kernel: weights a step ahead, the first before the PDL wait)")
     args = ap.parse_args()
     torch.manual_seed(0)
     bw = copy_bandwidth()
@@ -111,6 +125,8 @@ def main() -> None:
                                      dispatched=quant_gemv.launch_config(meta, m, gated) is not None))
                     if args.sweep:
                         rows[-1]["best"] = sweep(x, layer, layers, ref, k, gated)
+                    if args.stream and m == 1:
+                        rows[-1]["stream"] = sweep(x, layer, layers, ref, k, gated, stream=True)
                     print(rows[-1], flush=True)
             del layers
     out = Path(os.environ.get("OUT", "bench/results"))
@@ -126,7 +142,10 @@ def main() -> None:
               f"{'mma' if r['dispatched'] else 'dot'}"
               + (f"  best {r['best']['us']:.1f} us ({qgm.pct(r['bytes'], r['best']['us'], bw):.1f}%): "
                  f"warps {r['best']['warps']} spans {r['best']['spans']} "
-                 f"parts {r['best']['parts']}" if r.get("best") else ""))
+                 f"parts {r['best']['parts']}" if r.get("best") else "")
+              + (f"  stream {r['stream']['us']:.1f} us ({qgm.pct(r['bytes'], r['stream']['us'], bw):.1f}%): "
+                 f"warps {r['stream']['warps']} spans {r['stream']['spans']} parts {r['stream']['parts']}"
+                 f"{' early' if r['stream']['early'] else ''}" if r.get("stream") else ""))
 
 
 if __name__ == "__main__":

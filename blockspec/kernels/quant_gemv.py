@@ -42,7 +42,7 @@ path (15.6 against 11.6 us): `launch_config` holds the lines.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -57,6 +57,8 @@ class GemvConfig:
     warps: int  # a program: 8 mma columns a warp
     spans: int  # 64-byte spans a loop step
     parts: int  # K parts a weight row is split over (P mma columns a row)
+    stream: bool = False  # one row on `_stream_kernel`: a step's weights loaded a step ahead, the first before the wait
+    early: bool = False  # (stream) dependents released right after the PDL wait, not before the stores
 
     @property
     def block(self) -> int:
@@ -126,7 +128,7 @@ def _fit_k(cfg: GemvConfig, k: int) -> GemvConfig | None:
     parts = cfg.parts
     while parts >= 1:
         for spans in (cfg.spans, cfg.spans // 2, cfg.spans // 4, 1):
-            fitted = GemvConfig(cfg.warps, max(spans, 1), parts)
+            fitted = replace(cfg, spans=max(spans, 1), parts=parts)
             if _tiles_k(fitted, k):
                 return fitted
         parts //= 2
@@ -409,6 +411,14 @@ if HAVE_TRITON:
                                                 INT4, G2)
                 acc1, acc2 = _span_mma(acc1, acc2, w, xp, sa, sb, BN, INT4)
                 w, xp, sa, sb = nw, nxp, nsa, nsb
+        y = _parts_sums(acc1, acc2, GS, BN, P, INT4, HAS_GS)
+        release_dependents(PDL)
+        _parts_store(y, Y, pid, N, BN, P, HAS_RES, GATED)
+
+    @triton.jit
+    def _parts_sums(acc1, acc2, GS, BN: tl.constexpr, P: tl.constexpr, INT4: tl.constexpr, HAS_GS: tl.constexpr):
+        """The accumulators of BN tile columns (tile row c // P, K part c % P) -> each tile row's sum [BN / 8,
+        8 / P], scaled."""
         y = _c_sums(acc1, acc2, BN)  # [BN, t, e]: C[g][n] with g = c % 8 and n = 2 t + e of c's 8-column block
         # C[g][n] used x of part g % P: right where that is n's part, n % P; keep g = n % P, sum n's P parts
         y = tl.reshape(y, [BN // 8, 8, 8])  # [block, g, n]
@@ -416,8 +426,12 @@ if HAVE_TRITON:
         ni = tl.arange(0, 8)[None, None, :]
         y = tl.sum(tl.where(gi == ni % P, y, 0.0), axis=1)  # [block, n]
         y = tl.sum(tl.reshape(y, [BN // 8, 8 // P, P]), axis=2)  # [block, tile row of the block]
-        y = _sums_scaled(y, GS, INT4, HAS_GS)
-        release_dependents(PDL)
+        return _sums_scaled(y, GS, INT4, HAS_GS)
+
+    @triton.jit
+    def _parts_store(y, Y, pid, N, BN: tl.constexpr, P: tl.constexpr, HAS_RES: tl.constexpr, GATED: tl.constexpr):
+        """Program pid's tile row sums (`_parts_sums`) -> Y: SwiGLU of its gate and up rows (GATED), or the
+        outputs, added into the residual in Y (HAS_RES)."""
         if GATED:
             gate, up = _gated_halves(tl.reshape(y, [BN // P]), BN // P)
             out = pid * (BN // P // 2) + tl.arange(0, BN // P // 2)
@@ -425,6 +439,77 @@ if HAVE_TRITON:
         else:
             out = pid * (BN // P) + tl.arange(0, BN // 8)[:, None] * (8 // P) + tl.arange(0, 8 // P)[None, :]
             tl.store(Y + out, _with_residual(y.to(Y.dtype.element_ty), Y + out, out < N, HAS_RES), mask=out < N)
+
+    @triton.jit
+    def _span_weights(QW, S, wrow, part, n_mask, b0, KB: tl.constexpr, NG: tl.constexpr, BN: tl.constexpr,
+                      P: tl.constexpr, INT4: tl.constexpr, G2: tl.constexpr):
+        """What one 64-byte span (bytes b0 .. of each column's K part) reads of the layer, as `_span_loads` reads
+        it: the weight bytes [BN, 64] and the scales of each lane's bytes. Only the weights: nothing a kernel
+        before this one writes, so it may be loaded before the PDL wait."""
+        kb = tl.arange(0, 64)
+        KP: tl.constexpr = KB // P
+        w = tl.load(QW + wrow[:, None] * KB + (part * KP)[:, None] + b0 + kb[None, :], mask=n_mask[:, None], other=0)
+        if INT4:
+            sa = _int4_words(S, (wrow * NG)[None, :], (part * KP)[None, :] + b0, n_mask[None, :], NG, G2)
+            sb = sa
+        else:
+            g = b0 // 8 + 2 * tl.arange(0, 4)
+            sp = S + (wrow * NG + part * (NG // P))[None, :] + g[:, None]
+            sa = tl.trans(tl.load(sp, mask=n_mask[None, :], other=0))
+            sb = tl.trans(tl.load(sp + 1, mask=n_mask[None, :], other=0))
+        return w, sa, sb
+
+    @triton.jit
+    def _span_x(x32, b0, KB: tl.constexpr, BN: tl.constexpr, P: tl.constexpr):
+        """x as bf16 pairs beside the span's weight bytes [BN, 64] (`_span_loads`)."""
+        kb = tl.arange(0, 64)
+        xp = tl.load(x32 + (tl.arange(0, P) * (KB // P))[:, None] + b0 + kb[None, :])
+        return tl.reshape(tl.broadcast_to(xp[None, :, :], [BN // P, P, 64]), [BN, 64])
+
+    @triton.jit
+    def _stream_kernel(X, QW, S, GS, Y, N, K: tl.constexpr, HAS_GS: tl.constexpr, BN: tl.constexpr,
+                       SPANS: tl.constexpr, P: tl.constexpr, HAS_RES: tl.constexpr = False, PDL: tl.constexpr = False,
+                       INT4: tl.constexpr = False, G2: tl.constexpr = 8, GATED: tl.constexpr = False,
+                       EARLY: tl.constexpr = False):
+        # The parts kernel's tiles and sums, its weights streamed a step of SPANS spans ahead: each step issues the
+        # next step's weight loads before its own mmas (SPANS x 16 bytes a lane in flight, x read from L1 beside
+        # each span), and the first step's are issued before the PDL wait, while the kernel before this one still
+        # runs (bench/pdl_preload.py: a read-only launch chained so reached 90-98% of copy bandwidth on an H200
+        # against 57-82% loading after the wait). EARLY: dependents released right after the wait (a launch of
+        # one wave: theirs can then load their weights during this one) instead of before the stores.
+        pid = tl.program_id(0)
+        cols = tl.arange(0, BN)
+        rows, n_mask = _tile_rows(pid, cols // P, N, BN // P, GATED)
+        part = (cols % P).to(tl.int64)
+        wrow = rows.to(tl.int64)
+        KB: tl.constexpr = K // 2
+        NG: tl.constexpr = K // (2 * G2)
+        STEP: tl.constexpr = 64 * SPANS
+        LAST: tl.constexpr = KB // P - STEP  # the last step's first byte
+        ring = ()
+        for u in tl.static_range(SPANS):
+            ring = ring + (_span_weights(QW, S, wrow, part, n_mask, 64 * u, KB, NG, BN, P, INT4, G2),)
+        wait_for_inputs(PDL)
+        if EARLY:
+            release_dependents(PDL)
+        x32 = X.to(tl.pointer_type(tl.int32))
+        acc1 = tl.zeros([BN, 64], dtype=tl.float32)
+        acc2 = tl.zeros([BN, 64], dtype=tl.float32)
+        for b0 in range(0, LAST, STEP):
+            ahead = ()
+            for u in tl.static_range(SPANS):
+                ahead = ahead + (_span_weights(QW, S, wrow, part, n_mask, b0 + STEP + 64 * u, KB, NG, BN, P, INT4,
+                                               G2),)
+                w, sa, sb = ring[u]
+                acc1, acc2 = _span_mma(acc1, acc2, w, _span_x(x32, b0 + 64 * u, KB, BN, P), sa, sb, BN, INT4)
+            ring = ahead
+        for u in tl.static_range(SPANS):
+            w, sa, sb = ring[u]
+            acc1, acc2 = _span_mma(acc1, acc2, w, _span_x(x32, LAST + 64 * u, KB, BN, P), sa, sb, BN, INT4)
+        y = _parts_sums(acc1, acc2, GS, BN, P, INT4, HAS_GS)
+        if not EARLY:
+            release_dependents(PDL)
+        _parts_store(y, Y, pid, N, BN, P, HAS_RES, GATED)
 
 
 def gemv(x: torch.Tensor, layer, meta, cfg: GemvConfig, residual: torch.Tensor | None = None, gated: bool = False
@@ -458,7 +543,9 @@ def gemv(x: torch.Tensor, layer, meta, cfg: GemvConfig, residual: torch.Tensor |
         return y
     args = (x, layer.qweight, scales, gs, y, meta.n)
     grid = (triton.cdiv(meta.n * cfg.parts, cfg.block),)
-    if cfg.parts == 1:
+    if cfg.stream:
+        _stream_kernel[grid](*args, P=cfg.parts, EARLY=cfg.early, **common)
+    elif cfg.parts == 1:
         _wide_kernel[grid](*args, **common)
     else:
         _parts_kernel[grid](*args, P=cfg.parts, **common)

@@ -20,6 +20,10 @@ from tests.kernels.test_moe_grouped_quant import fill_random, reference
 from tests.kernels.test_quant_linear import make_layer
 
 gpu = pytest.mark.skipif(not (HAVE_TRITON and torch.cuda.is_available()), reason="needs a CUDA GPU")
+# the streamed one-row kernel: one K part and several, steps of 2-8 spans (the whole part in one step where K is
+# short), dependents released early or late
+STREAMED = (qg.GemvConfig(2, 4, 1, stream=True), qg.GemvConfig(8, 2, 4, stream=True, early=True),
+            qg.GemvConfig(16, 8, 2, stream=True), qg.GemvConfig(4, 2, 2, stream=True, early=True))
 
 
 @pytest.fixture(autouse=True)
@@ -85,7 +89,7 @@ def test_gemv_matches_the_reference(n: int, k: int, global_scale: bool) -> None:
     assert qg.applies(x, layer, meta, None, None, False)
     got = qg.gemv(x, layer, meta, qg.launch_config(meta))
     want = exact(x, layer)
-    for cfg in (qg.WIDE, qg.NARROW, qg.NARROWEST, qg.GemvConfig(8, 2, 2)):  # every K split, whatever the dispatch picks
+    for cfg in (qg.WIDE, qg.NARROW, qg.NARROWEST, qg.GemvConfig(8, 2, 2), *STREAMED):  # every K split and kernel
         if k % (128 * cfg.spans * cfg.parts) == 0:
             assert rel_err(qg.gemv(x, layer, meta, cfg), want) < 3e-3, cfg
     assert got.shape == (1, n)
@@ -135,6 +139,11 @@ def test_residual_is_added_in_place_as_a_separate_add_rounds(m: int, n: int, k: 
     out = ql.quant_linear(x, layer, residual=res)
     assert out.data_ptr() == res.data_ptr()
     torch.testing.assert_close(res, before + y, rtol=0, atol=0)  # y rounded first, then the bf16 add
+    for cfg in STREAMED if m == 1 else ():
+        if k % (128 * cfg.spans * cfg.parts) == 0:
+            res = before.clone()
+            qg.gemv(x, layer, meta, cfg, residual=res)
+            torch.testing.assert_close(res, before + qg.gemv(x, layer, meta, cfg), rtol=0, atol=0)
 
 
 @gpu
@@ -197,7 +206,7 @@ def test_int4_gemv_matches_the_reference(n: int, k: int, group: int, symmetric: 
     meta = ql.quant_meta(layer)
     x = torch.randn(1, k, dtype=torch.bfloat16, device="cuda")
     want = ql.quant_linear_ref(x, layer)
-    for cfg in (qg.WIDE, qg.NARROW, qg.GemvConfig(8, 2, 2), qg.GemvConfig(16, 2, 8)):
+    for cfg in (qg.WIDE, qg.NARROW, qg.GemvConfig(8, 2, 2), qg.GemvConfig(16, 2, 8), *STREAMED):
         if k % (128 * cfg.spans * cfg.parts) == 0:
             got = qg.gemv(x, layer, meta, cfg)
             assert got.shape == (1, n)
@@ -238,7 +247,8 @@ def test_swiglu_is_folded_into_the_epilogue(scheme: str, m: int, n: int, k: int)
     meta = ql.quant_meta(layer)
     x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
     want = silu_mul_ref(ql.quant_linear_ref(x, layer))
-    cfgs = (qg.WIDE, qg.NARROW, qg.GemvConfig(8, 2, 8)) if m == 1 else (qg.ROWS_FEW, qg.ROWS_WIDE, qg.ROWS_LONG_K)
+    cfgs = (qg.WIDE, qg.NARROW, qg.GemvConfig(8, 2, 8), *STREAMED) if m == 1 else \
+        (qg.ROWS_FEW, qg.ROWS_WIDE, qg.ROWS_LONG_K)
     for cfg in cfgs:
         cfg = qg._fit_k(cfg, k)
         got = qg.gemv(x, layer, meta, cfg, gated=True)
