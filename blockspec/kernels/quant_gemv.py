@@ -87,6 +87,15 @@ NARROW_MAX_ROWS = 4224  # up to here: where that first launch's 16-warp programs
 # (110 registers, bench/compile_sm90.py), where 32 warps x 8 parts spilled
 NARROWEST = GemvConfig(warps=16, spans=4, parts=8)
 NARROWEST_ROWS = 2048
+# One row, streamed (`_stream_kernel`: each step's weights loaded while the step before runs its mmas, the first
+# step's before the PDL wait, dependents released right after it). H200, bench/quant_gemv.py --stream (launches back
+# to back under PDL, weights rotated past the L2; quant_gemv_stream_{nvfp4,int4}_h200_347918d.json), us:
+# NVFP4 qkv 6144 x 4096 8.8 against the dot path's 11.3; o 4096 x 4096 5.7 against NARROW's 7.4, int4 5.4 against
+# the dot path's 6.9; NVFP4 down 4096 x 12288 15.9 against NARROW's 18.3 (int4 down stays on the dot path: 14.8
+# against 15.8, and so does int4 qkv: 8.1 against 8.3, within the noise). gate|up (24576 rows) stays WIDE / INT4_WIDE.
+STREAM_MID = GemvConfig(warps=4, spans=8, parts=2, stream=True, early=True)
+STREAM_NARROW = GemvConfig(warps=8, spans=4, parts=4, stream=True, early=True)
+STREAM_LONG_K = GemvConfig(warps=8, spans=2, parts=4, stream=True, early=True)  # K >= 2 N (a down projection)
 
 
 MAX_ROWS = 16  # two blocks of 8 tokens: a k = 15 verify block
@@ -136,16 +145,17 @@ def _fit_k(cfg: GemvConfig, k: int) -> GemvConfig | None:
 
 
 def launch_config(meta, m: int = 1, gated: bool = False) -> GemvConfig | None:
-    """The launch for m rows of the layer, or None where quant_linear's dot path measured faster (H100,
-    bench/quant_gemv.py --sweep). int4: one row of a gate|up with SwiGLU only (INT4_WIDE). NVFP4, one row: one K part
-    for >= GEMV_WIDE_ROWS outputs; 4 parts over 8 warps up to
-    NARROW_MAX_ROWS outputs (Qwen3-8B o_proj 10.2 -> 7.5 us, down 25.8 -> 19.0 on the H100 against the dot path);
-    between the two (Qwen3-8B qkv: 15.6 against 11.6) the dot path; up to 2048 outputs 8 parts over 16 warps
-    (NARROWEST: 32 warps spilled). 2 to MAX_ROWS rows: the rows kernel (above), with launches of its own for the
-    measured Qwen3.6-27B shapes (ROWS_TUNED)."""
+    """The launch for m rows of the layer, or None where quant_linear's dot path measured faster (H100 / H200,
+    bench/quant_gemv.py --sweep / --stream). int4, one row: a gate|up with SwiGLU (INT4_WIDE) and an o projection
+    (STREAM_NARROW). NVFP4, one row: one K part for >= GEMV_WIDE_ROWS outputs; up to 2048 outputs 8 parts over 16
+    warps (NARROWEST: 32 warps spilled); between the two the streamed kernel (STREAM_*). 2 to MAX_ROWS rows: the
+    rows kernel (above), with launches of its own for the measured Qwen3.6-27B shapes (ROWS_TUNED)."""
     if meta.scheme == "int4":
-        return INT4_WIDE if (m == 1 and gated and meta.n >= WIDE_ROWS and meta.k <= INT4_MAX_K
-                             and _tiles_k(INT4_WIDE, meta.k)) else None
+        if m == 1 and gated and meta.n >= WIDE_ROWS and meta.k <= INT4_MAX_K and _tiles_k(INT4_WIDE, meta.k):
+            return INT4_WIDE
+        if m == 1 and NARROWEST_ROWS < meta.n <= NARROW_MAX_ROWS and meta.k < 2 * meta.n:  # an o projection
+            return _gated_fit(_fit_k(STREAM_NARROW, meta.k), gated)
+        return None
     if m > 1:
         if m > MAX_ROWS:
             return None
@@ -157,9 +167,15 @@ def launch_config(meta, m: int = 1, gated: bool = False) -> GemvConfig | None:
         return None if cfg is None else _fit_k(cfg, meta.k)
     if meta.n <= NARROWEST_ROWS and _tiles_k(NARROWEST, meta.k):
         return NARROWEST
-    cfg = WIDE if meta.n >= GEMV_WIDE_ROWS else NARROW if meta.n <= NARROW_MAX_ROWS else None
-    # gated: a warp's tile rows pair up as (gate, up) of one output
-    return cfg if cfg is not None and _tiles_k(cfg, meta.k) and not (gated and cfg.block // cfg.parts % 2) else None
+    if meta.n >= GEMV_WIDE_ROWS:
+        return _gated_fit(WIDE if _tiles_k(WIDE, meta.k) else None, gated)
+    stream = STREAM_MID if meta.n > NARROW_MAX_ROWS else STREAM_LONG_K if meta.k >= 2 * meta.n else STREAM_NARROW
+    return _gated_fit(_fit_k(stream, meta.k), gated)
+
+
+def _gated_fit(cfg: GemvConfig | None, gated: bool) -> GemvConfig | None:
+    """cfg, or None where SwiGLU is folded (`gated`) and its tile rows do not pair up as (gate, up) of an output."""
+    return None if cfg is None or (gated and cfg.block // cfg.parts % 2) else cfg
 
 
 # the two mma steps of 4 decoded bytes t0..t3 into ($0..$3, from $8..$11) and ($4..$7, from $12..$15), A = $17..$20

@@ -49,14 +49,24 @@ def test_dispatch_rule_keeps_cpu_narrow_and_folded_layers_off_the_gemv() -> None
     x = torch.randn(1, 512, dtype=torch.bfloat16)
     assert qg.launch_config(meta) == qg.WIDE
     assert not qg.applies(x, wide, meta, None, None, False)  # CPU tensors: the reference / interpreter path
-    assert qg.launch_config(ql.quant_meta(make_layer("nvfp4", 4096, 4096, torch.bfloat16))) == qg.NARROW
-    assert qg.launch_config(ql.quant_meta(make_layer("nvfp4", 6144, 4096, torch.bfloat16))) is None  # qkv: dot
-    assert qg.launch_config(ql.quant_meta(make_layer("nvfp4", 9216, 2048, torch.bfloat16))) == qg.WIDE  # 35B q|g|k|v
-    assert qg.launch_config(ql.quant_meta(make_layer("nvfp4", 2048, 4096, torch.bfloat16))) == qg.NARROWEST  # out_proj
-    assert qg.launch_config(ql.quant_meta(make_layer("nvfp4", 2048, 2048, torch.bfloat16))) == qg.NARROW  # K short
-    assert qg.launch_config(ql.quant_meta(make_layer("nvfp4", 4096, 1024, torch.bfloat16))) == qg.NARROW  # 1 step
-    assert qg.launch_config(ql.quant_meta(make_layer("nvfp4", 4096, 512, torch.bfloat16))) is None  # K short
-    assert qg.launch_config(ql.quant_meta(make_layer("nvfp4", qg.NARROW_MAX_ROWS + 64, 4096, torch.bfloat16))) is None
+    def cfg(scheme: str, n: int, k: int, gated: bool = False) -> qg.GemvConfig | None:
+        layer = make_layer(scheme, n, k, torch.bfloat16, group=128) if scheme == "int4" else \
+            make_layer(scheme, n, k, torch.bfloat16)
+        return qg.launch_config(ql.quant_meta(layer), 1, gated)
+
+    assert cfg("nvfp4", 4096, 4096) == qg.STREAM_NARROW  # o
+    assert cfg("nvfp4", 4096, 12288) == qg.STREAM_LONG_K  # down
+    assert cfg("nvfp4", 6144, 4096) == cfg("nvfp4", qg.NARROW_MAX_ROWS + 64, 4096) == qg.STREAM_MID  # qkv
+    assert cfg("nvfp4", 9216, 2048) == qg.WIDE  # 35B q|g|k|v
+    assert cfg("nvfp4", 2048, 4096) == qg.NARROWEST  # 35B out_proj
+    assert cfg("nvfp4", 2048, 2048) == qg.STREAM_NARROW  # K short of NARROWEST's step
+    # K short of the streamed launch's step: its spans, then its parts cut until whole steps tile K
+    assert cfg("nvfp4", 4096, 1024) == qg.GemvConfig(8, 2, 4, stream=True, early=True)
+    assert cfg("nvfp4", 4096, 512) == qg.GemvConfig(8, 1, 4, stream=True, early=True)
+    assert cfg("nvfp4", 4096, 256) == qg.GemvConfig(8, 1, 2, stream=True, early=True)
+    # int4: an o projection streamed, a gate|up with SwiGLU on INT4_WIDE, the rest on the dot path
+    assert cfg("int4", 4096, 4096) == qg.STREAM_NARROW and cfg("int4", 24576, 4096, True) == qg.INT4_WIDE
+    assert cfg("int4", 6144, 4096) is None and cfg("int4", 4096, 12288) is None and cfg("int4", 24576, 4096) is None
 
 
 def test_rows_dispatch_rule() -> None:
@@ -302,7 +312,8 @@ def test_int4_dispatch_rule() -> None:
     assert cfg(128, n=qg.WIDE_ROWS - 8, gated=True) is None  # narrower: the dot path
     rows = make_layer("int4", qg.WIDE_ROWS, 512, torch.bfloat16, group=128)
     assert qg.launch_config(ql.quant_meta(rows), 16) is None
-    assert qg.launch_config(ql.quant_meta(make_layer("nvfp4", 4096, 4096, torch.bfloat16)), 1, True) == qg.NARROW
+    assert qg.launch_config(ql.quant_meta(make_layer("nvfp4", 4096, 4096, torch.bfloat16)), 1, True) == \
+        qg.STREAM_NARROW
     assert qg.launch_config(ql.quant_meta(make_layer("nvfp4", 64, 4096, torch.bfloat16)), 1, True) == qg.NARROWEST
 
 
