@@ -35,6 +35,12 @@ the gate rows of its outputs in one half of its tile rows and their up rows in t
 adjacent rows; interleaving them within a warp measured ~10% slower), or, in the rows kernel, as each 16-row
 group's lo and hi rows, and one launch replaces the GEMM and the SwiGLU kernel after it.
 
+One row can also stream (`_stream_kernel`, the parts kernel's tiles): each loop step issues the next step's weight
+loads before its own mmas, and the first step's before the PDL wait, while the kernel before still runs: weights do
+not depend on it. Its dependents are released right after the wait, so that their first weights are in flight during
+this launch too (bench/pdl_preload.py: a read-only launch chained that way reached 90-98% of copy bandwidth on an
+H200, against 57-82% loading after the wait and releasing late).
+
 Measured on an H100 (bench/quant_gemv.py, bench/results/quant_gemv_h100_*.json, % of copy bandwidth): NVFP4
 Qwen3-8B gate|up 37.8 -> 27.0 us (50 -> 70%), o 10.2 -> 8.9, down 25.8 -> 21.7; qkv stays on quant_linear's dot
 path (15.6 against 11.6 us): `launch_config` holds the lines.
@@ -79,7 +85,8 @@ GEMV_WIDE_ROWS = 8192
 WIDE = GemvConfig(warps=2, spans=4, parts=1)
 # narrow layers (Qwen3-8B o_proj / down, 4096 rows): K in 4 parts over 8 warps, two spans a step. One-row NVFP4, us
 # (c75ff26, H100 / H200): o 8.55 / 8.4 -> 7.46 / 7.4, down 20.2 / 20.1 -> 19.0 / 18.3 against the 16-warp, 4-span
-# launch first measured on the H100 (d60662d), which the 2048-row layers keep (NARROWEST: 35B out_proj 4.4 against 6.3)
+# launch first measured on the H100 (d60662d), which the 2048-row layers keep (NARROWEST: 35B out_proj 4.4 against 6.3).
+# The dispatch now streams these layers (STREAM_NARROW / STREAM_LONG_K, below); NARROW stays a tested launch.
 NARROW = GemvConfig(warps=8, spans=2, parts=4)
 NARROW_MAX_ROWS = 4224  # up to here: where that first launch's 16-warp programs fit one wave (32 rows x 132 SMs)
 # up to 2048 outputs (Qwen3.6-35B-A3B's out_proj and o_proj, 2048 x 4096): K in 8 parts over 16 warps, 4.5 us against
@@ -93,9 +100,12 @@ NARROWEST_ROWS = 2048
 # NVFP4 qkv 6144 x 4096 8.8 against the dot path's 11.3; o 4096 x 4096 5.7 against NARROW's 7.4, int4 5.4 against
 # the dot path's 6.9; NVFP4 down 4096 x 12288 15.9 against NARROW's 18.3 (int4 down stays on the dot path: 14.8
 # against 15.8, and so does int4 qkv: 8.1 against 8.3, within the noise). gate|up (24576 rows) stays WIDE / INT4_WIDE.
+# Past 4224 outputs only up to K = 4096 (STREAM_MID_MAX_K): Qwen3.6-27B's out_proj 5120 x 6144 took 20.9 us against
+# the dot path's 14.8 (its down 5120 x 17408 36.3 against 37.5; quant_gemv_dispatch_h200_6127628.json).
 STREAM_MID = GemvConfig(warps=4, spans=8, parts=2, stream=True, early=True)
 STREAM_NARROW = GemvConfig(warps=8, spans=4, parts=4, stream=True, early=True)
 STREAM_LONG_K = GemvConfig(warps=8, spans=2, parts=4, stream=True, early=True)  # K >= 2 N (a down projection)
+STREAM_MID_MAX_K = 4096
 
 
 MAX_ROWS = 16  # two blocks of 8 tokens: a k = 15 verify block
@@ -148,7 +158,8 @@ def launch_config(meta, m: int = 1, gated: bool = False) -> GemvConfig | None:
     """The launch for m rows of the layer, or None where quant_linear's dot path measured faster (H100 / H200,
     bench/quant_gemv.py --sweep / --stream). int4, one row: a gate|up with SwiGLU (INT4_WIDE) and an o projection
     (STREAM_NARROW). NVFP4, one row: one K part for >= GEMV_WIDE_ROWS outputs; up to 2048 outputs 8 parts over 16
-    warps (NARROWEST: 32 warps spilled); between the two the streamed kernel (STREAM_*). 2 to MAX_ROWS rows: the
+    warps (NARROWEST: 32 warps spilled); between the two the streamed kernel (STREAM_*; past NARROW_MAX_ROWS outputs
+    only up to STREAM_MID_MAX_K, the dot path beyond). 2 to MAX_ROWS rows: the
     rows kernel (above), with launches of its own for the measured Qwen3.6-27B shapes (ROWS_TUNED)."""
     if meta.scheme == "int4":
         if m == 1 and gated and meta.n >= WIDE_ROWS and meta.k <= INT4_MAX_K and _tiles_k(INT4_WIDE, meta.k):
@@ -169,8 +180,9 @@ def launch_config(meta, m: int = 1, gated: bool = False) -> GemvConfig | None:
         return NARROWEST
     if meta.n >= GEMV_WIDE_ROWS:
         return _gated_fit(WIDE if _tiles_k(WIDE, meta.k) else None, gated)
-    stream = STREAM_MID if meta.n > NARROW_MAX_ROWS else STREAM_LONG_K if meta.k >= 2 * meta.n else STREAM_NARROW
-    return _gated_fit(_fit_k(stream, meta.k), gated)
+    if meta.n > NARROW_MAX_ROWS:
+        return _gated_fit(_fit_k(STREAM_MID, meta.k), gated) if meta.k <= STREAM_MID_MAX_K else None
+    return _gated_fit(_fit_k(STREAM_LONG_K if meta.k >= 2 * meta.n else STREAM_NARROW, meta.k), gated)
 
 
 def _gated_fit(cfg: GemvConfig | None, gated: bool) -> GemvConfig | None:

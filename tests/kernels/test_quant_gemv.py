@@ -58,6 +58,7 @@ def test_dispatch_rule_keeps_cpu_narrow_and_folded_layers_off_the_gemv() -> None
     assert cfg("nvfp4", 4096, 12288) == qg.STREAM_LONG_K  # down
     assert cfg("nvfp4", 6144, 4096) == cfg("nvfp4", qg.NARROW_MAX_ROWS + 64, 4096) == qg.STREAM_MID  # qkv
     assert cfg("nvfp4", 9216, 2048) == qg.WIDE  # 35B q|g|k|v
+    assert cfg("nvfp4", 5120, 6144) is None and cfg("nvfp4", 5120, 17408) is None  # 27B out_proj / down: dot path
     assert cfg("nvfp4", 2048, 4096) == qg.NARROWEST  # 35B out_proj
     assert cfg("nvfp4", 2048, 2048) == qg.STREAM_NARROW  # K short of NARROWEST's step
     # K short of the streamed launch's step: its spans, then its parts cut until whole steps tile K
