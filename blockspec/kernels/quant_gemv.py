@@ -386,6 +386,14 @@ if HAVE_TRITON:
             tl.store(Y + out, _with_residual(y.to(Y.dtype.element_ty), Y + out, keep, HAS_RES), mask=keep)
 
     @triton.jit
+    def _parts_columns(pid, N, BN: tl.constexpr, P: tl.constexpr, GATED: tl.constexpr):
+        """Program pid's BN tile columns (column c: tile row c // P, K part c % P): the weight row each reads, its
+        part and whether it is live (`_tile_rows`)."""
+        cols = tl.arange(0, BN)
+        rows, n_mask = _tile_rows(pid, cols // P, N, BN // P, GATED)
+        return rows.to(tl.int64), (cols % P).to(tl.int64), n_mask
+
+    @triton.jit
     def _span_loads(QW, x32, S, wrow, part, n_mask, b0, KB: tl.constexpr, NG: tl.constexpr, BN: tl.constexpr,
                     P: tl.constexpr, INT4: tl.constexpr = False, G2: tl.constexpr = 8):
         """What one 64-byte span (bytes b0 .. of each column's K part) reads: the weight bytes [BN, 64], x as bf16
@@ -421,10 +429,7 @@ if HAVE_TRITON:
         # so the 8 columns of a warp's mma hold whole rows and part(g) = g % P. `_tile_rows` maps tile rows to
         # weight rows (GATED: gate rows, then the up rows)
         pid = tl.program_id(0)
-        cols = tl.arange(0, BN)
-        rows, n_mask = _tile_rows(pid, cols // P, N, BN // P, GATED)
-        part = (cols % P).to(tl.int64)
-        wrow = rows.to(tl.int64)
+        wrow, part, n_mask = _parts_columns(pid, N, BN, P, GATED)
         KB: tl.constexpr = K // 2
         NG: tl.constexpr = K // (2 * G2)
         x32 = X.to(tl.pointer_type(tl.int32))
@@ -471,11 +476,12 @@ if HAVE_TRITON:
     @triton.jit
     def _span_weights(QW, S, wrow, part, n_mask, b0, KB: tl.constexpr, NG: tl.constexpr, BN: tl.constexpr,
                       P: tl.constexpr, INT4: tl.constexpr, G2: tl.constexpr):
-        """What one 64-byte span (bytes b0 .. of each column's K part) reads of the layer, as `_span_loads` reads
-        it: the weight bytes [BN, 64] and the scales of each lane's bytes. Only the weights: nothing a kernel
-        before this one writes, so it may be loaded before the PDL wait."""
+        """The weights and scales of one span, as `_span_loads` reads them (without x, and never past a part's
+        end). Only the layer: nothing a kernel before this one writes, so it may be loaded before the PDL wait.
+        `_span_loads` keeps its own loads, x between the weights and the scales: its launches were timed in that
+        order."""
         kb = tl.arange(0, 64)
-        KP: tl.constexpr = KB // P
+        KP: tl.constexpr = KB // P  # bytes a part
         w = tl.load(QW + wrow[:, None] * KB + (part * KP)[:, None] + b0 + kb[None, :], mask=n_mask[:, None], other=0)
         if INT4:
             sa = _int4_words(S, (wrow * NG)[None, :], (part * KP)[None, :] + b0, n_mask[None, :], NG, G2)
@@ -483,13 +489,13 @@ if HAVE_TRITON:
         else:
             g = b0 // 8 + 2 * tl.arange(0, 4)
             sp = S + (wrow * NG + part * (NG // P))[None, :] + g[:, None]
-            sa = tl.trans(tl.load(sp, mask=n_mask[None, :], other=0))
+            sa = tl.trans(tl.load(sp, mask=n_mask[None, :], other=0))  # [t, column], transposed (`_span_loads`)
             sb = tl.trans(tl.load(sp + 1, mask=n_mask[None, :], other=0))
         return w, sa, sb
 
     @triton.jit
     def _span_x(x32, b0, KB: tl.constexpr, BN: tl.constexpr, P: tl.constexpr):
-        """x as bf16 pairs beside the span's weight bytes [BN, 64] (`_span_loads`)."""
+        """x as bf16 pairs beside the span's weight bytes [BN, 64], as `_span_loads` reads them."""
         kb = tl.arange(0, 64)
         xp = tl.load(x32 + (tl.arange(0, P) * (KB // P))[:, None] + b0 + kb[None, :])
         return tl.reshape(tl.broadcast_to(xp[None, :, :], [BN // P, P, 64]), [BN, 64])
@@ -506,10 +512,7 @@ if HAVE_TRITON:
         # against 57-82% loading after the wait). EARLY: dependents released right after the wait (a launch of
         # one wave: theirs can then load their weights during this one) instead of before the stores.
         pid = tl.program_id(0)
-        cols = tl.arange(0, BN)
-        rows, n_mask = _tile_rows(pid, cols // P, N, BN // P, GATED)
-        part = (cols % P).to(tl.int64)
-        wrow = rows.to(tl.int64)
+        wrow, part, n_mask = _parts_columns(pid, N, BN, P, GATED)
         KB: tl.constexpr = K // 2
         NG: tl.constexpr = K // (2 * G2)
         STEP: tl.constexpr = 64 * SPANS
