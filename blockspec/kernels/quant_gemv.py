@@ -394,32 +394,71 @@ if HAVE_TRITON:
         return rows.to(tl.int64), (cols % P).to(tl.int64), n_mask
 
     @triton.jit
-    def _span_loads(QW, x32, S, wrow, part, n_mask, b0, KB: tl.constexpr, NG: tl.constexpr, BN: tl.constexpr,
-                    P: tl.constexpr, INT4: tl.constexpr = False, G2: tl.constexpr = 8):
-        """What one 64-byte span (bytes b0 .. of each column's K part) reads: the weight bytes [BN, 64], x as bf16
-        pairs beside them (pair i beside byte i) and the e4m3 scales of each lane's two groups (bytes 16 t +
-        8 h) as two [BN, 4] uint8 tensors. Nothing past the part's end is read (b0 may be one span beyond)."""
+    def _span_bytes(QW, wrow, part, n_mask, b0, KB: tl.constexpr, P: tl.constexpr, live=None):
+        """The weight bytes [BN, 64] of one 64-byte span (bytes b0 .. of each column's K part); none where not
+        `live` (a scalar: the span lies in the part)."""
         kb = tl.arange(0, 64)
         KP: tl.constexpr = KB // P  # bytes a part
-        live = b0 < KP
-        g = b0 // 8 + 2 * tl.arange(0, 4)
-        w = tl.load(QW + wrow[:, None] * KB + (part * KP)[:, None] + b0 + kb[None, :], mask=n_mask[:, None] & live,
-                    other=0)
-        # x pairs [P, 64], broadcast over the rows of each part; loaded small (fewer elements than threads),
-        # Triton loads it straight in the tile's lane layout
-        xp = tl.load(x32 + (tl.arange(0, P) * KP)[:, None] + b0 + kb[None, :], mask=live, other=0)
-        xp = tl.reshape(tl.broadcast_to(xp[None, :, :], [BN // P, P, 64]), [BN, 64])
-        if INT4:  # the lanes' scale|zero words (sb unused)
-            sa = _int4_words(S, (wrow * NG)[None, :], (part * KP)[None, :] + b0, n_mask[None, :] & live, NG, G2)
+        mask = n_mask[:, None]
+        if live is not None:
+            mask = mask & live
+        return tl.load(QW + wrow[:, None] * KB + (part * KP)[:, None] + b0 + kb[None, :], mask=mask, other=0)
+
+    @triton.jit
+    def _span_x(x32, b0, KB: tl.constexpr, BN: tl.constexpr, P: tl.constexpr, live=None):
+        """x as bf16 pairs beside the span's weight bytes [BN, 64] (pair i beside byte i), none where not `live`:
+        loaded [P, 64] (fewer elements than threads, so Triton loads it straight in the tile's lane layout) and
+        broadcast over the rows of each part."""
+        kb = tl.arange(0, 64)
+        ptrs = x32 + (tl.arange(0, P) * (KB // P))[:, None] + b0 + kb[None, :]
+        if live is None:
+            xp = tl.load(ptrs)
+        else:
+            xp = tl.load(ptrs, mask=live, other=0)
+        return tl.reshape(tl.broadcast_to(xp[None, :, :], [BN // P, P, 64]), [BN, 64])
+
+    @triton.jit
+    def _span_scales(S, wrow, part, n_mask, b0, KB: tl.constexpr, NG: tl.constexpr, P: tl.constexpr,
+                     INT4: tl.constexpr, G2: tl.constexpr, live=None):
+        """The scales of each lane's 16 bytes of the span, two [BN, 4] tensors: NVFP4 the e4m3 scales of its two
+        8-byte groups (bytes 16 t + 8 h), int4 its scale|zero word (twice); none where not `live`."""
+        KP: tl.constexpr = KB // P
+        mask = n_mask[None, :]
+        if live is not None:
+            mask = mask & live
+        if INT4:
+            sa = _int4_words(S, (wrow * NG)[None, :], (part * KP)[None, :] + b0, mask, NG, G2)
             sb = sa
         else:
+            g = b0 // 8 + 2 * tl.arange(0, 4)
             sp = S + (wrow * NG + part * (NG // P))[None, :] + g[:, None]
             # the scales loaded [t, column] and transposed, which gives them the lane layout of the weight tile (a
             # [column, t] load would be laid out across the lanes the other way and converted through shared
             # memory, a barrier a span)
-            sa = tl.trans(tl.load(sp, mask=n_mask[None, :] & live, other=0))
-            sb = tl.trans(tl.load(sp + 1, mask=n_mask[None, :] & live, other=0))
+            sa = tl.trans(tl.load(sp, mask=mask, other=0))
+            sb = tl.trans(tl.load(sp + 1, mask=mask, other=0))
+        return sa, sb
+
+    @triton.jit
+    def _span_loads(QW, x32, S, wrow, part, n_mask, b0, KB: tl.constexpr, NG: tl.constexpr, BN: tl.constexpr,
+                    P: tl.constexpr, INT4: tl.constexpr = False, G2: tl.constexpr = 8):
+        """What one 64-byte span (bytes b0 .. of each column's K part) reads: the weight bytes, x beside them and
+        the scales, in that order (the parts kernel's launches were timed so). Nothing past the part's end is
+        read (b0 may be one span beyond)."""
+        live = b0 < KB // P
+        w = _span_bytes(QW, wrow, part, n_mask, b0, KB, P, live)
+        xp = _span_x(x32, b0, KB, BN, P, live)
+        sa, sb = _span_scales(S, wrow, part, n_mask, b0, KB, NG, P, INT4, G2, live)
         return w, xp, sa, sb
+
+    @triton.jit
+    def _span_weights(QW, S, wrow, part, n_mask, b0, KB: tl.constexpr, NG: tl.constexpr, P: tl.constexpr,
+                      INT4: tl.constexpr, G2: tl.constexpr):
+        """One span's weight bytes and scales, never past a part's end: only the layer, which no kernel of a
+        step writes, so a kernel may load them before its PDL wait."""
+        w = _span_bytes(QW, wrow, part, n_mask, b0, KB, P)
+        sa, sb = _span_scales(S, wrow, part, n_mask, b0, KB, NG, P, INT4, G2)
+        return w, sa, sb
 
     @triton.jit
     def _parts_kernel(X, QW, S, GS, Y, N, K: tl.constexpr, HAS_GS: tl.constexpr, BN: tl.constexpr,
@@ -474,33 +513,6 @@ if HAVE_TRITON:
             tl.store(Y + out, _with_residual(y.to(Y.dtype.element_ty), Y + out, out < N, HAS_RES), mask=out < N)
 
     @triton.jit
-    def _span_weights(QW, S, wrow, part, n_mask, b0, KB: tl.constexpr, NG: tl.constexpr, BN: tl.constexpr,
-                      P: tl.constexpr, INT4: tl.constexpr, G2: tl.constexpr):
-        """The weights and scales of one span, as `_span_loads` reads them (without x, and never past a part's
-        end). Only the layer: nothing a kernel before this one writes, so it may be loaded before the PDL wait.
-        `_span_loads` keeps its own loads, x between the weights and the scales: its launches were timed in that
-        order."""
-        kb = tl.arange(0, 64)
-        KP: tl.constexpr = KB // P  # bytes a part
-        w = tl.load(QW + wrow[:, None] * KB + (part * KP)[:, None] + b0 + kb[None, :], mask=n_mask[:, None], other=0)
-        if INT4:
-            sa = _int4_words(S, (wrow * NG)[None, :], (part * KP)[None, :] + b0, n_mask[None, :], NG, G2)
-            sb = sa
-        else:
-            g = b0 // 8 + 2 * tl.arange(0, 4)
-            sp = S + (wrow * NG + part * (NG // P))[None, :] + g[:, None]
-            sa = tl.trans(tl.load(sp, mask=n_mask[None, :], other=0))  # [t, column], transposed (`_span_loads`)
-            sb = tl.trans(tl.load(sp + 1, mask=n_mask[None, :], other=0))
-        return w, sa, sb
-
-    @triton.jit
-    def _span_x(x32, b0, KB: tl.constexpr, BN: tl.constexpr, P: tl.constexpr):
-        """x as bf16 pairs beside the span's weight bytes [BN, 64], as `_span_loads` reads them."""
-        kb = tl.arange(0, 64)
-        xp = tl.load(x32 + (tl.arange(0, P) * (KB // P))[:, None] + b0 + kb[None, :])
-        return tl.reshape(tl.broadcast_to(xp[None, :, :], [BN // P, P, 64]), [BN, 64])
-
-    @triton.jit
     def _stream_kernel(X, QW, S, GS, Y, N, K: tl.constexpr, HAS_GS: tl.constexpr, BN: tl.constexpr,
                        SPANS: tl.constexpr, P: tl.constexpr, HAS_RES: tl.constexpr = False, PDL: tl.constexpr = False,
                        INT4: tl.constexpr = False, G2: tl.constexpr = 8, GATED: tl.constexpr = False,
@@ -519,7 +531,7 @@ if HAVE_TRITON:
         LAST: tl.constexpr = KB // P - STEP  # the last step's first byte
         ring = ()
         for u in tl.static_range(SPANS):
-            ring = ring + (_span_weights(QW, S, wrow, part, n_mask, 64 * u, KB, NG, BN, P, INT4, G2),)
+            ring = ring + (_span_weights(QW, S, wrow, part, n_mask, 64 * u, KB, NG, P, INT4, G2),)
         wait_for_inputs(PDL)
         if EARLY:
             release_dependents(PDL)
@@ -529,8 +541,7 @@ if HAVE_TRITON:
         for b0 in range(0, LAST, STEP):
             ahead = ()
             for u in tl.static_range(SPANS):
-                ahead = ahead + (_span_weights(QW, S, wrow, part, n_mask, b0 + STEP + 64 * u, KB, NG, BN, P, INT4,
-                                               G2),)
+                ahead = ahead + (_span_weights(QW, S, wrow, part, n_mask, b0 + STEP + 64 * u, KB, NG, P, INT4, G2),)
                 w, sa, sb = ring[u]
                 acc1, acc2 = _span_mma(acc1, acc2, w, _span_x(x32, b0 + 64 * u, KB, BN, P), sa, sb, BN, INT4)
             ring = ahead
