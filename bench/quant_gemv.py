@@ -69,11 +69,14 @@ SWEEP_ROWS = [quant_gemv.GemvConfig(w, s, p) for w in (4, 8, 16) for s in (1, 2,
 # before the stores; the best of these is timed again releasing them right after the wait (`early`)
 SWEEP_STREAM = [quant_gemv.GemvConfig(w, s, p, stream=True) for w in (2, 4, 8, 16) for s in (2, 4, 8)
                 for p in (1, 2, 4, 8) if 64 * p <= 32 * w and s * p <= 16]
+SWEEP_STREAM_ROWS = [quant_gemv.GemvConfig(w, s, p, stream=True) for w in (4, 8, 16) for s in (1, 2, 4)
+                     for p in (1, 2, 4, 8) if p <= w and s * p <= 16]
 
 
 def sweep(x, layer, layers, ref, k, gated: bool, stream: bool = False) -> dict:
     best = None
-    configs = SWEEP_STREAM if stream else SWEEP if x.shape[0] == 1 else SWEEP_ROWS
+    one = x.shape[0] == 1
+    configs = (SWEEP_STREAM if one else SWEEP_STREAM_ROWS) if stream else SWEEP if one else SWEEP_ROWS
     for cfg in configs + ([replace(configs[0], early=True)] if stream else []):
         if stream and cfg.early:  # the best streamed launch, releasing early
             if best is None:
@@ -99,8 +102,9 @@ def main() -> None:
     ap.add_argument("--schemes", default="nvfp4,int4", help="nvfp4 and / or int4 (g128, asymmetric)")
     ap.add_argument("--rows", default="1", help="rows of x (comma-separated): 1 the GEMV, 2-16 the rows kernel")
     ap.add_argument("--gated", action="store_true", help="the gate|up shapes with SwiGLU too")
-    ap.add_argument("--stream", action="store_true", help="+ the streamed one-row kernel's launches (quant_gemv."
-                    "_stream_kernel: weights a step ahead, the first before the PDL wait)")
+    ap.add_argument("--stream", action="store_true", help="+ the streamed launches (weights a step ahead, the "
+                    "first step's before the PDL wait): quant_gemv._stream_kernel at one row, the rows kernel's "
+                    "at 2-16")
     args = ap.parse_args()
     torch.manual_seed(0)
     bw = copy_bandwidth()
@@ -125,7 +129,7 @@ def main() -> None:
                                      dispatched=quant_gemv.launch_config(meta, m, gated) is not None))
                     if args.sweep:
                         rows[-1]["best"] = sweep(x, layer, layers, ref, k, gated)
-                    if args.stream and m == 1:
+                    if args.stream:
                         rows[-1]["stream"] = sweep(x, layer, layers, ref, k, gated, stream=True)
                     print(rows[-1], flush=True)
             del layers

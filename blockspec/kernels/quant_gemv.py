@@ -63,7 +63,7 @@ class GemvConfig:
     warps: int  # a program: 8 mma columns a warp
     spans: int  # 64-byte spans a loop step
     parts: int  # K parts a weight row is split over (P mma columns a row)
-    stream: bool = False  # one row on `_stream_kernel`: a step's weights loaded a step ahead, the first before the wait
+    stream: bool = False  # weights loaded a step ahead, the first step's before the PDL wait (`_stream_kernel`, rows)
     early: bool = False  # (stream) dependents released right after the PDL wait, not before the stores
 
     @property
@@ -581,7 +581,8 @@ def gemv(x: torch.Tensor, layer, meta, cfg: GemvConfig, residual: torch.Tensor |
                   launch_pdl=on)
     if m > 1:
         grid = (triton.cdiv(meta.n, cfg.rows_block),)
-        _rows_kernel[grid](x, layer.qweight, scales, gs, y, m, meta.n, P=cfg.parts, TWO=m > 8, **common)
+        _rows_kernel[grid](x, layer.qweight, scales, gs, y, m, meta.n, P=cfg.parts, TWO=m > 8, STREAM=cfg.stream,
+                           EARLY=cfg.early, **common)
         return y
     args = (x, layer.qweight, scales, gs, y, meta.n)
     grid = (triton.cdiv(meta.n * cfg.parts, cfg.block),)
@@ -645,23 +646,35 @@ if HAVE_TRITON:
     _ROWS_INT4_CONS2 = tl.constexpr(_rows_constraints(2, True))
 
     @triton.jit
-    def _rows_loads(QW, x32, S, lo_row, hi_row, part, tok, tok_b, b0, KB: tl.constexpr, NG: tl.constexpr,
-                    P: tl.constexpr, TWO: tl.constexpr, INT4: tl.constexpr = False, G2: tl.constexpr = 8):
-        """One 64-byte span (bytes b0 .. of each tile row's K part): the bytes of weight rows lo_row and hi_row
-        [BN, 64], the x pairs beside them of tokens tok and (TWO) tok_b, and the e4m3 scales of each lane's two
-        8-byte groups of both rows ([BN, 4] each, loaded [t, row] and transposed: module docstring). No masks (a
-        masked load zeroes its registers first: ~1 instruction a word): the caller clamps rows past N and tokens
-        past M to the last, whose results it does not store."""
+    def _rows_bytes(QW, lo_row, hi_row, part, b0, KB: tl.constexpr, P: tl.constexpr):
+        """The bytes of weight rows lo_row and hi_row [BN, 64] in one 64-byte span (bytes b0 .. of each tile row's
+        K part). No masks (a masked load zeroes its registers first: ~1 instruction a word): the caller clamps
+        rows past N to the last, whose results it does not store."""
         KP: tl.constexpr = KB // P  # bytes a part
-        col = (part * KP + b0)[:, None] + tl.arange(0, 64)[None, :]  # byte of the row = x pair of the token
-        wl = tl.load(QW + lo_row[:, None] * KB + col)
-        wh = tl.load(QW + hi_row[:, None] * KB + col)
+        col = (part * KP + b0)[:, None] + tl.arange(0, 64)[None, :]
+        return tl.load(QW + lo_row[:, None] * KB + col), tl.load(QW + hi_row[:, None] * KB + col)
+
+    @triton.jit
+    def _rows_x(x32, tok, tok_b, part, b0, KB: tl.constexpr, P: tl.constexpr, TWO: tl.constexpr):
+        """The x pairs beside the span's bytes (byte i of a row = x pair i of the token) of tokens tok and (TWO)
+        tok_b, [BN, 64] each (tokens past M clamped by the caller)."""
+        KP: tl.constexpr = KB // P
+        col = (part * KP + b0)[:, None] + tl.arange(0, 64)[None, :]
         xa = tl.load(x32 + tok[:, None] * KB + col)
         if TWO:
             xb = tl.load(x32 + tok_b[:, None] * KB + col)
         else:
             xb = xa
-        if INT4:  # the lanes' scale|zero words of both rows (slb, shb unused)
+        return xa, xb
+
+    @triton.jit
+    def _rows_scales(S, lo_row, hi_row, part, b0, KB: tl.constexpr, NG: tl.constexpr, P: tl.constexpr,
+                     INT4: tl.constexpr, G2: tl.constexpr):
+        """The scales of each lane's bytes of both rows, [BN, 4] each, loaded [t, row] and transposed (module
+        docstring): NVFP4 the e4m3 scales of its two 8-byte groups (sla, slb of lo_row; sha, shb of hi_row), int4
+        each row's scale|zero word (slb, shb unused)."""
+        KP: tl.constexpr = KB // P
+        if INT4:
             c0 = (part * KP)[None, :] + b0
             sla = _int4_words(S, (lo_row * NG)[None, :], c0, None, NG, G2)
             sha = _int4_words(S, (hi_row * NG)[None, :], c0, None, NG, G2)
@@ -675,7 +688,56 @@ if HAVE_TRITON:
             slb = tl.trans(tl.load(spl + 1))
             sha = tl.trans(tl.load(sph))
             shb = tl.trans(tl.load(sph + 1))
+        return sla, slb, sha, shb
+
+    @triton.jit
+    def _rows_loads(QW, x32, S, lo_row, hi_row, part, tok, tok_b, b0, KB: tl.constexpr, NG: tl.constexpr,
+                    P: tl.constexpr, TWO: tl.constexpr, INT4: tl.constexpr = False, G2: tl.constexpr = 8):
+        """One 64-byte span: the rows' bytes, x beside them, the scales, in that order (the rows kernel's launches
+        were timed so)."""
+        wl, wh = _rows_bytes(QW, lo_row, hi_row, part, b0, KB, P)
+        xa, xb = _rows_x(x32, tok, tok_b, part, b0, KB, P, TWO)
+        sla, slb, sha, shb = _rows_scales(S, lo_row, hi_row, part, b0, KB, NG, P, INT4, G2)
         return wl, wh, xa, xb, sla, slb, sha, shb
+
+    @triton.jit
+    def _rows_weights(QW, S, lo_row, hi_row, part, b0, KB: tl.constexpr, NG: tl.constexpr, P: tl.constexpr,
+                      INT4: tl.constexpr, G2: tl.constexpr):
+        """One span's weight bytes and scales of both rows: only the layer, which no kernel of a step writes, so a
+        kernel may load them before its PDL wait."""
+        wl, wh = _rows_bytes(QW, lo_row, hi_row, part, b0, KB, P)
+        sla, slb, sha, shb = _rows_scales(S, lo_row, hi_row, part, b0, KB, NG, P, INT4, G2)
+        return wl, wh, sla, slb, sha, shb
+
+    @triton.jit
+    def _rows_ahead(QW, S, lo_row, hi_row, part, b0, KB: tl.constexpr, NG: tl.constexpr, P: tl.constexpr,
+                    SPANS: tl.constexpr, INT4: tl.constexpr, G2: tl.constexpr):
+        """The weights of the SPANS spans of a step from byte b0 (`_rows_weights`), a tuple a span."""
+        ring = ()
+        for u in tl.static_range(SPANS):
+            ring = ring + (_rows_weights(QW, S, lo_row, hi_row, part, b0 + 64 * u, KB, NG, P, INT4, G2),)
+        return ring
+
+    @triton.jit
+    def _rows_stream_loop(acc_a, acc_b, ring, QW, x32, S, lo_row, hi_row, part, tok, tok_b, KB: tl.constexpr,
+                          NG: tl.constexpr, BN: tl.constexpr, SPANS: tl.constexpr, P: tl.constexpr,
+                          TWO: tl.constexpr, INT4: tl.constexpr = False, G2: tl.constexpr = 8):
+        """`_rows_span_loop` with the weights a step ahead: ring holds the first step's (`_rows_ahead`, loaded
+        before the PDL wait), and each step issues the next step's before its own mmas."""
+        STEP: tl.constexpr = 64 * SPANS
+        LAST: tl.constexpr = KB // P - STEP  # the last step's first byte
+        for b0 in range(0, LAST, STEP):
+            ahead = _rows_ahead(QW, S, lo_row, hi_row, part, b0 + STEP, KB, NG, P, SPANS, INT4, G2)
+            for u in tl.static_range(SPANS):
+                wl, wh, sla, slb, sha, shb = ring[u]
+                xa, xb = _rows_x(x32, tok, tok_b, part, b0 + 64 * u, KB, P, TWO)
+                acc_a, acc_b = _rows_mma(acc_a, acc_b, wl, wh, xa, xb, sla, slb, sha, shb, BN, TWO, INT4)
+            ring = ahead
+        for u in tl.static_range(SPANS):
+            wl, wh, sla, slb, sha, shb = ring[u]
+            xa, xb = _rows_x(x32, tok, tok_b, part, LAST + 64 * u, KB, P, TWO)
+            acc_a, acc_b = _rows_mma(acc_a, acc_b, wl, wh, xa, xb, sla, slb, sha, shb, BN, TWO, INT4)
+        return acc_a, acc_b
 
     @triton.jit
     def _rows_mma(acc_a, acc_b, wl, wh, xa, xb, sla, slb, sha, shb, BN: tl.constexpr, TWO: tl.constexpr,
@@ -764,10 +826,12 @@ if HAVE_TRITON:
     def _rows_kernel(X, QW, S, GS, Y, M, N, K: tl.constexpr, HAS_GS: tl.constexpr, BN: tl.constexpr,
                      SPANS: tl.constexpr, P: tl.constexpr, TWO: tl.constexpr, HAS_RES: tl.constexpr = False,
                      PDL: tl.constexpr = False, INT4: tl.constexpr = False, G2: tl.constexpr = 8,
-                     GATED: tl.constexpr = False):
+                     GATED: tl.constexpr = False, STREAM: tl.constexpr = False, EARLY: tl.constexpr = False):
         # tile row r = 8 w + g (warp w, lane row g) reads K part w % P of the weight rows 16 (w // P) + g (lo) and
         # + 8 (hi) of the program's, and x of token g (and g + 8). GATED (N = 2I rows of [gate; up]): the 16-row
-        # group j holds the gate rows of outputs 8 j .. 8 j + 7 as its lo rows and their up rows as its hi rows
+        # group j holds the gate rows of outputs 8 j .. 8 j + 7 as its lo rows and their up rows as its hi rows.
+        # STREAM: the weights a step ahead, the first step's loaded before the PDL wait (`_stream_kernel`'s way);
+        # EARLY: the dependents released right after the wait
         pid = tl.program_id(0)
         r = tl.arange(0, BN)
         w = r // 8
@@ -786,12 +850,21 @@ if HAVE_TRITON:
         x32 = X.to(tl.pointer_type(tl.int32))
         acc_a = tl.zeros([BN, 64], dtype=tl.float32)
         acc_b = tl.zeros([BN, 64], dtype=tl.float32)
+        if STREAM:
+            ring = _rows_ahead(QW, S, lo_row, hi_row, part, 0, KB, NG, P, SPANS, INT4, G2)
         wait_for_inputs(PDL)
+        if EARLY:
+            release_dependents(PDL)
         tok = tl.minimum(g, M - 1)
         tok_b = tl.minimum(g + 8, M - 1)
-        acc_a, acc_b = _rows_span_loop(acc_a, acc_b, QW, x32, S, lo_row, hi_row, part, tok, tok_b, KB, NG, BN, SPANS,
-                                       P, TWO, INT4, G2)
-        release_dependents(PDL)
+        if STREAM:
+            acc_a, acc_b = _rows_stream_loop(acc_a, acc_b, ring, QW, x32, S, lo_row, hi_row, part, tok, tok_b, KB, NG,
+                                             BN, SPANS, P, TWO, INT4, G2)
+        else:
+            acc_a, acc_b = _rows_span_loop(acc_a, acc_b, QW, x32, S, lo_row, hi_row, part, tok, tok_b, KB, NG, BN,
+                                           SPANS, P, TWO, INT4, G2)
+        if not EARLY:
+            release_dependents(PDL)
         _rows_store(acc_a, Y, GS, pid, 0, M, N, BN, P, HAS_GS, HAS_RES, INT4, GATED)
         if TWO:
             _rows_store(acc_b, Y, GS, pid, 8, M, N, BN, P, HAS_GS, HAS_RES, INT4, GATED)
