@@ -71,18 +71,24 @@ SWEEP_STREAM = [quant_gemv.GemvConfig(w, s, p, stream=True) for w in (2, 4, 8, 1
                 for p in (1, 2, 4, 8) if 64 * p <= 32 * w and s * p <= 16]
 SWEEP_STREAM_ROWS = [quant_gemv.GemvConfig(w, s, p, stream=True) for w in (4, 8, 16) for s in (1, 2, 4)
                      for p in (1, 2, 4, 8) if p <= w and s * p <= 16]
+# one row on the rows kernel (weights as the mma's A operand: 2 bytes of x a weight byte against the GEMV's 4),
+# plain and streamed
+SWEEP_ROWS_AT_ONE = [quant_gemv.GemvConfig(w, s, p, stream=st, rows=True) for w, s, p in
+                     ((4, 2, 1), (8, 2, 2), (8, 2, 4), (16, 4, 8)) for st in (False, True)]
 
 
 def sweep(x, layer, layers, ref, k, gated: bool, stream: bool = False) -> dict:
     best = None
     one = x.shape[0] == 1
-    configs = (SWEEP_STREAM if one else SWEEP_STREAM_ROWS) if stream else SWEEP if one else SWEEP_ROWS
-    for cfg in configs + ([replace(configs[0], early=True)] if stream else []):
-        if stream and cfg.early:  # the best streamed launch, releasing early
-            if best is None:
+    configs = (SWEEP_STREAM + SWEEP_ROWS_AT_ONE if one else SWEEP_STREAM_ROWS) if stream else \
+        SWEEP if one else SWEEP_ROWS
+    best_cfg = None
+    for cfg in configs + ([None] if stream else []):
+        if cfg is None:  # the best streamed launch again, releasing its dependents early
+            if best_cfg is None or not best_cfg.stream:
                 break
-            cfg = quant_gemv.GemvConfig(best["warps"], best["spans"], best["parts"], stream=True, early=True)
-        if k % (128 * cfg.spans * cfg.parts) or (gated and x.shape[0] == 1 and cfg.block // cfg.parts % 2):
+            cfg = replace(best_cfg, early=True)
+        if k % (128 * cfg.spans * cfg.parts) or (gated and one and not cfg.rows and cfg.block // cfg.parts % 2):
             continue
         err = qgm.rel_err(gemv_fn(x, [layer], cfg, gated)(), ref)
         if err > 2e-2:
@@ -91,7 +97,9 @@ def sweep(x, layer, layers, ref, k, gated: bool, stream: bool = False) -> dict:
         us = qgm.bench(gemv_fn(x, layers, cfg, gated))
         print(f"  {cfg}: {us:.1f} us", flush=True)
         if best is None or us < best["us"]:
-            best = dict(us=us, warps=cfg.warps, spans=cfg.spans, parts=cfg.parts, early=cfg.early)
+            best_cfg = cfg
+            best = dict(us=us, warps=cfg.warps, spans=cfg.spans, parts=cfg.parts, stream=cfg.stream, early=cfg.early,
+                        rows=cfg.rows)
     return best
 
 
@@ -104,7 +112,7 @@ def main() -> None:
     ap.add_argument("--gated", action="store_true", help="the gate|up shapes with SwiGLU too")
     ap.add_argument("--stream", action="store_true", help="+ the streamed launches (weights a step ahead, the "
                     "first step's before the PDL wait): quant_gemv._stream_kernel at one row, the rows kernel's "
-                    "at 2-16")
+                    "at 2-16; and one row on the rows kernel, plain and streamed")
     args = ap.parse_args()
     torch.manual_seed(0)
     bw = copy_bandwidth()
@@ -149,7 +157,8 @@ def main() -> None:
                  f"parts {r['best']['parts']}" if r.get("best") else "")
               + (f"  stream {r['stream']['us']:.1f} us ({qgm.pct(r['bytes'], r['stream']['us'], bw):.1f}%): "
                  f"warps {r['stream']['warps']} spans {r['stream']['spans']} parts {r['stream']['parts']}"
-                 f"{' early' if r['stream']['early'] else ''}" if r.get("stream") else ""))
+                 f"{' streamed' if r['stream'].get('stream') else ''}{' early' if r['stream']['early'] else ''}"
+                 f"{' rows kernel' if r['stream'].get('rows') else ''}" if r.get("stream") else ""))
 
 
 if __name__ == "__main__":

@@ -65,6 +65,7 @@ class GemvConfig:
     parts: int  # K parts a weight row is split over (P mma columns a row)
     stream: bool = False  # weights loaded a step ahead, the first step's before the PDL wait (`_stream_kernel`, rows)
     early: bool = False  # (stream) dependents released right after the PDL wait, not before the stores
+    rows: bool = False  # one row on the rows kernel too (weights as the mma's A operand: 2 bytes of x a weight byte)
 
     @property
     def block(self) -> int:
@@ -560,11 +561,11 @@ def gemv(x: torch.Tensor, layer, meta, cfg: GemvConfig, residual: torch.Tensor |
     (`layer_fits`) with the launch `applies` gave (or a swept one: bench/quant_gemv.py; the kernels need K % (128
     parts spans) == 0); with `residual` ([M, N], contiguous) the result is added into it in place (rounded as a
     separate add) and returned; `gated`: SiLU(gate) * up of the output's [gate; up] halves, [M, N / 2], rounded
-    as silu_mul_ref rounds. One row takes the GEMV, 2 to 16 the rows kernel."""
+    as silu_mul_ref rounds. One row takes the GEMV (or, with cfg.rows, the rows kernel), 2 to 16 the rows kernel."""
     m = x.shape[0]
     if not 1 <= m <= MAX_ROWS or not _tiles_k(cfg, meta.k):
         raise ValueError(f"{m} rows of K = {meta.k} do not fit the mma kernels with {cfg}")
-    if gated and (residual is not None or meta.n % 2 or (m == 1 and (cfg.block // cfg.parts) % 2)):
+    if gated and (residual is not None or meta.n % 2 or (m == 1 and not cfg.rows and (cfg.block // cfg.parts) % 2)):
         raise ValueError(f"SwiGLU over {meta.n} rows with {cfg} (and a residual: {residual is not None}) does not fit")
     y = residual if residual is not None else \
         torch.empty(m, meta.n // 2 if gated else meta.n, dtype=x.dtype, device=x.device)
@@ -579,7 +580,7 @@ def gemv(x: torch.Tensor, layer, meta, cfg: GemvConfig, residual: torch.Tensor |
     common = dict(K=meta.k, HAS_GS=meta.has_gs, BN=cfg.block, SPANS=cfg.spans, HAS_RES=residual is not None, PDL=on,
                   INT4=int4, G2=meta.group // 2 if int4 else 8, GATED=gated, num_warps=cfg.warps, num_stages=1,
                   launch_pdl=on)
-    if m > 1:
+    if m > 1 or cfg.rows:
         grid = (triton.cdiv(meta.n, cfg.rows_block),)
         _rows_kernel[grid](x, layer.qweight, scales, gs, y, m, meta.n, P=cfg.parts, TWO=m > 8, STREAM=cfg.stream,
                            EARLY=cfg.early, **common)
