@@ -160,8 +160,8 @@ def launch_config(meta, m: int = 1, gated: bool = False) -> GemvConfig | None:
     bench/quant_gemv.py --sweep / --stream). int4, one row: a gate|up with SwiGLU (INT4_WIDE) and an o projection
     (STREAM_NARROW). NVFP4, one row: one K part for >= GEMV_WIDE_ROWS outputs; up to 2048 outputs 8 parts over 16
     warps (NARROWEST: 32 warps spilled); between the two the streamed kernel (STREAM_*; past NARROW_MAX_ROWS outputs
-    only up to STREAM_MID_MAX_K, the dot path beyond). 2 to MAX_ROWS rows: the
-    rows kernel (above), with launches of its own for the measured Qwen3.6-27B shapes (ROWS_TUNED)."""
+    only up to STREAM_MID_MAX_K, the dot path beyond). 2 to MAX_ROWS rows: the rows kernel (above), with launches of
+    its own for the measured Qwen3.6-27B shapes (ROWS_TUNED)."""
     if meta.scheme == "int4":
         if m == 1 and gated and meta.n >= WIDE_ROWS and meta.k <= INT4_MAX_K and _tiles_k(INT4_WIDE, meta.k):
             return INT4_WIDE
