@@ -22,21 +22,23 @@ STEP_INPUTS = ("SEQ_LENS", "KV_START", "Q_START")
 # Helpers that load a layer's weights and scales only (no kernel of a step writes them): a kernel may call them, or
 # helpers that call only them, before its wait, so that its weights are in flight while the kernel before it runs
 # (quant_gemv's streamed launches).
-WEIGHT_LOADERS = ("_span_bytes", "_span_scales", "_rows_bytes", "_rows_scales", "_int4_words")
+WEIGHT_LOADERS = ("_span_bytes", "_span_scales", "_rows_bytes", "_rows_scales", "_int4_words", "_packed_bytes",
+                  "_group_scales")
 
 
-def loaders_called(module, source: str, seen: set[str]) -> list[str]:
-    """The module's jit helpers that `source` calls, directly or through other helpers, and that load memory."""
+def loaders_called(names: dict, source: str, seen: set[str]) -> list[str]:
+    """The jit helpers that `source` calls (looked up in `names`, the globals of the function it is from), directly
+    or through other helpers (in their own modules' globals), and that load memory."""
     found = []
     for name in re.findall(r"\b(_\w+)\(", source):
-        helper = getattr(module, name, None)
+        helper = names.get(name)
         if name in seen or not hasattr(helper, "fn"):
             continue
         seen.add(name)
         body = inspect.getsource(helper.fn)
         if "tl.load" in body:
             found.append(name)
-        found += loaders_called(module, body.split(":", 1)[1], seen)  # past its own signature
+        found += loaders_called(helper.fn.__globals__, body.split(":", 1)[1], seen)  # past its own signature
     return found
 
 
@@ -63,7 +65,7 @@ def test_every_pdl_kernel_waits_and_every_launch_passes_both_switches(name):
         early = re.findall(r"tl\.load\(\s*(\w+)", body[:wait])
         assert all(ptr in STEP_INPUTS for ptr in early) and "tl.store" not in body[:wait], \
             f"{kernel.fn.__name__} touches memory other than the step's inputs before its PDL wait: {early}"
-        loading = loaders_called(module, body[:wait], {kernel.fn.__name__})
+        loading = loaders_called(kernel.fn.__globals__, body[:wait], {kernel.fn.__name__})
         assert all(name in WEIGHT_LOADERS for name in loading), \
             f"{kernel.fn.__name__} calls helpers that load before its PDL wait: {loading}"
     source = Path(module.__file__).read_text()
