@@ -377,15 +377,16 @@ if HAVE_TRITON:
         rows_u = rows + N  # GATED: the up rows
         EVEN_K: tl.constexpr = K % (BLOCK_K * SPLIT) == 0
         TILE: tl.constexpr = X.dtype.element_ty if USE_DOT or FAST else tl.float32
+        STEP: tl.constexpr = BLOCK_K * SPLIT
         # PRE: the first PRE K steps' weights loaded before the wait (4-bit layers), while the kernel before this
         # one still runs (bench/pdl_preload.py); EARLY: dependents released right after the wait
         ahead = ()
         ahead_u = ()
         for i in tl.static_range(PRE):
-            ahead = ahead + (_step_raw(QW, S, Z, rows, n_mask, i * BLOCK_K * SPLIT, SPLIT, SCHEME, K, G, NG,
-                                       SCALE_ROW_DIV, HAS_ZERO, PER_ROW, EVEN_K, BLOCK_K),)
+            ahead = ahead + (_step_raw(QW, S, Z, rows, n_mask, i * STEP, SPLIT, SCHEME, K, G, NG, SCALE_ROW_DIV,
+                                       HAS_ZERO, PER_ROW, EVEN_K, BLOCK_K),)
             if GATED:
-                ahead_u = ahead_u + (_step_raw(QW, S, Z, rows_u, n_mask, i * BLOCK_K * SPLIT, SPLIT, SCHEME, K, G, NG,
+                ahead_u = ahead_u + (_step_raw(QW, S, Z, rows_u, n_mask, i * STEP, SPLIT, SCHEME, K, G, NG,
                                                SCALE_ROW_DIV, HAS_ZERO, PER_ROW, EVEN_K, BLOCK_K),)
         wait_for_inputs(PDL)
         if EARLY:
@@ -406,7 +407,6 @@ if HAVE_TRITON:
             acc = tl.zeros([SPLIT, BLOCK_N, BLOCK_K], dtype=tl.float32)
         acc_u = tl.zeros_like(acc)
         ss = tl.zeros([SPLIT, BLOCK_K], dtype=tl.float32)  # one-row norm: x^2, summed across K after the loop
-        STEP: tl.constexpr = BLOCK_K * SPLIT
         for i in tl.static_range(PRE):  # the steps loaded before the wait
             if GATED:
                 raw_u = ahead_u[i]
