@@ -77,7 +77,17 @@ SWEEP_ROWS_AT_ONE = [quant_gemv.GemvConfig(w, s, p, stream=st, rows=True) for w,
                      ((4, 2, 1), (8, 2, 2), (8, 2, 4), (16, 4, 8)) for st in (False, True)]
 
 
-def sweep(x, layer, layers, ref, k, gated: bool, stream: bool = False) -> dict:
+if torch.cuda.is_available():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _x_free(x32, b0, KB: tl.constexpr, BN: tl.constexpr, P: tl.constexpr, live=None):
+        """--no-x: the pairs (1, 1) in place of x beside a span's bytes, no load (the results are wrong)."""
+        return tl.full([BN, 64], 0x3F803F80, tl.int32)
+
+
+def sweep(x, layer, layers, ref, k, gated: bool, stream: bool = False, check: bool = True) -> dict:
     best = None
     one = x.shape[0] == 1
     configs = (SWEEP_STREAM + SWEEP_ROWS_AT_ONE if one else SWEEP_STREAM_ROWS) if stream else \
@@ -90,7 +100,7 @@ def sweep(x, layer, layers, ref, k, gated: bool, stream: bool = False) -> dict:
             cfg = replace(best_cfg, early=True)
         if k % (128 * cfg.spans * cfg.parts) or (gated and one and not cfg.rows and cfg.block // cfg.parts % 2):
             continue
-        err = qgm.rel_err(gemv_fn(x, [layer], cfg, gated)(), ref)
+        err = qgm.rel_err(gemv_fn(x, [layer], cfg, gated)(), ref) if check else 0.0
         if err > 2e-2:
             print(f"  {cfg}: WRONG rel err {err:.3g}", flush=True)
             continue
@@ -110,10 +120,15 @@ def main() -> None:
     ap.add_argument("--schemes", default="nvfp4,int4", help="nvfp4 and / or int4 (g128, asymmetric)")
     ap.add_argument("--rows", default="1", help="rows of x (comma-separated): 1 the GEMV, 2-16 the rows kernel")
     ap.add_argument("--gated", action="store_true", help="the gate|up shapes with SwiGLU too")
+    ap.add_argument("--no-x", action="store_true", help="with --stream: the streamed and parts kernels without "
+                    "their x loads (constant pairs, wrong results): how much of their time the x beside every weight "
+                    "byte costs (the L1 question of NOTES session 28)")
     ap.add_argument("--stream", action="store_true", help="+ the streamed launches (weights a step ahead, the "
                     "first step's before the PDL wait): quant_gemv._stream_kernel at one row, the rows kernel's "
                     "at 2-16; and one row on the rows kernel, plain and streamed")
     args = ap.parse_args()
+    if args.no_x:  # before any kernel that reads it compiles
+        quant_gemv._span_x = _x_free
     torch.manual_seed(0)
     bw = copy_bandwidth()
     rows = []
@@ -138,7 +153,8 @@ def main() -> None:
                     if args.sweep:
                         rows[-1]["best"] = sweep(x, layer, layers, ref, k, gated)
                     if args.stream:
-                        rows[-1]["stream"] = sweep(x, layer, layers, ref, k, gated, stream=True)
+                        rows[-1]["stream"] = sweep(x, layer, layers, ref, k, gated, stream=True, check=not args.no_x)
+                        rows[-1]["x_free"] = args.no_x
                     print(rows[-1], flush=True)
             del layers
     out = Path(os.environ.get("OUT", "bench/results"))
