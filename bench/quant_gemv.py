@@ -17,7 +17,7 @@ import itertools
 import json
 import os
 import sys
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -87,12 +87,12 @@ if torch.cuda.is_available():
         return tl.full([BN, 64], 0x3F803F80, tl.int32)
 
 
-def sweep(x, layer, layers, ref, k, gated: bool, stream: bool = False, check: bool = True) -> dict:
-    best = None
+def sweep(x, layer, layers, ref, k, gated: bool, stream: bool = False, check: bool = True) -> dict | None:
+    """The fastest correct launch of the sweep (us and its GemvConfig's fields), or None."""
+    best_us, best_cfg = None, None
     one = x.shape[0] == 1
     configs = (SWEEP_STREAM + SWEEP_ROWS_AT_ONE if one else SWEEP_STREAM_ROWS) if stream else \
         SWEEP if one else SWEEP_ROWS
-    best_cfg = None
     for cfg in configs + ([None] if stream else []):
         if cfg is None:  # the best streamed launch again, releasing its dependents early
             if best_cfg is None or not best_cfg.stream:
@@ -106,11 +106,9 @@ def sweep(x, layer, layers, ref, k, gated: bool, stream: bool = False, check: bo
             continue
         us = qgm.bench(gemv_fn(x, layers, cfg, gated))
         print(f"  {cfg}: {us:.1f} us", flush=True)
-        if best is None or us < best["us"]:
-            best_cfg = cfg
-            best = dict(us=us, warps=cfg.warps, spans=cfg.spans, parts=cfg.parts, stream=cfg.stream, early=cfg.early,
-                        rows=cfg.rows)
-    return best
+        if best_us is None or us < best_us:
+            best_us, best_cfg = us, cfg
+    return None if best_cfg is None else dict(us=best_us, **asdict(best_cfg))
 
 
 def main() -> None:

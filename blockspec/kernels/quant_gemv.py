@@ -462,6 +462,15 @@ if HAVE_TRITON:
         return w, sa, sb
 
     @triton.jit
+    def _span_ahead(QW, S, wrow, part, n_mask, b0, KB: tl.constexpr, NG: tl.constexpr, P: tl.constexpr,
+                    SPANS: tl.constexpr, INT4: tl.constexpr, G2: tl.constexpr):
+        """The weights of the SPANS spans of a step from byte b0 (`_span_weights`), a tuple a span."""
+        ring = ()
+        for u in tl.static_range(SPANS):
+            ring = ring + (_span_weights(QW, S, wrow, part, n_mask, b0 + 64 * u, KB, NG, P, INT4, G2),)
+        return ring
+
+    @triton.jit
     def _parts_kernel(X, QW, S, GS, Y, N, K: tl.constexpr, HAS_GS: tl.constexpr, BN: tl.constexpr,
                       SPANS: tl.constexpr, P: tl.constexpr, HAS_RES: tl.constexpr = False, PDL: tl.constexpr = False,
                       INT4: tl.constexpr = False, G2: tl.constexpr = 8, GATED: tl.constexpr = False):
@@ -530,9 +539,7 @@ if HAVE_TRITON:
         NG: tl.constexpr = K // (2 * G2)
         STEP: tl.constexpr = 64 * SPANS
         LAST: tl.constexpr = KB // P - STEP  # the last step's first byte
-        ring = ()
-        for u in tl.static_range(SPANS):
-            ring = ring + (_span_weights(QW, S, wrow, part, n_mask, 64 * u, KB, NG, P, INT4, G2),)
+        ring = _span_ahead(QW, S, wrow, part, n_mask, 0, KB, NG, P, SPANS, INT4, G2)
         wait_for_inputs(PDL)
         if EARLY:
             release_dependents(PDL)
@@ -540,7 +547,7 @@ if HAVE_TRITON:
         acc1 = tl.zeros([BN, 64], dtype=tl.float32)
         acc2 = tl.zeros([BN, 64], dtype=tl.float32)
         for b0 in range(0, LAST, STEP):
-            ahead = ()
+            ahead = ()  # each span's next-step load beside its mma (all first: more registers, unmeasured)
             for u in tl.static_range(SPANS):
                 ahead = ahead + (_span_weights(QW, S, wrow, part, n_mask, b0 + STEP + 64 * u, KB, NG, P, INT4, G2),)
                 w, sa, sb = ring[u]
