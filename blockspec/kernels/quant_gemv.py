@@ -136,6 +136,16 @@ ROWS_TUNED = {
     # down: 54.3 against 55.3 / 64.8 (16 warps measured 54.1 but spill 40 bytes a thread with the residual add)
     (5120, 17408): GemvConfig(warps=8, spans=2, parts=4),
 }
+# 9-16 rows streamed (the rows kernel with STREAM: each step's weights loaded a step ahead, the first step's before
+# the PDL wait, dependents released right after it). NVFP4 at 16 rows, H200, bench/quant_gemv.py --rows 16 --stream
+# (quant_gemv_rows16_stream_h200_70b61d5.json), us against the dispatch before: Qwen3-8B qkv 6144 x 4096 12.9
+# against the dot path's 15.4 (its best swept config 15.7: quant_gemm_nvfp4_rows16_sweep_h200_70b61d5.json), o 4096 x
+# 4096 9.5 against 11.3, down 4096 x 12288 23.0 against ROWS_LONG_K's 26.3, gate|up 41.8 against ROWS_WIDE's 45.2
+# (with SwiGLU 41.8 against 42.8). int4 stays on the dot path (10.6 / 8.2 / 17.7 / 28.4 against 12.3 / 8.9 / 21.4 /
+# 39.6). Past 4224 outputs only up to STREAM_MID_MAX_K, as at one row.
+STREAM_ROWS_WIDE = GemvConfig(warps=4, spans=2, parts=1, stream=True, early=True)
+STREAM_ROWS_MID = GemvConfig(warps=4, spans=4, parts=4, stream=True, early=True)  # and K >= 2 N (down: 23.2 early)
+STREAM_ROWS_NARROW = GemvConfig(warps=8, spans=4, parts=4, stream=True, early=True)
 
 
 def _tiles_k(cfg: GemvConfig, k: int) -> bool:
@@ -161,7 +171,7 @@ def launch_config(meta, m: int = 1, gated: bool = False) -> GemvConfig | None:
     (STREAM_NARROW). NVFP4, one row: one K part for >= GEMV_WIDE_ROWS outputs; up to 2048 outputs 8 parts over 16
     warps (NARROWEST: 32 warps spilled); between the two the streamed kernel (STREAM_*; past NARROW_MAX_ROWS outputs
     only up to STREAM_MID_MAX_K, the dot path beyond). 2 to MAX_ROWS rows: the rows kernel (above), with launches of
-    its own for the measured Qwen3.6-27B shapes (ROWS_TUNED)."""
+    its own for the measured Qwen3.6-27B shapes (ROWS_TUNED), streamed at 9-16 rows (`_rows_streamed`)."""
     if meta.scheme == "int4":
         if m == 1 and gated and meta.n >= WIDE_ROWS and meta.k <= INT4_MAX_K and _tiles_k(INT4_WIDE, meta.k):
             return INT4_WIDE
@@ -173,6 +183,8 @@ def launch_config(meta, m: int = 1, gated: bool = False) -> GemvConfig | None:
             return None
         if m > 8 and (meta.n, meta.k) in ROWS_TUNED:
             cfg = ROWS_TUNED[(meta.n, meta.k)]
+        elif m > 8 and meta.n > NARROWEST_ROWS:
+            cfg = _rows_streamed(meta.n, meta.k)
         else:
             cfg = ROWS_WIDE if meta.n >= WIDE_ROWS else ROWS_FEW if m <= 8 else \
                 ROWS_LONG_K if meta.k >= 2 * meta.n else None
@@ -184,6 +196,18 @@ def launch_config(meta, m: int = 1, gated: bool = False) -> GemvConfig | None:
     if meta.n > NARROW_MAX_ROWS:
         return _gated_fit(_fit_k(STREAM_MID, meta.k), gated) if meta.k <= STREAM_MID_MAX_K else None
     return _gated_fit(_fit_k(STREAM_LONG_K if meta.k >= 2 * meta.n else STREAM_NARROW, meta.k), gated)
+
+
+def _rows_streamed(n: int, k: int) -> GemvConfig | None:
+    """The streamed rows launch for 9-16 rows of an n x k NVFP4 layer of more than NARROWEST_ROWS outputs, or None
+    (the dot path) where none measured faster."""
+    if n >= WIDE_ROWS:
+        return STREAM_ROWS_WIDE
+    if k >= 2 * n:
+        return STREAM_ROWS_MID
+    if k > STREAM_MID_MAX_K:
+        return None
+    return STREAM_ROWS_MID if n > NARROW_MAX_ROWS else STREAM_ROWS_NARROW
 
 
 def _gated_fit(cfg: GemvConfig | None, gated: bool) -> GemvConfig | None:

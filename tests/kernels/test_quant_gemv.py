@@ -27,7 +27,7 @@ STREAMED = (qg.GemvConfig(2, 4, 1, stream=True), qg.GemvConfig(8, 2, 4, stream=T
             # one row on the rows kernel (weights as the mma's A operand), plain and streamed
             qg.GemvConfig(4, 2, 1, rows=True), qg.GemvConfig(8, 2, 4, stream=True, rows=True))
 # the streamed 2-16-row kernel: one K part and several, a whole short part in one step, early and late
-STREAMED_ROWS = (qg.GemvConfig(4, 2, 1, stream=True, early=True), qg.GemvConfig(8, 2, 8, stream=True),
+STREAMED_ROWS = (qg.STREAM_ROWS_WIDE, qg.STREAM_ROWS_MID, qg.STREAM_ROWS_NARROW, qg.GemvConfig(8, 2, 8, stream=True),
                  qg.GemvConfig(16, 4, 8, stream=True, early=True), qg.GemvConfig(8, 1, 2, stream=True))
 
 
@@ -80,12 +80,17 @@ def test_rows_dispatch_rule() -> None:
         return qg.launch_config(ql.quant_meta(make_layer("nvfp4", n, k, torch.bfloat16)), m)
 
     assert cfg(6144, 4096, 2) == cfg(6144, 4096, 8) == qg.ROWS_FEW  # qkv: a k <= 7 verify block, small batches
-    assert cfg(6144, 4096, 9) is None and cfg(4096, 4096, 16) is None  # 9-16 rows of narrow layers: dot tiles
-    assert cfg(4096, 12288, 16) == qg.ROWS_LONG_K  # down
-    assert cfg(qg.WIDE_ROWS, 512, 16) == cfg(qg.WIDE_ROWS, 512, 3) == qg.ROWS_WIDE
+    # 9-16 rows streamed: qkv, o, down, gate|up (Qwen3-8B)
+    assert cfg(6144, 4096, 9) == cfg(6144, 4096, 16) == qg.STREAM_ROWS_MID
+    assert cfg(4096, 4096, 16) == qg.STREAM_ROWS_NARROW and cfg(4096, 12288, 16) == qg.STREAM_ROWS_MID
+    assert cfg(24576, 4096, 16) == cfg(qg.WIDE_ROWS, 512, 16) == qg.STREAM_ROWS_WIDE
+    assert cfg(qg.WIDE_ROWS, 512, 3) == qg.ROWS_WIDE
+    assert cfg(2048, 4096, 16) == qg.ROWS_LONG_K and cfg(2048, 2048, 16) is None  # up to 2048 outputs: unstreamed
+    assert cfg(6144, 6144, 16) is None  # past 4224 outputs, K > 4096 (not long): the dot path
     assert cfg(4096, 4096, 17) is None  # more rows: quant_linear's tiles
     # K that does not tile into the config's parts x spans: both cut until it does (27B: K = 5120)
-    assert cfg(4096, 5120, 4) == qg.GemvConfig(16, 1, 8) and cfg(4096, 17408, 16) == qg.GemvConfig(8, 1, 8)
+    assert cfg(4096, 5120, 4) == qg.GemvConfig(16, 1, 8)
+    assert cfg(4096, 17408, 16) == qg.GemvConfig(4, 2, 4, stream=True, early=True)
     # Qwen3.6-27B's measured launches at 9-16 rows (ROWS_TUNED); at 2-8 rows the rules
     assert cfg(5120, 17408, 16) == cfg(5120, 17408, 9) == qg.ROWS_TUNED[(5120, 17408)] == qg.GemvConfig(8, 2, 4)
     assert cfg(34816, 5120, 16) == qg.GemvConfig(4, 1, 1) and cfg(34816, 5120, 8) == qg.ROWS_WIDE
