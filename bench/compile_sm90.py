@@ -132,23 +132,6 @@ def cases() -> list[tuple[str, tuple, dict]]:
                 BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=cfg.split, PDL=True)),
             dict(div16=("X", "QW", "S", "Y", "NW"), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                  no_spill=True, ptx_has=pdl_ptx)))
-    # the first K steps' weights loaded before the PDL wait (LaunchConfig.preload), dependents released early: the
-    # Qwen3-8B int4 qkv at 1 and 16 rows, down and gate|up at 16 (gate|up's groups scaled after the dot), NVFP4 o
-    for scheme, m, n, k, pre, post in (("int4", 1, 6144, 4096, 4, False), ("int4", 16, 6144, 4096, 2, False),
-                                       ("int4", 16, 4096, 12288, 1, False), ("int4", 16, 24576, 4096, 2, True),
-                                       ("nvfp4", 16, 4096, 4096, 2, False)):
-        group = 128 if scheme == "int4" else 16
-        meta = ql.QuantMeta(scheme, n, k, group, k // group, 1, False, scheme == "int4", scheme == "nvfp4")
-        cfg = ql.launch_config(meta, m, False, post_scale=post)
-        types = dict(quant, S="*bf16" if scheme == "int4" else "*u8", Z="*i32" if scheme == "int4" else "*u8")
-        out.append((f"quant_linear preload={pre} {scheme} {n}x{k} m={m} post_scale={post}", (
-            ql._quant_linear_kernel, types, dict(
-                SCHEME=scheme, K=k, G=group, NG=k // group, SCALE_ROW_DIV=1, HAS_ZERO=meta.has_zero, PER_ROW=False,
-                HAS_GS=meta.has_gs, GS_FACTOR=1.0, HAS_BIAS=False, HAS_NORM=False, GATED=False, HAS_RES=n < k,
-                USE_DOT=cfg.use_dot, FAST=True, DOT_PRECISION="tf32", BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                BLOCK_K=cfg.block_k, SPLIT=cfg.split, PDL=True, POST_SCALE=post, PRE=pre, EARLY=True)),
-            dict(div16=("X", "QW", "S", "Y"), num_warps=cfg.num_warps, num_stages=cfg.num_stages, no_spill=True,
-                 ptx_has=pdl_ptx)))
     # --deterministic: the quantized GEMM's one config a layer (the 16-row dot tile), compiled unspecialised on M
     det_quant = (("int4", 128, dict(S="*bf16", Z="*i32"), False), ("nvfp4", 16, dict(S="*u8", Z="*u8"), False),
                  ("int8", 4096, dict(QW="*i8", S="*bf16", Z="*bf16"), True), ("fp8", 128, dict(S="*fp32", Z="*fp32"),

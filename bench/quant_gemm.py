@@ -26,7 +26,7 @@ import json
 import os
 import sys
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -183,24 +183,6 @@ def measure(name, n, k, epilogue, m, scheme, x, res, bf16, bw) -> tuple[dict, li
     return row, layers
 
 
-# LaunchConfig.preload / early: the first K steps' weights loaded before the PDL wait, dependents released right after
-PRELOADS = ((0, True), (1, False), (1, True), (2, False), (2, True), (4, True))
-
-
-def preload_rows(row: dict, layers: list[ql.QuantWeights], x, res, epilogue) -> list[dict]:
-    """The row's launch config with each of PRELOADS (4-bit layers): us and relative error, launches back to back
-    under PDL as the step runs them."""
-    cfg = ql.LaunchConfig(**row["config"])
-    out = []
-    for pre, early in PRELOADS:
-        variant = replace(cfg, preload=pre, early=early)
-        err = check(x, layers[0], epilogue, variant)
-        us = bench(quant_fn(x, layers, epilogue, res, variant))
-        out.append(dict(preload=pre, early=early, us=round(us, 2), rel_err=round(err, 5)))
-        print(f"  preload {pre} early {early}: {us:7.2f} us (default {row['us']:.2f}) err {err:.1e}", flush=True)
-    return out
-
-
 def sweep(row: dict, layers: list[ql.QuantWeights], x, res, epilogue, bw, deadline: float,
           warps_along_rows: bool = False) -> dict | None:
     """Time every sweep config on this shape (until the deadline); the best and the full list."""
@@ -293,8 +275,6 @@ def main() -> None:
     ap.add_argument("--prefill", default="", help="row counts for the tl.dot vs dequantize + cuBLAS comparison")
     ap.add_argument("--folds", action="store_true", help="only the folded decoder ops vs their own launches, per "
                     "shape (--rows, --schemes)")
-    ap.add_argument("--preload", action="store_true", help="also time the default config with its first K steps "
-                    "loaded before the PDL wait and dependents released early (PRELOADS; int4 / nvfp4)")
     args = ap.parse_args()
     rows = [int(r) for r in args.rows.split(",") if r]
     schemes = [s for s in args.schemes.split(",") if s]
@@ -317,8 +297,6 @@ def main() -> None:
                 for scheme in schemes:
                     row, layers = measure(name, n, k, epilogue, m, scheme, x, res, bf16, bw)
                     table.append(row)
-                    if args.preload and scheme in ("int4", "nvfp4"):
-                        row["preload"] = preload_rows(row, layers, x, res, epilogue)
                     if args.sweep and scheme in sweep_schemes:
                         result = sweep(row, layers, x, res, epilogue, bw, deadline, args.warps_along_rows)
                         if result:
@@ -342,10 +320,6 @@ def main() -> None:
         print(f"{r['shape']:8s} {r['rows']:3d} {r['scheme']:6s} {r['us']:8.1f} {r['bytes'] / 1e6:7.1f} {r['GBs']:7.1f} "
               f"{r['pct_copy']:6.1f} {r['plain_dequant_us']:8.1f} {r['bf16_skinny_us']:11.1f} {r['cublas_us']:8.1f} "
               f"{r['bf16_pct_copy']:10.1f} {r['rel_err']:8.1e}")
-    for r in [r for r in table if r.get("preload")]:
-        best = min(r["preload"], key=lambda v: v["us"])
-        print(f"preload {r['shape']:8s} m={r['rows']:<3d} {r['scheme']:6s} default {r['us']:7.2f} best "
-              f"{best['us']:7.2f} us (preload {best['preload']}, early {best['early']})")
     for s in sweeps:
         print(f"sweep {s['shape']:8s} m={s['rows']:<3d} {s['scheme']:6s} default {s['default_us']:7.1f} best "
               f"{s['best_us']:7.1f} us ({s['best_pct_copy']}%) {s['best_config']}")

@@ -176,14 +176,7 @@ if HAVE_TRITON:
     from blockspec.kernels._triton import release_dependents, wait_for_inputs
 
     # the per-scheme tiles, shared with the MoE kernels
-    from blockspec.kernels.quant_tiles import (
-        _dequant_tile,
-        _int4_from_bytes,
-        _int4_tile,
-        _nvfp4_from_bytes,
-        _packed_bytes,
-        _tile_scales,
-    )
+    from blockspec.kernels.quant_tiles import _dequant_tile, _int4_tile, _tile_scales
 
     @triton.jit
     def _accumulate(acc, w, xv, USE_DOT: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -217,34 +210,12 @@ if HAVE_TRITON:
         return acc
 
     @triton.jit
-    def _step_raw(QW, S, Z, rows, n_mask, k0, SPLIT: tl.constexpr, SCHEME: tl.constexpr, K: tl.constexpr,
-                  G: tl.constexpr, NG: tl.constexpr, SCALE_ROW_DIV: tl.constexpr, HAS_ZERO: tl.constexpr,
-                  PER_ROW: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
-        """What a K step of a 4-bit layer (int4, NVFP4) loads, undecoded: its packed bytes [SPLIT, BN, groups,
-        bytes a group] and its scales and zeros. Only the layer, which no kernel of a step writes: the kernel
-        loads its first PRE steps so before its PDL wait."""
-        kk = k0 + tl.arange(0, SPLIT) * BLOCK_K
-        s, z = _tile_scales(S, Z, rows, n_mask, k0, SPLIT, SCHEME, K, G, NG, SCALE_ROW_DIV, HAS_ZERO, PER_ROW, BLOCK_K)
-        GT: tl.constexpr = 16 if SCHEME == "nvfp4" else (G if G < BLOCK_K else BLOCK_K)
-        b = _packed_bytes(QW, rows, n_mask, kk, K, BLOCK_K // GT, GT, EVEN_K)
-        return b, s, z
-
-    @triton.jit
     def _step_weights(QW, S, Z, rows, n_mask, k0, z_row, SPLIT: tl.constexpr, SCHEME: tl.constexpr, K: tl.constexpr,
                       G: tl.constexpr, NG: tl.constexpr, SCALE_ROW_DIV: tl.constexpr, HAS_ZERO: tl.constexpr,
                       PER_ROW: tl.constexpr, POST_SCALE: tl.constexpr, FAST: tl.constexpr, TILE: tl.constexpr,
-                      EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr, raw=None):
+                      EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
         """One K step's weight tile [SPLIT, BN, BK] and what _step_accumulate scales its products by: the
-        dequantized tile (and no scale), or (POST_SCALE) the int4 tile's q - z and its slices' group scales.
-        `raw`: the step's loads (`_step_raw`), made earlier, decoded here."""
-        if raw is not None:
-            b, s, z = raw
-            if SCHEME == "nvfp4":
-                return _nvfp4_from_bytes(b, s, BLOCK_K, FAST, TILE), 1.0
-            elif POST_SCALE:
-                return _int4_from_bytes(b, s, z, BLOCK_K, FAST, TILE, False), s
-            else:
-                return _int4_from_bytes(b, s, z, BLOCK_K, FAST, TILE), 1.0
+        dequantized tile (and no scale), or (POST_SCALE) the int4 tile's q - z and its slices' group scales."""
         if POST_SCALE:  # a static branch: each launch compiles one of the two (they return different types)
             scale, z = _tile_scales(S, Z, rows, n_mask, k0, SPLIT, SCHEME, K, G, NG, SCALE_ROW_DIV, HAS_ZERO, PER_ROW,
                                     BLOCK_K)
@@ -301,44 +272,6 @@ if HAVE_TRITON:
         return y
 
     @triton.jit
-    def _k_step(acc, acc_u, ss, k0, raw, raw_u, X, x_rows, m_mask, NW, QW, S, Z, rows, rows_u, n_mask, z_row, z_row_u,
-                dtype: tl.constexpr, SCHEME: tl.constexpr, K: tl.constexpr, G: tl.constexpr, NG: tl.constexpr,
-                SCALE_ROW_DIV: tl.constexpr, HAS_ZERO: tl.constexpr, PER_ROW: tl.constexpr, HAS_NORM: tl.constexpr,
-                GATED: tl.constexpr, USE_DOT: tl.constexpr, FAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-                POST_SCALE: tl.constexpr, TILE: tl.constexpr, EVEN_K: tl.constexpr):
-        """One K step of `_quant_linear_kernel` from column k0: the weight tile (decoded from `raw` where the
-        kernel loaded it before its wait), x (times the norm weight), the products into acc (and acc_u)."""
-        kk = k0 + tl.arange(0, SPLIT) * BLOCK_K
-        w, ws = _step_weights(QW, S, Z, rows, n_mask, k0, z_row, SPLIT, SCHEME, K, G, NG, SCALE_ROW_DIV, HAS_ZERO,
-                              PER_ROW, POST_SCALE, FAST, TILE, EVEN_K, BLOCK_K, raw)
-        ks = kk[:, None] + tl.arange(0, BLOCK_K)[None, :]  # [S, BK]
-        if USE_DOT:
-            xv = _x_tile(x_rows, m_mask, ks, K, EVEN_K)
-        elif EVEN_K:  # one row
-            xv = tl.load(X + ks)
-        else:
-            xv = tl.load(X + ks, mask=ks < K, other=0.0)
-        if HAS_NORM:  # x * NW in float32, rounded once (on the dot path LLVM makes it a paired bf16 multiply)
-            if EVEN_K:
-                nw = tl.load(NW + ks).to(tl.float32)
-            else:
-                nw = tl.load(NW + ks, mask=ks < K, other=0.0).to(tl.float32)
-            xf = xv.to(tl.float32)
-            if USE_DOT:
-                xv = (xf * nw[:, None, :]).to(dtype)
-            else:
-                ss += xf * xf
-                xv = (xf * nw).to(dtype)
-        acc = _step_accumulate(acc, w, xv, ws, USE_DOT, POST_SCALE, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
-        if GATED:
-            wu, wus = _step_weights(QW, S, Z, rows_u, n_mask, k0, z_row_u, SPLIT, SCHEME, K, G, NG, SCALE_ROW_DIV,
-                                    HAS_ZERO, PER_ROW, POST_SCALE, FAST, TILE, EVEN_K, BLOCK_K, raw_u)
-            acc_u = _step_accumulate(acc_u, wu, xv, wus, USE_DOT, POST_SCALE, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K,
-                                     DOT_PRECISION)
-        return acc, acc_u, ss
-
-    @triton.jit
     def _quant_linear_kernel(X, QW, S, Z, GS, B, NW, Y, M, N, eps, SCHEME: tl.constexpr, K: tl.constexpr,
                              G: tl.constexpr, NG: tl.constexpr, SCALE_ROW_DIV: tl.constexpr, HAS_ZERO: tl.constexpr,
                              PER_ROW: tl.constexpr, HAS_GS: tl.constexpr, GS_FACTOR: tl.constexpr,
@@ -346,7 +279,7 @@ if HAVE_TRITON:
                              HAS_RES: tl.constexpr, USE_DOT: tl.constexpr, FAST: tl.constexpr,
                              DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                              BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr = False,
-                             POST_SCALE: tl.constexpr = False, PRE: tl.constexpr = 0, EARLY: tl.constexpr = False):
+                             POST_SCALE: tl.constexpr = False):
         # Program (pid_n, pid_m) owns BLOCK_N output columns of BLOCK_M rows. Each step of the K loop covers
         # SPLIT * BLOCK_K columns of the weight: slice s = [k0 + s * BLOCK_K, + BLOCK_K). The dot path computes
         # the weight-as-A product acc[s] += W_s @ x_s^T as one batched dot (the warps split over the slices)
@@ -375,22 +308,9 @@ if HAVE_TRITON:
         m_mask = offs_m < M
         rows = offs_n.to(tl.int64)
         rows_u = rows + N  # GATED: the up rows
+        wait_for_inputs(PDL)
         EVEN_K: tl.constexpr = K % (BLOCK_K * SPLIT) == 0
         TILE: tl.constexpr = X.dtype.element_ty if USE_DOT or FAST else tl.float32
-        STEP: tl.constexpr = BLOCK_K * SPLIT
-        # PRE: the first PRE K steps' weights loaded before the wait (4-bit layers), while the kernel before this
-        # one still runs (bench/pdl_preload.py); EARLY: dependents released right after the wait
-        ahead = ()
-        ahead_u = ()
-        for i in tl.static_range(PRE):
-            ahead = ahead + (_step_raw(QW, S, Z, rows, n_mask, i * STEP, SPLIT, SCHEME, K, G, NG, SCALE_ROW_DIV,
-                                       HAS_ZERO, PER_ROW, EVEN_K, BLOCK_K),)
-            if GATED:
-                ahead_u = ahead_u + (_step_raw(QW, S, Z, rows_u, n_mask, i * STEP, SPLIT, SCHEME, K, G, NG,
-                                               SCALE_ROW_DIV, HAS_ZERO, PER_ROW, EVEN_K, BLOCK_K),)
-        wait_for_inputs(PDL)
-        if EARLY:
-            release_dependents(PDL)
         z_row = tl.zeros([BLOCK_N], dtype=tl.int32)
         z_row_u = tl.zeros([BLOCK_N], dtype=tl.int32)
         if PER_ROW and HAS_ZERO and SCHEME == "int8":
@@ -407,20 +327,35 @@ if HAVE_TRITON:
             acc = tl.zeros([SPLIT, BLOCK_N, BLOCK_K], dtype=tl.float32)
         acc_u = tl.zeros_like(acc)
         ss = tl.zeros([SPLIT, BLOCK_K], dtype=tl.float32)  # one-row norm: x^2, summed across K after the loop
-        for i in tl.static_range(PRE):  # the steps loaded before the wait
-            if GATED:
-                raw_u = ahead_u[i]
+        for k0 in range(0, K, BLOCK_K * SPLIT):
+            kk = k0 + tl.arange(0, SPLIT) * BLOCK_K
+            w, ws = _step_weights(QW, S, Z, rows, n_mask, k0, z_row, SPLIT, SCHEME, K, G, NG, SCALE_ROW_DIV, HAS_ZERO,
+                                  PER_ROW, POST_SCALE, FAST, TILE, EVEN_K, BLOCK_K)
+            ks = kk[:, None] + tl.arange(0, BLOCK_K)[None, :]  # [S, BK]
+            if USE_DOT:
+                xv = _x_tile(x_rows, m_mask, ks, K, EVEN_K)
+            elif EVEN_K:  # one row
+                xv = tl.load(X + ks)
             else:
-                raw_u = ahead[i]  # unread
-            acc, acc_u, ss = _k_step(acc, acc_u, ss, i * STEP, ahead[i], raw_u, X, x_rows, m_mask, NW, QW, S, Z,
-                                     rows, rows_u, n_mask, z_row, z_row_u, dtype, SCHEME, K, G, NG, SCALE_ROW_DIV,
-                                     HAS_ZERO, PER_ROW, HAS_NORM, GATED, USE_DOT, FAST, DOT_PRECISION, BLOCK_M,
-                                     BLOCK_N, BLOCK_K, SPLIT, POST_SCALE, TILE, EVEN_K)
-        for k0 in range(PRE * STEP, K, STEP):
-            acc, acc_u, ss = _k_step(acc, acc_u, ss, k0, None, None, X, x_rows, m_mask, NW, QW, S, Z, rows, rows_u,
-                                     n_mask, z_row, z_row_u, dtype, SCHEME, K, G, NG, SCALE_ROW_DIV, HAS_ZERO, PER_ROW,
-                                     HAS_NORM, GATED, USE_DOT, FAST, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT,
-                                     POST_SCALE, TILE, EVEN_K)
+                xv = tl.load(X + ks, mask=ks < K, other=0.0)
+            if HAS_NORM:  # x * NW in float32, rounded once (on the dot path LLVM makes it a paired bf16 multiply)
+                if EVEN_K:
+                    nw = tl.load(NW + ks).to(tl.float32)
+                else:
+                    nw = tl.load(NW + ks, mask=ks < K, other=0.0).to(tl.float32)
+                xf = xv.to(tl.float32)
+                if USE_DOT:
+                    xv = (xf * nw[:, None, :]).to(dtype)
+                else:
+                    ss += xf * xf
+                    xv = (xf * nw).to(dtype)
+            acc = _step_accumulate(acc, w, xv, ws, USE_DOT, POST_SCALE, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K,
+                                   DOT_PRECISION)
+            if GATED:
+                wu, wus = _step_weights(QW, S, Z, rows_u, n_mask, k0, z_row_u, SPLIT, SCHEME, K, G, NG, SCALE_ROW_DIV,
+                                        HAS_ZERO, PER_ROW, POST_SCALE, FAST, TILE, EVEN_K, BLOCK_K)
+                acc_u = _step_accumulate(acc_u, wu, xv, wus, USE_DOT, POST_SCALE, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K,
+                                         DOT_PRECISION)
 
         rstd = 1.0
         if HAS_NORM and USE_DOT:
@@ -442,8 +377,7 @@ if HAVE_TRITON:
             g = y.to(tl.float32)
             s = (g / (1.0 + tl.exp(-g))).to(dtype)
             y = (s.to(tl.float32) * yu.to(dtype).to(tl.float32)).to(dtype)
-        if not EARLY:
-            release_dependents(PDL)
+        release_dependents(PDL)
         out_mask = m_mask[:, None] & n_mask[None, :]
         y_ptrs = Y + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
         if HAS_RES:
@@ -507,8 +441,6 @@ class LaunchConfig:
     split: int
     num_warps: int
     num_stages: int
-    preload: int = 0  # 4-bit layers: the first K steps' weights loaded before the PDL wait (`_step_raw`)
-    early: bool = False  # dependents released right after the PDL wait, not before the stores
 
 
 def _next_pow2(v: int) -> int:
@@ -787,8 +719,6 @@ def _gemm_triton(x: torch.Tensor, layer, meta: QuantMeta, residual: torch.Tensor
     gs = layer.global_scale if meta.has_gs else x
     dot_precision = "ieee" if x.dtype == torch.float32 else "tf32"
     grid = (triton.cdiv(n_out, cfg.block_n), triton.cdiv(m, cfg.block_m) if cfg.use_dot else 1)
-    # preloaded steps: whole steps of a 4-bit layer (its tiles decode from bytes loaded beforehand), at most K's
-    pre = min(cfg.preload, meta.k // (cfg.block_k * cfg.split)) if meta.scheme in ("int4", "nvfp4") else 0
     on = pdl(x)
     (kernel or _quant_linear_kernel)[grid](
         x, *kernel_operands(layer, meta), gs, layer.bias if layer.bias is not None else x,
@@ -798,8 +728,7 @@ def _gemm_triton(x: torch.Tensor, layer, meta: QuantMeta, residual: torch.Tensor
         HAS_BIAS=layer.bias is not None, HAS_NORM=norm_weight is not None, GATED=gated,
         HAS_RES=residual is not None, USE_DOT=cfg.use_dot, FAST=fast, DOT_PRECISION=dot_precision,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=cfg.split, PDL=on,
-        POST_SCALE=post_scale, PRE=pre, EARLY=cfg.early, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        launch_pdl=on)
+        POST_SCALE=post_scale, num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=on)
     return out
 
 

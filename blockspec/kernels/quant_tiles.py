@@ -199,12 +199,6 @@ if HAVE_TRITON:
         GT: tl.constexpr = G if G < BLOCK_K else BLOCK_K
         NGT: tl.constexpr = BLOCK_K // GT
         b = _packed_bytes(QW, rows, n_mask, kk, K, NGT, GT, EVEN_K)
-        return _int4_from_bytes(b, s, z, BLOCK_K, FAST, OUT, SCALED)
-
-    @triton.jit
-    def _int4_from_bytes(b, s, z, BLOCK_K: tl.constexpr, FAST: tl.constexpr, OUT: tl.constexpr,
-                         SCALED: tl.constexpr = True):
-        """`_int4_tile` from its bytes (`_packed_bytes`), loaded by the caller: a kernel may load them early."""
         if FAST:  # bf16 / fp16 pairs straight from the bytes (PTX)
             IS_BF16: tl.constexpr = tl.bfloat16 == OUT
             NEG_MAGIC: tl.constexpr = 0xC300 if IS_BF16 else 0xE400  # sign bit | magic
@@ -238,11 +232,6 @@ if HAVE_TRITON:
         GT: tl.constexpr = 16
         NGT: tl.constexpr = BLOCK_K // GT
         b = _packed_bytes(QW, rows, n_mask, kk, K, NGT, GT, EVEN_K)
-        return _nvfp4_from_bytes(b, s, BLOCK_K, FAST, OUT)
-
-    @triton.jit
-    def _nvfp4_from_bytes(b, s, BLOCK_K: tl.constexpr, FAST: tl.constexpr, OUT: tl.constexpr):
-        """`_nvfp4_tile` from its bytes (`_packed_bytes`), loaded by the caller: a kernel may load them early."""
         sf = s.to(tl.float8e4nv, bitcast=True).to(tl.float32)  # e4m3 scales passed as a uint8 view
         if FAST:
             # s * 2^100 is exact in bf16 (4 significant bits): its float32 bits' top half, duplicated into both

@@ -326,31 +326,6 @@ def test_kernel_launch_configs(launch, case, cfg):
 
 
 @kernel
-@pytest.mark.parametrize("cfg", ["reduce", "dot_bm8_split2", "dot_bm16_bn32_split4"])
-@pytest.mark.parametrize("case", ["int4_g32", "int4_g128_sym", "nvfp4"])
-def test_steps_loaded_before_the_wait_change_nothing(launch, case, cfg):
-    """The first K steps' weights loaded before the PDL wait (LaunchConfig.preload, 4-bit layers) and decoded in
-    the loop's place: the same products in the same order, so the same bits, with the folds (norm, SwiGLU,
-    residual) and the dependents released early or late; the int4 groups scaled after their dots too."""
-    from dataclasses import replace
-    config = CONFIGS[cfg]
-    m = 1 if not config.use_dot else min(config.block_m, 11)
-    for gated, residual in ((False, True), (True, False)):
-        layer, x, nw, r = fold_inputs(case, m, torch.bfloat16, True, gated, residual, seed=13)
-        steps = -(-layer.in_features // (config.block_k * config.split))
-        want = launch(x, layer, residual=None if r is None else r.clone(), cfg=config, norm_weight=nw, eps=EPS,
-                      gated=gated)
-        for pre, early in ((1, False), (steps, True), (steps + 2, False)):  # more than K holds: its whole steps
-            got = launch(x, layer, residual=None if r is None else r.clone(),
-                         cfg=replace(config, preload=pre, early=early), norm_weight=nw, eps=EPS, gated=gated)
-            torch.testing.assert_close(got, want, rtol=0, atol=0)
-    if case.startswith("int4") and ql.post_scale_applies(ql.quant_meta(layer), config):
-        want = launch(x, layer, cfg=config, post_scale=True)
-        got = launch(x, layer, cfg=replace(config, preload=steps), post_scale=True)
-        torch.testing.assert_close(got, want, rtol=0, atol=0)
-
-
-@kernel
 @pytest.mark.parametrize("case", list(KERNEL_CASES))
 def test_dequantize_kernel_is_the_definition(launch, case):
     """The prefill path's whole-weight dequantization rounds exactly as dequantize() does."""
