@@ -142,7 +142,10 @@ ROWS_WARPS = [(32, 128, 2, 4), (64, 64, 4, 4), (64, 128, 4, 3), (64, 128, 4, 4),
 def sweep_configs(m: int, warps_along_rows: bool = False) -> list[ql.LaunchConfig]:
     """~30 configs per shape (each costs a compile of 1-2 s): the dot path's (BLOCK_N, SPLIT = warps) pairs that
     keep >= 4 warps per SM on a 4096-wide projection, two K blocks, 3-4 stages; and, for one row, the
-    reduction path around skinny_linear's one-row configs. warps_along_rows: ROWS_WARPS instead."""
+    reduction path around skinny_linear's one-row configs. warps_along_rows: ROWS_WARPS instead.
+    9-16 rows add tiles of 64-128 weight rows (K blocks of 64-128, no spill: bench/compile_sm90.py, sm_90): each
+    warp's x fragments of its K slice then serve 4-8x more weight bytes than at BLOCK_N 16, where x is 4 bytes
+    from shared memory a weight byte (NOTES session 29: the 16-row GEMMs' suspected limit)."""
     bm = 8 if m <= 8 else 16
     if warps_along_rows:
         return [ql.LaunchConfig(True, bm, bn, bk, 1, warps, stages) for bn, bk, warps, stages in ROWS_WARPS]
@@ -152,6 +155,10 @@ def sweep_configs(m: int, warps_along_rows: bool = False) -> list[ql.LaunchConfi
         smem = (stages - 1) * split * bk * (2 * bm + bn)  # x tiles + weight bytes (<= 1 per weight) in flight
         if smem <= 200 * 1024:
             cfgs.append(ql.LaunchConfig(True, bm, bn, bk, split, split, stages))
+    if m > 8:
+        for (bn, split), bk in itertools.product(((64, 4), (64, 8), (128, 2), (128, 4)), (64, 128)):
+            if bn * bk <= 8192:
+                cfgs.append(ql.LaunchConfig(True, bm, bn, bk, split, split, 3))
     if m == 1:
         for bn, bk, warps in ((4, 1024, 4), (8, 512, 4), (8, 512, 8), (8, 1024, 8), (16, 256, 4), (16, 512, 8)):
             cfgs.append(ql.LaunchConfig(False, 1, bn, bk, 1, warps, 3))
