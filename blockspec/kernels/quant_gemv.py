@@ -142,10 +142,12 @@ ROWS_TUNED = {
 # against the dot path's 15.4 (its best swept config 15.7: quant_gemm_nvfp4_rows16_sweep_h200_70b61d5.json), o 4096 x
 # 4096 9.5 against 11.3, down 4096 x 12288 23.0 against ROWS_LONG_K's 26.3, gate|up 41.8 against ROWS_WIDE's 45.2
 # (with SwiGLU 41.8 against 42.8). int4 stays on the dot path (10.6 / 8.2 / 17.7 / 28.4 against 12.3 / 8.9 / 21.4 /
-# 39.6). Past 4224 outputs only up to STREAM_MID_MAX_K, as at one row.
+# 39.6). Past 4224 outputs only up to STREAM_MID_MAX_K, as at one row; from K = 4096 (STREAM_ROWS_MIN_K: shorter
+# rows, e.g. Qwen3.6-35B-A3B's K = 2048 projections, were not measured and keep the rules before).
 STREAM_ROWS_WIDE = GemvConfig(warps=4, spans=2, parts=1, stream=True, early=True)
 STREAM_ROWS_MID = GemvConfig(warps=4, spans=4, parts=4, stream=True, early=True)  # and K >= 2 N (down: 23.2 early)
 STREAM_ROWS_NARROW = GemvConfig(warps=8, spans=4, parts=4, stream=True, early=True)
+STREAM_ROWS_MIN_K = 4096
 
 
 def _tiles_k(cfg: GemvConfig, k: int) -> bool:
@@ -183,7 +185,7 @@ def launch_config(meta, m: int = 1, gated: bool = False) -> GemvConfig | None:
             return None
         if m > 8 and (meta.n, meta.k) in ROWS_TUNED:
             cfg = ROWS_TUNED[(meta.n, meta.k)]
-        elif m > 8 and meta.n > NARROWEST_ROWS:
+        elif m > 8 and meta.n > NARROWEST_ROWS and meta.k >= STREAM_ROWS_MIN_K:
             cfg = _rows_streamed(meta.n, meta.k)
         else:
             cfg = ROWS_WIDE if meta.n >= WIDE_ROWS else ROWS_FEW if m <= 8 else \
@@ -199,8 +201,8 @@ def launch_config(meta, m: int = 1, gated: bool = False) -> GemvConfig | None:
 
 
 def _rows_streamed(n: int, k: int) -> GemvConfig | None:
-    """The streamed rows launch for 9-16 rows of an n x k NVFP4 layer of more than NARROWEST_ROWS outputs, or None
-    (the dot path) where none measured faster."""
+    """The streamed rows launch for 9-16 rows of an n x k NVFP4 layer of more than NARROWEST_ROWS outputs and
+    K >= STREAM_ROWS_MIN_K, or None (the dot path) where none measured faster."""
     if n >= WIDE_ROWS:
         return STREAM_ROWS_WIDE
     if k >= 2 * n:

@@ -83,8 +83,9 @@ def test_rows_dispatch_rule() -> None:
     # 9-16 rows streamed: qkv, o, down, gate|up (Qwen3-8B)
     assert cfg(6144, 4096, 9) == cfg(6144, 4096, 16) == qg.STREAM_ROWS_MID
     assert cfg(4096, 4096, 16) == qg.STREAM_ROWS_NARROW and cfg(4096, 12288, 16) == qg.STREAM_ROWS_MID
-    assert cfg(24576, 4096, 16) == cfg(qg.WIDE_ROWS, 512, 16) == qg.STREAM_ROWS_WIDE
-    assert cfg(qg.WIDE_ROWS, 512, 3) == qg.ROWS_WIDE
+    assert cfg(24576, 4096, 16) == qg.STREAM_ROWS_WIDE
+    assert cfg(qg.WIDE_ROWS, 512, 16) == cfg(qg.WIDE_ROWS, 512, 3) == qg.ROWS_WIDE  # K < 4096: unstreamed
+    assert cfg(12288, 2048, 16) is None  # Qwen3.6-35B-A3B's in_proj: K < 4096, the dot path as before
     assert cfg(2048, 4096, 16) == qg.ROWS_LONG_K and cfg(2048, 2048, 16) is None  # up to 2048 outputs: unstreamed
     assert cfg(6144, 6144, 16) is None  # past 4224 outputs, K > 4096 (not long): the dot path
     assert cfg(4096, 4096, 17) is None  # more rows: quant_linear's tiles
