@@ -75,6 +75,11 @@ SWEEP_STREAM_ROWS = [quant_gemv.GemvConfig(w, s, p, stream=True) for w in (4, 8,
 # plain and streamed
 SWEEP_ROWS_AT_ONE = [quant_gemv.GemvConfig(w, s, p, stream=st, rows=True) for w, s, p in
                      ((4, 2, 1), (8, 2, 2), (8, 2, 4), (16, 4, 8)) for st in (False, True)]
+# 2-16 rows, R blocks of weight rows a program sharing each span's x loads (GemvConfig.groups): the launches that
+# compile without spills for sm_90 (bench/compile_sm90.py: R = 2 plain up to 2 spans a step, streamed 1; R = 4 plain
+# 1), 192-248 registers; the best streamed one is timed again releasing early
+SWEEP_GROUPS = [quant_gemv.GemvConfig(w, s, p, stream=st, groups=r) for r, s, st in
+                ((2, 1, False), (2, 2, False), (2, 1, True), (4, 1, False)) for w in (4, 8) for p in (1, 2, 4)]
 
 
 if torch.cuda.is_available():
@@ -87,13 +92,17 @@ if torch.cuda.is_available():
         return tl.full([BN, 64], 0x3F803F80, tl.int32)
 
 
-def sweep(x, layer, layers, ref, k, gated: bool, stream: bool = False, check: bool = True) -> dict | None:
+def sweep(x, layer, layers, ref, k, gated: bool, stream: bool = False, check: bool = True,
+          groups: bool = False) -> dict | None:
     """The fastest correct launch of the sweep (us and its GemvConfig's fields), or None."""
     best_us, best_cfg = None, None
     one = x.shape[0] == 1
-    configs = (SWEEP_STREAM + SWEEP_ROWS_AT_ONE if one else SWEEP_STREAM_ROWS) if stream else \
-        SWEEP if one else SWEEP_ROWS
-    for cfg in configs + ([None] if stream else []):
+    if groups:
+        configs = SWEEP_GROUPS
+    else:
+        configs = (SWEEP_STREAM + SWEEP_ROWS_AT_ONE if one else SWEEP_STREAM_ROWS) if stream else \
+            SWEEP if one else SWEEP_ROWS
+    for cfg in configs + ([None] if stream or groups else []):
         if cfg is None:  # the best streamed launch again, releasing its dependents early
             if best_cfg is None or not best_cfg.stream:
                 break
@@ -124,7 +133,11 @@ def main() -> None:
     ap.add_argument("--stream", action="store_true", help="+ the streamed launches (weights a step ahead, the "
                     "first step's before the PDL wait): quant_gemv._stream_kernel at one row, the rows kernel's "
                     "at 2-16; and one row on the rows kernel, plain and streamed")
+    ap.add_argument("--groups", action="store_true", help="2-16 rows: + the rows kernel running 2-4 blocks of "
+                    "weight rows a program, each span's x loaded once for all (GemvConfig.groups; NOTES session 29)")
     args = ap.parse_args()
+    if args.groups and "1" in args.rows.split(","):
+        ap.error("--groups sweeps the rows kernel: 2-16 rows (--rows)")
     if args.no_x:  # before any kernel that reads it compiles
         quant_gemv._span_x = _x_free
     torch.manual_seed(0)
@@ -153,6 +166,8 @@ def main() -> None:
                     if args.stream:
                         rows[-1]["stream"] = sweep(x, layer, layers, ref, k, gated, stream=True, check=not args.no_x)
                         rows[-1]["x_free"] = args.no_x
+                    if args.groups:
+                        rows[-1]["groups"] = sweep(x, layer, layers, ref, k, gated, groups=True)
                     print(rows[-1], flush=True)
             del layers
     out = Path(os.environ.get("OUT", "bench/results"))
@@ -172,7 +187,11 @@ def main() -> None:
               + (f"  stream {r['stream']['us']:.1f} us ({qgm.pct(r['bytes'], r['stream']['us'], bw):.1f}%): "
                  f"warps {r['stream']['warps']} spans {r['stream']['spans']} parts {r['stream']['parts']}"
                  f"{' streamed' if r['stream'].get('stream') else ''}{' early' if r['stream']['early'] else ''}"
-                 f"{' rows kernel' if r['stream'].get('rows') else ''}" if r.get("stream") else ""))
+                 f"{' rows kernel' if r['stream'].get('rows') else ''}" if r.get("stream") else "")
+              + (f"  groups {r['groups']['us']:.1f} us ({qgm.pct(r['bytes'], r['groups']['us'], bw):.1f}%): "
+                 f"R {r['groups']['groups']} warps {r['groups']['warps']} spans {r['groups']['spans']} "
+                 f"parts {r['groups']['parts']}{' streamed' if r['groups']['stream'] else ''}"
+                 f"{' early' if r['groups']['early'] else ''}" if r.get("groups") else ""))
 
 
 if __name__ == "__main__":

@@ -66,6 +66,7 @@ class GemvConfig:
     stream: bool = False  # weights loaded a step ahead, the first step's before the PDL wait (`_stream_kernel`, rows)
     early: bool = False  # (stream) dependents released right after the PDL wait, not before the stores
     rows: bool = False  # one row on the rows kernel too (weights as the mma's A operand: 2 bytes of x a weight byte)
+    groups: int = 1  # (rows kernel) blocks of rows_block weight rows a program, each span's x loaded once for all
 
     @property
     def block(self) -> int:
@@ -598,6 +599,8 @@ def gemv(x: torch.Tensor, layer, meta, cfg: GemvConfig, residual: torch.Tensor |
     m = x.shape[0]
     if not 1 <= m <= MAX_ROWS or not _tiles_k(cfg, meta.k):
         raise ValueError(f"{m} rows of K = {meta.k} do not fit the mma kernels with {cfg}")
+    if cfg.groups > 1 and m == 1 and not cfg.rows:
+        raise ValueError(f"{cfg}: groups of weight rows are the rows kernel's (2 to {MAX_ROWS} rows, or rows=True)")
     if gated and (residual is not None or meta.n % 2 or (m == 1 and not cfg.rows and (cfg.block // cfg.parts) % 2)):
         raise ValueError(f"SwiGLU over {meta.n} rows with {cfg} (and a residual: {residual is not None}) does not fit")
     y = residual if residual is not None else \
@@ -614,9 +617,9 @@ def gemv(x: torch.Tensor, layer, meta, cfg: GemvConfig, residual: torch.Tensor |
                   INT4=int4, G2=meta.group // 2 if int4 else 8, GATED=gated, num_warps=cfg.warps, num_stages=1,
                   launch_pdl=on)
     if m > 1 or cfg.rows:
-        grid = (triton.cdiv(meta.n, cfg.rows_block),)
+        grid = (triton.cdiv(meta.n, cfg.rows_block * cfg.groups),)
         _rows_kernel[grid](x, layer.qweight, scales, gs, y, m, meta.n, P=cfg.parts, TWO=m > 8, STREAM=cfg.stream,
-                           EARLY=cfg.early, **common)
+                           EARLY=cfg.early, R=cfg.groups, **common)
         return y
     args = (x, layer.qweight, scales, gs, y, meta.n)
     grid = (triton.cdiv(meta.n * cfg.parts, cfg.block),)
@@ -857,51 +860,130 @@ if HAVE_TRITON:
             tl.store(ptr, _with_residual(vals, ptr, keep, HAS_RES), mask=keep)
 
     @triton.jit
+    def _block_rows(blk, w, g, N, BN: tl.constexpr, P: tl.constexpr, GATED: tl.constexpr):
+        """The weight rows (lo, hi) of each tile row of block blk (its 16-row groups: `_rows_kernel`); rows past N
+        read the last ones: computed, never stored."""
+        if GATED:
+            lo_row = tl.minimum(blk * (8 * (BN // 8 // P)) + (w // P) * 8 + g, N // 2 - 1).to(tl.int64)
+            hi_row = lo_row + N // 2
+        else:
+            wrow = blk * (16 * (BN // 8 // P)) + (w // P) * 16 + g
+            lo_row = tl.minimum(wrow, N - 1).to(tl.int64)
+            hi_row = tl.minimum(wrow + 8, N - 1).to(tl.int64)
+        return lo_row, hi_row
+
+    @triton.jit
+    def _groups_ahead(QW, S, rows, part, b0, KB: tl.constexpr, NG: tl.constexpr, P: tl.constexpr,
+                      SPANS: tl.constexpr, INT4: tl.constexpr, G2: tl.constexpr, R: tl.constexpr):
+        """The weights of the SPANS spans of a step from byte b0 for each of the R blocks' rows, a tuple indexed
+        span * R + block."""
+        ring = ()
+        for u in tl.static_range(SPANS):
+            for i in tl.static_range(R):
+                lo_row, hi_row = rows[i]
+                ring = ring + (_rows_weights(QW, S, lo_row, hi_row, part, b0 + 64 * u, KB, NG, P, INT4, G2),)
+        return ring
+
+    @triton.jit
+    def _groups_step(accs, ring, x32, part, tok, tok_b, b0, KB: tl.constexpr, BN: tl.constexpr,
+                     SPANS: tl.constexpr, P: tl.constexpr, TWO: tl.constexpr, INT4: tl.constexpr, R: tl.constexpr):
+        """One step's products for R blocks (`_groups_ahead`'s weights): each span's x loaded once, its registers
+        the mma's B operand for every block."""
+        for u in tl.static_range(SPANS):
+            xa, xb = _rows_x(x32, tok, tok_b, part, b0 + 64 * u, KB, P, TWO)
+            new = ()
+            for i in tl.static_range(R):
+                wl, wh, sla, slb, sha, shb = ring[u * R + i]
+                acc_a, acc_b = accs[i]
+                new = new + (_rows_mma(acc_a, acc_b, wl, wh, xa, xb, sla, slb, sha, shb, BN, TWO, INT4),)
+            accs = new
+        return accs
+
+    @triton.jit
+    def _groups_loop(accs, ring, QW, x32, S, rows, part, tok, tok_b, KB: tl.constexpr, NG: tl.constexpr,
+                     BN: tl.constexpr, SPANS: tl.constexpr, P: tl.constexpr, TWO: tl.constexpr, INT4: tl.constexpr,
+                     G2: tl.constexpr, R: tl.constexpr, STREAM: tl.constexpr):
+        """accs (a tuple of R (acc_a, acc_b)) += the R blocks' products over the K part. STREAM: `ring` holds the
+        first step's weights and each step issues the next step's before its mmas; else each step loads its own."""
+        STEP: tl.constexpr = 64 * SPANS
+        LAST: tl.constexpr = KB // P - STEP  # the last step's first byte
+        if STREAM:
+            for b0 in range(0, LAST, STEP):
+                ahead = _groups_ahead(QW, S, rows, part, b0 + STEP, KB, NG, P, SPANS, INT4, G2, R)
+                accs = _groups_step(accs, ring, x32, part, tok, tok_b, b0, KB, BN, SPANS, P, TWO, INT4, R)
+                ring = ahead
+            accs = _groups_step(accs, ring, x32, part, tok, tok_b, LAST, KB, BN, SPANS, P, TWO, INT4, R)
+        else:
+            for b0 in range(0, KB // P, STEP):
+                step = _groups_ahead(QW, S, rows, part, b0, KB, NG, P, SPANS, INT4, G2, R)
+                accs = _groups_step(accs, step, x32, part, tok, tok_b, b0, KB, BN, SPANS, P, TWO, INT4, R)
+        return accs
+
+    @triton.jit
     def _rows_kernel(X, QW, S, GS, Y, M, N, K: tl.constexpr, HAS_GS: tl.constexpr, BN: tl.constexpr,
                      SPANS: tl.constexpr, P: tl.constexpr, TWO: tl.constexpr, HAS_RES: tl.constexpr = False,
                      PDL: tl.constexpr = False, INT4: tl.constexpr = False, G2: tl.constexpr = 8,
-                     GATED: tl.constexpr = False, STREAM: tl.constexpr = False, EARLY: tl.constexpr = False):
+                     GATED: tl.constexpr = False, STREAM: tl.constexpr = False, EARLY: tl.constexpr = False,
+                     R: tl.constexpr = 1):
         # tile row r = 8 w + g (warp w, lane row g) reads K part w % P of the weight rows 16 (w // P) + g (lo) and
-        # + 8 (hi) of the program's, and x of token g (and g + 8). GATED (N = 2I rows of [gate; up]): the 16-row
+        # + 8 (hi) of the block's, and x of token g (and g + 8). GATED (N = 2I rows of [gate; up]): the 16-row
         # group j holds the gate rows of outputs 8 j .. 8 j + 7 as its lo rows and their up rows as its hi rows.
         # STREAM: the weights a step ahead, the first step's loaded before the PDL wait (`_stream_kernel`'s way);
-        # EARLY: the dependents released right after the wait
+        # EARLY: the dependents released right after the wait. R > 1: the program runs R blocks (pid R ..), each
+        # span's x loaded once for all of them (x is 4 bytes a weight byte at 16 rows: NOTES session 29)
         pid = tl.program_id(0)
         r = tl.arange(0, BN)
         w = r // 8
         g = r % 8
-        # rows past N and tokens past M read the last ones: computed, never stored
-        if GATED:
-            lo_row = tl.minimum(pid * (8 * (BN // 8 // P)) + (w // P) * 8 + g, N // 2 - 1).to(tl.int64)
-            hi_row = lo_row + N // 2
-        else:
-            wrow = pid * (16 * (BN // 8 // P)) + (w // P) * 16 + g
-            lo_row = tl.minimum(wrow, N - 1).to(tl.int64)
-            hi_row = tl.minimum(wrow + 8, N - 1).to(tl.int64)
         part = (w % P).to(tl.int64)
         KB: tl.constexpr = K // 2
         NG: tl.constexpr = K // (2 * G2)
         x32 = X.to(tl.pointer_type(tl.int32))
-        acc_a = tl.zeros([BN, 64], dtype=tl.float32)
-        acc_b = tl.zeros([BN, 64], dtype=tl.float32)
-        if STREAM:
-            ring = _rows_ahead(QW, S, lo_row, hi_row, part, 0, KB, NG, P, SPANS, INT4, G2)
-        wait_for_inputs(PDL)
-        if EARLY:
-            release_dependents(PDL)
-        tok = tl.minimum(g, M - 1)
-        tok_b = tl.minimum(g + 8, M - 1)
-        if STREAM:
-            acc_a, acc_b = _rows_stream_loop(acc_a, acc_b, ring, QW, x32, S, lo_row, hi_row, part, tok, tok_b, KB, NG,
-                                             BN, SPANS, P, TWO, INT4, G2)
+        if R == 1:
+            lo_row, hi_row = _block_rows(pid, w, g, N, BN, P, GATED)
+            acc_a = tl.zeros([BN, 64], dtype=tl.float32)
+            acc_b = tl.zeros([BN, 64], dtype=tl.float32)
+            if STREAM:
+                ring = _rows_ahead(QW, S, lo_row, hi_row, part, 0, KB, NG, P, SPANS, INT4, G2)
+            wait_for_inputs(PDL)
+            if EARLY:
+                release_dependents(PDL)
+            tok = tl.minimum(g, M - 1)
+            tok_b = tl.minimum(g + 8, M - 1)
+            if STREAM:
+                acc_a, acc_b = _rows_stream_loop(acc_a, acc_b, ring, QW, x32, S, lo_row, hi_row, part, tok, tok_b, KB,
+                                                 NG, BN, SPANS, P, TWO, INT4, G2)
+            else:
+                acc_a, acc_b = _rows_span_loop(acc_a, acc_b, QW, x32, S, lo_row, hi_row, part, tok, tok_b, KB, NG,
+                                               BN, SPANS, P, TWO, INT4, G2)
+            if not EARLY:
+                release_dependents(PDL)
+            _rows_store(acc_a, Y, GS, pid, 0, M, N, BN, P, HAS_GS, HAS_RES, INT4, GATED)
+            if TWO:
+                _rows_store(acc_b, Y, GS, pid, 8, M, N, BN, P, HAS_GS, HAS_RES, INT4, GATED)
         else:
-            acc_a, acc_b = _rows_span_loop(acc_a, acc_b, QW, x32, S, lo_row, hi_row, part, tok, tok_b, KB, NG, BN,
-                                           SPANS, P, TWO, INT4, G2)
-        if not EARLY:
-            release_dependents(PDL)
-        _rows_store(acc_a, Y, GS, pid, 0, M, N, BN, P, HAS_GS, HAS_RES, INT4, GATED)
-        if TWO:
-            _rows_store(acc_b, Y, GS, pid, 8, M, N, BN, P, HAS_GS, HAS_RES, INT4, GATED)
+            rows = ()
+            accs = ()
+            for i in tl.static_range(R):
+                rows = rows + (_block_rows(pid * R + i, w, g, N, BN, P, GATED),)
+                accs = accs + ((tl.zeros([BN, 64], dtype=tl.float32), tl.zeros([BN, 64], dtype=tl.float32)),)
+            ring = ()
+            if STREAM:
+                ring = _groups_ahead(QW, S, rows, part, 0, KB, NG, P, SPANS, INT4, G2, R)
+            wait_for_inputs(PDL)
+            if EARLY:
+                release_dependents(PDL)
+            tok = tl.minimum(g, M - 1)
+            tok_b = tl.minimum(g + 8, M - 1)
+            accs = _groups_loop(accs, ring, QW, x32, S, rows, part, tok, tok_b, KB, NG, BN, SPANS, P, TWO, INT4, G2,
+                                R, STREAM)
+            if not EARLY:
+                release_dependents(PDL)
+            for i in tl.static_range(R):
+                acc_a, acc_b = accs[i]
+                _rows_store(acc_a, Y, GS, pid * R + i, 0, M, N, BN, P, HAS_GS, HAS_RES, INT4, GATED)
+                if TWO:
+                    _rows_store(acc_b, Y, GS, pid * R + i, 8, M, N, BN, P, HAS_GS, HAS_RES, INT4, GATED)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -29,6 +29,9 @@ STREAMED = (qg.GemvConfig(2, 4, 1, stream=True), qg.GemvConfig(8, 2, 4, stream=T
 # the streamed 2-16-row kernel: one K part and several, a whole short part in one step, early and late
 STREAMED_ROWS = (qg.STREAM_ROWS_WIDE, qg.STREAM_ROWS_MID, qg.STREAM_ROWS_NARROW, qg.GemvConfig(8, 2, 8, stream=True),
                  qg.GemvConfig(16, 4, 8, stream=True, early=True), qg.GemvConfig(8, 1, 2, stream=True))
+# R blocks a program sharing each span's x loads, plain and streamed (GemvConfig.groups)
+GROUPED_ROWS = (qg.GemvConfig(4, 2, 1, groups=2), qg.GemvConfig(4, 1, 1, stream=True, early=True, groups=2),
+                qg.GemvConfig(4, 1, 4, stream=True, early=True, groups=2), qg.GemvConfig(4, 1, 4, groups=4))
 
 
 @pytest.fixture(autouse=True)
@@ -133,7 +136,7 @@ def test_rows_match_the_reference(m: int, n: int, k: int, global_scale: bool) ->
     x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
     want = exact(x, layer)
     for c in (qg.ROWS_FEW, qg.ROWS_LONG_K, qg.ROWS_WIDE, qg.GemvConfig(4, 4, 4), qg.GemvConfig(8, 4, 2),
-              *qg.ROWS_TUNED.values(), *STREAMED_ROWS):
+              *qg.ROWS_TUNED.values(), *STREAMED_ROWS, *GROUPED_ROWS):
         c = qg._fit_k(c, k)
         got = qg.gemv(x, layer, meta, c)
         assert got.shape == (m, n)
@@ -161,7 +164,7 @@ def test_residual_is_added_in_place_as_a_separate_add_rounds(m: int, n: int, k: 
     out = ql.quant_linear(x, layer, residual=res)
     assert out.data_ptr() == res.data_ptr()
     torch.testing.assert_close(res, before + y, rtol=0, atol=0)  # y rounded first, then the bf16 add
-    for cfg in STREAMED if m == 1 else STREAMED_ROWS:
+    for cfg in STREAMED if m == 1 else STREAMED_ROWS + GROUPED_ROWS:
         if k % (128 * cfg.spans * cfg.parts) == 0:
             res = before.clone()
             qg.gemv(x, layer, meta, cfg, residual=res)
@@ -248,7 +251,7 @@ def test_int4_rows_match_the_reference(m: int, n: int, k: int, group: int) -> No
     meta = ql.quant_meta(layer)
     x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
     want = ql.quant_linear_ref(x, layer)
-    for c in (qg.ROWS_FEW, qg.ROWS_LONG_K, qg.ROWS_WIDE, qg.GemvConfig(8, 4, 2), *STREAMED_ROWS):
+    for c in (qg.ROWS_FEW, qg.ROWS_LONG_K, qg.ROWS_WIDE, qg.GemvConfig(8, 4, 2), *STREAMED_ROWS, *GROUPED_ROWS):
         c = qg._fit_k(c, k)
         got = qg.gemv(x, layer, meta, c)
         assert got.shape == (m, n)
@@ -270,7 +273,7 @@ def test_swiglu_is_folded_into_the_epilogue(scheme: str, m: int, n: int, k: int)
     x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
     want = silu_mul_ref(ql.quant_linear_ref(x, layer))
     cfgs = (qg.WIDE, qg.NARROW, qg.GemvConfig(8, 2, 8), *STREAMED) if m == 1 else \
-        (qg.ROWS_FEW, qg.ROWS_WIDE, qg.ROWS_LONG_K, *STREAMED_ROWS)
+        (qg.ROWS_FEW, qg.ROWS_WIDE, qg.ROWS_LONG_K, *STREAMED_ROWS, *GROUPED_ROWS)
     for cfg in cfgs:
         cfg = qg._fit_k(cfg, k)
         got = qg.gemv(x, layer, meta, cfg, gated=True)
@@ -587,3 +590,5 @@ def test_launches_that_do_not_tile_k_are_refused() -> None:
         qg.gemv(torch.randn(2, 1024, dtype=torch.bfloat16), layer, meta, qg.GemvConfig(16, 4, 8))
     with pytest.raises(ValueError, match="do not fit"):
         qg.gemv(torch.randn(17, 1024, dtype=torch.bfloat16), layer, meta, qg.ROWS_WIDE)
+    with pytest.raises(ValueError, match="groups of weight rows"):  # the one-row GEMV has no blocks to group
+        qg.gemv(torch.randn(1, 1024, dtype=torch.bfloat16), layer, meta, qg.GemvConfig(2, 4, 1, groups=2))
