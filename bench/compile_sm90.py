@@ -202,7 +202,7 @@ def cases() -> list[tuple[str, tuple, dict]]:
     # R blocks a program sharing each span's x loads (GemvConfig.groups; swept by bench/quant_gemv.py --groups)
     for int4, gated, res, k, cfg in ((False, True, False, 4096, qv.GemvConfig(4, 1, 1, True, True, groups=2)),
                                      (False, True, False, 4096, qv.GemvConfig(4, 2, 1, groups=2)),
-                                     (False, False, False, 4096, qv.GemvConfig(4, 2, 4, True, True, groups=2)),
+                                     (False, False, False, 4096, qv.GemvConfig(4, 1, 4, True, True, groups=2)),
                                      (False, False, True, 12288, qv.GemvConfig(4, 1, 4, True, True, groups=2)),
                                      (False, False, False, 4096, qv.GemvConfig(4, 1, 4, groups=4)),
                                      (True, True, False, 4096, qv.GemvConfig(4, 1, 1, True, True, groups=2))):
