@@ -747,36 +747,6 @@ if HAVE_TRITON:
         return wl, wh, sla, slb, sha, shb
 
     @triton.jit
-    def _rows_ahead(QW, S, lo_row, hi_row, part, b0, KB: tl.constexpr, NG: tl.constexpr, P: tl.constexpr,
-                    SPANS: tl.constexpr, INT4: tl.constexpr, G2: tl.constexpr):
-        """The weights of the SPANS spans of a step from byte b0 (`_rows_weights`), a tuple a span."""
-        ring = ()
-        for u in tl.static_range(SPANS):
-            ring = ring + (_rows_weights(QW, S, lo_row, hi_row, part, b0 + 64 * u, KB, NG, P, INT4, G2),)
-        return ring
-
-    @triton.jit
-    def _rows_stream_loop(acc_a, acc_b, ring, QW, x32, S, lo_row, hi_row, part, tok, tok_b, KB: tl.constexpr,
-                          NG: tl.constexpr, BN: tl.constexpr, SPANS: tl.constexpr, P: tl.constexpr,
-                          TWO: tl.constexpr, INT4: tl.constexpr = False, G2: tl.constexpr = 8):
-        """`_rows_span_loop` with the weights a step ahead: ring holds the first step's (`_rows_ahead`, loaded
-        before the PDL wait), and each step issues the next step's before its own mmas."""
-        STEP: tl.constexpr = 64 * SPANS
-        LAST: tl.constexpr = KB // P - STEP  # the last step's first byte
-        for b0 in range(0, LAST, STEP):
-            ahead = _rows_ahead(QW, S, lo_row, hi_row, part, b0 + STEP, KB, NG, P, SPANS, INT4, G2)
-            for u in tl.static_range(SPANS):
-                wl, wh, sla, slb, sha, shb = ring[u]
-                xa, xb = _rows_x(x32, tok, tok_b, part, b0 + 64 * u, KB, P, TWO)
-                acc_a, acc_b = _rows_mma(acc_a, acc_b, wl, wh, xa, xb, sla, slb, sha, shb, BN, TWO, INT4)
-            ring = ahead
-        for u in tl.static_range(SPANS):
-            wl, wh, sla, slb, sha, shb = ring[u]
-            xa, xb = _rows_x(x32, tok, tok_b, part, LAST + 64 * u, KB, P, TWO)
-            acc_a, acc_b = _rows_mma(acc_a, acc_b, wl, wh, xa, xb, sla, slb, sha, shb, BN, TWO, INT4)
-        return acc_a, acc_b
-
-    @triton.jit
     def _rows_mma(acc_a, acc_b, wl, wh, xa, xb, sla, slb, sha, shb, BN: tl.constexpr, TWO: tl.constexpr,
                   INT4: tl.constexpr = False):
         """acc_a (tokens 0-7), acc_b (8-15, with TWO) [BN, 64] += the span's products: the asm takes 4
@@ -904,7 +874,8 @@ if HAVE_TRITON:
                      BN: tl.constexpr, SPANS: tl.constexpr, P: tl.constexpr, TWO: tl.constexpr, INT4: tl.constexpr,
                      G2: tl.constexpr, R: tl.constexpr, STREAM: tl.constexpr):
         """accs (a tuple of R (acc_a, acc_b)) += the R blocks' products over the K part. STREAM: `ring` holds the
-        first step's weights and each step issues the next step's before its mmas; else each step loads its own."""
+        first step's weights (loaded before the PDL wait) and each step issues the next step's before its mmas;
+        else each step loads its own, all its weights before its x and mmas."""
         STEP: tl.constexpr = 64 * SPANS
         LAST: tl.constexpr = KB // P - STEP  # the last step's first byte
         if STREAM:
@@ -939,51 +910,34 @@ if HAVE_TRITON:
         KB: tl.constexpr = K // 2
         NG: tl.constexpr = K // (2 * G2)
         x32 = X.to(tl.pointer_type(tl.int32))
-        if R == 1:
-            lo_row, hi_row = _block_rows(pid, w, g, N, BN, P, GATED)
-            acc_a = tl.zeros([BN, 64], dtype=tl.float32)
-            acc_b = tl.zeros([BN, 64], dtype=tl.float32)
-            if STREAM:
-                ring = _rows_ahead(QW, S, lo_row, hi_row, part, 0, KB, NG, P, SPANS, INT4, G2)
-            wait_for_inputs(PDL)
-            if EARLY:
-                release_dependents(PDL)
-            tok = tl.minimum(g, M - 1)
-            tok_b = tl.minimum(g + 8, M - 1)
-            if STREAM:
-                acc_a, acc_b = _rows_stream_loop(acc_a, acc_b, ring, QW, x32, S, lo_row, hi_row, part, tok, tok_b, KB,
-                                                 NG, BN, SPANS, P, TWO, INT4, G2)
-            else:
-                acc_a, acc_b = _rows_span_loop(acc_a, acc_b, QW, x32, S, lo_row, hi_row, part, tok, tok_b, KB, NG,
-                                               BN, SPANS, P, TWO, INT4, G2)
-            if not EARLY:
-                release_dependents(PDL)
-            _rows_store(acc_a, Y, GS, pid, 0, M, N, BN, P, HAS_GS, HAS_RES, INT4, GATED)
-            if TWO:
-                _rows_store(acc_b, Y, GS, pid, 8, M, N, BN, P, HAS_GS, HAS_RES, INT4, GATED)
+        rows = ()
+        accs = ()
+        for i in tl.static_range(R):
+            rows = rows + (_block_rows(pid * R + i, w, g, N, BN, P, GATED),)
+            accs = accs + ((tl.zeros([BN, 64], dtype=tl.float32), tl.zeros([BN, 64], dtype=tl.float32)),)
+        ring = ()
+        if STREAM:
+            ring = _groups_ahead(QW, S, rows, part, 0, KB, NG, P, SPANS, INT4, G2, R)
+        wait_for_inputs(PDL)
+        if EARLY:
+            release_dependents(PDL)
+        tok = tl.minimum(g, M - 1)
+        tok_b = tl.minimum(g + 8, M - 1)
+        if R == 1 and not STREAM:  # a span's bytes, x, scales, then its mmas: the order these launches were timed in
+            lo_row, hi_row = rows[0]
+            acc_a, acc_b = accs[0]
+            accs = (_rows_span_loop(acc_a, acc_b, QW, x32, S, lo_row, hi_row, part, tok, tok_b, KB, NG, BN, SPANS,
+                                    P, TWO, INT4, G2),)
         else:
-            rows = ()
-            accs = ()
-            for i in tl.static_range(R):
-                rows = rows + (_block_rows(pid * R + i, w, g, N, BN, P, GATED),)
-                accs = accs + ((tl.zeros([BN, 64], dtype=tl.float32), tl.zeros([BN, 64], dtype=tl.float32)),)
-            ring = ()
-            if STREAM:
-                ring = _groups_ahead(QW, S, rows, part, 0, KB, NG, P, SPANS, INT4, G2, R)
-            wait_for_inputs(PDL)
-            if EARLY:
-                release_dependents(PDL)
-            tok = tl.minimum(g, M - 1)
-            tok_b = tl.minimum(g + 8, M - 1)
             accs = _groups_loop(accs, ring, QW, x32, S, rows, part, tok, tok_b, KB, NG, BN, SPANS, P, TWO, INT4, G2,
                                 R, STREAM)
-            if not EARLY:
-                release_dependents(PDL)
-            for i in tl.static_range(R):
-                acc_a, acc_b = accs[i]
-                _rows_store(acc_a, Y, GS, pid * R + i, 0, M, N, BN, P, HAS_GS, HAS_RES, INT4, GATED)
-                if TWO:
-                    _rows_store(acc_b, Y, GS, pid * R + i, 8, M, N, BN, P, HAS_GS, HAS_RES, INT4, GATED)
+        if not EARLY:
+            release_dependents(PDL)
+        for i in tl.static_range(R):
+            acc_a, acc_b = accs[i]
+            _rows_store(acc_a, Y, GS, pid * R + i, 0, M, N, BN, P, HAS_GS, HAS_RES, INT4, GATED)
+            if TWO:
+                _rows_store(acc_b, Y, GS, pid * R + i, 8, M, N, BN, P, HAS_GS, HAS_RES, INT4, GATED)
 
 
 # ---------------------------------------------------------------------------------------------------------------
