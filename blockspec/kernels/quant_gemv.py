@@ -149,6 +149,14 @@ STREAM_ROWS_WIDE = GemvConfig(warps=4, spans=2, parts=1, stream=True, early=True
 STREAM_ROWS_MID = GemvConfig(warps=4, spans=4, parts=4, stream=True, early=True)  # and K >= 2 N (down: 23.2 early)
 STREAM_ROWS_NARROW = GemvConfig(warps=8, spans=4, parts=4, stream=True, early=True)
 STREAM_ROWS_MIN_K = 4096
+# 9-16 rows of a wide layer (gate|up), two blocks of 16 weight rows a program sharing each span's x loads
+# (GemvConfig.groups). H100, bench/quant_gemv.py --rows 16 --groups (quant_gemv_rows16_groups_h100_c957a86.json), us:
+# Qwen3-8B gate|up 24576 x 4096 NVFP4 33.6 against STREAM_ROWS_WIDE's 40.9 (with SwiGLU 34.2 against 41.0), int4
+# with SwiGLU 32.1 against the dot path's 35.9 (int4 unfolded stays on the dot path: 31.8 against 29.4); the
+# narrower layers lost (qkv 14.5 against 13.3, o 11.9 against 9.6, down 33.6 against 24.1). Measured at K = 4096
+# (GROUPED_MAX_K); Qwen3.6-27B's K = 5120 gate|up keeps its ROWS_TUNED launch.
+GROUPED_WIDE = GemvConfig(warps=4, spans=1, parts=2, groups=2)
+GROUPED_MAX_K = 4096
 
 
 def _tiles_k(cfg: GemvConfig, k: int) -> bool:
@@ -170,12 +178,15 @@ def _fit_k(cfg: GemvConfig, k: int) -> GemvConfig | None:
 
 def launch_config(meta, m: int = 1, gated: bool = False) -> GemvConfig | None:
     """The launch for m rows of the layer, or None where quant_linear's dot path measured faster (H100 / H200,
-    bench/quant_gemv.py --sweep / --stream). int4, one row: a gate|up with SwiGLU (INT4_WIDE) and an o projection
-    (STREAM_NARROW). NVFP4, one row: one K part for >= GEMV_WIDE_ROWS outputs; up to 2048 outputs 8 parts over 16
-    warps (NARROWEST: 32 warps spilled); between the two the streamed kernel (STREAM_*; past NARROW_MAX_ROWS outputs
-    only up to STREAM_MID_MAX_K, the dot path beyond). 2 to MAX_ROWS rows: the rows kernel (above), with launches of
-    its own for the measured Qwen3.6-27B shapes (ROWS_TUNED), streamed at 9-16 rows (`_rows_streamed`)."""
+    bench/quant_gemv.py --sweep / --stream / --groups). int4, one row: a gate|up with SwiGLU (INT4_WIDE) and an o
+    projection (STREAM_NARROW); 9-16 rows of a K = 4096 gate|up with SwiGLU: GROUPED_WIDE. NVFP4, one row: one K part
+    for >= GEMV_WIDE_ROWS outputs; up to 2048 outputs 8 parts over 16 warps (NARROWEST: 32 warps spilled); between
+    the two the streamed kernel (STREAM_*; past NARROW_MAX_ROWS outputs only up to STREAM_MID_MAX_K, the dot path
+    beyond). 2 to MAX_ROWS rows: the rows kernel (above), with launches of its own for the measured Qwen3.6-27B shapes
+    (ROWS_TUNED), streamed or grouped at 9-16 rows (`_rows_streamed`)."""
     if meta.scheme == "int4":
+        if 8 < m <= MAX_ROWS and gated and meta.n >= WIDE_ROWS and STREAM_ROWS_MIN_K <= meta.k <= GROUPED_MAX_K:
+            return _fit_k(GROUPED_WIDE, meta.k)
         if m == 1 and gated and meta.n >= WIDE_ROWS and meta.k <= INT4_MAX_K and _tiles_k(INT4_WIDE, meta.k):
             return INT4_WIDE
         if m == 1 and NARROWEST_ROWS < meta.n <= NARROW_MAX_ROWS and meta.k < 2 * meta.n:  # an o projection
@@ -205,7 +216,7 @@ def _rows_streamed(n: int, k: int) -> GemvConfig | None:
     """The streamed rows launch for 9-16 rows of an n x k NVFP4 layer of more than NARROWEST_ROWS outputs and
     K >= STREAM_ROWS_MIN_K, or None (the dot path) where none measured faster."""
     if n >= WIDE_ROWS:
-        return STREAM_ROWS_WIDE
+        return GROUPED_WIDE if k <= GROUPED_MAX_K else STREAM_ROWS_WIDE
     if k >= 2 * n:
         return STREAM_ROWS_MID
     if k > STREAM_MID_MAX_K:

@@ -30,7 +30,8 @@ STREAMED = (qg.GemvConfig(2, 4, 1, stream=True), qg.GemvConfig(8, 2, 4, stream=T
 STREAMED_ROWS = (qg.STREAM_ROWS_WIDE, qg.STREAM_ROWS_MID, qg.STREAM_ROWS_NARROW, qg.GemvConfig(8, 2, 8, stream=True),
                  qg.GemvConfig(16, 4, 8, stream=True, early=True), qg.GemvConfig(8, 1, 2, stream=True))
 # R blocks a program sharing each span's x loads, plain and streamed (GemvConfig.groups)
-GROUPED_ROWS = (qg.GemvConfig(4, 2, 1, groups=2), qg.GemvConfig(4, 1, 1, stream=True, early=True, groups=2),
+GROUPED_ROWS = (qg.GROUPED_WIDE, qg.GemvConfig(4, 2, 1, groups=2),
+                qg.GemvConfig(4, 1, 1, stream=True, early=True, groups=2),
                 qg.GemvConfig(4, 1, 4, stream=True, early=True, groups=2), qg.GemvConfig(4, 1, 4, groups=4))
 
 
@@ -86,7 +87,8 @@ def test_rows_dispatch_rule() -> None:
     # 9-16 rows streamed: qkv, o, down, gate|up (Qwen3-8B)
     assert cfg(6144, 4096, 9) == cfg(6144, 4096, 16) == qg.STREAM_ROWS_MID
     assert cfg(4096, 4096, 16) == qg.STREAM_ROWS_NARROW and cfg(4096, 12288, 16) == qg.STREAM_ROWS_MID
-    assert cfg(24576, 4096, 16) == qg.STREAM_ROWS_WIDE
+    assert cfg(24576, 4096, 16) == qg.GROUPED_WIDE  # gate|up: two blocks of rows a program share x
+    assert cfg(24576, 8192, 16) == qg.STREAM_ROWS_WIDE  # past the measured K = 4096: streamed, one block
     assert cfg(qg.WIDE_ROWS, 512, 16) == cfg(qg.WIDE_ROWS, 512, 3) == qg.ROWS_WIDE  # K < 4096: unstreamed
     assert cfg(12288, 2048, 16) is None  # Qwen3.6-35B-A3B's in_proj: K < 4096, the dot path as before
     assert cfg(2048, 4096, 16) == qg.ROWS_LONG_K and cfg(2048, 2048, 16) is None  # up to 2048 outputs: unstreamed
@@ -327,6 +329,11 @@ def test_int4_dispatch_rule() -> None:
     assert cfg(128, n=qg.WIDE_ROWS - 8, gated=True) is None  # narrower: the dot path
     rows = make_layer("int4", qg.WIDE_ROWS, 512, torch.bfloat16, group=128)
     assert qg.launch_config(ql.quant_meta(rows), 16) is None
+    # 9-16 rows of a K = 4096 gate|up with SwiGLU: two blocks of rows a program (the rest stays on the dot path)
+    gate_up = ql.quant_meta(make_layer("int4", 24576, 4096, torch.bfloat16, group=128))
+    assert qg.launch_config(gate_up, 16, True) == qg.launch_config(gate_up, 9, True) == qg.GROUPED_WIDE
+    assert qg.launch_config(gate_up, 16) is None and qg.launch_config(gate_up, 8, True) is None
+    assert qg.launch_config(ql.quant_meta(rows), 16, True) is None  # K < 4096: not measured
     assert qg.launch_config(ql.quant_meta(make_layer("nvfp4", 4096, 4096, torch.bfloat16)), 1, True) == \
         qg.STREAM_NARROW
     assert qg.launch_config(ql.quant_meta(make_layer("nvfp4", 64, 4096, torch.bfloat16)), 1, True) == qg.NARROWEST
