@@ -131,7 +131,9 @@ ROWS_LONG_K = GemvConfig(warps=8, spans=2, parts=8)  # 9-16 rows, K >= 2 N
 # than Qwen3-8B's K = 4096 ones (gate|up: one span a step, 78.5 against 103.3 with ROWS_WIDE's two); its out_proj /
 # o_proj 5120 x 6144 keeps the dot path (23.1, no launch faster)
 ROWS_TUNED = {
-    (34816, 5120): GemvConfig(warps=4, spans=1, parts=1),  # gate|up: 78.5 against 95.1 / 103.3
+    # gate|up: 78.5 against 95.1 / 103.3; then two blocks of rows a program (GemvConfig.groups) 65.3 against that
+    # launch's 76.7 (quant_gemv_rows16_groups_27b_35b_h100_a89c836.json)
+    (34816, 5120): GemvConfig(warps=4, spans=1, parts=4, groups=2),
     (16384, 5120): GemvConfig(warps=8, spans=2, parts=2),  # Gated DeltaNet in_proj: 33.2 against 54.0 / 41.4
     (14336, 5120): GemvConfig(warps=8, spans=2, parts=2),  # attention q|gate|k|v: 32.7 against 42.0 (dot)
     # down: 54.3 against 55.3 / 64.8 (16 warps measured 54.1 but spill 40 bytes a thread with the residual add)
@@ -151,12 +153,18 @@ STREAM_ROWS_NARROW = GemvConfig(warps=8, spans=4, parts=4, stream=True, early=Tr
 STREAM_ROWS_MIN_K = 4096
 # 9-16 rows of a wide layer (gate|up), two blocks of 16 weight rows a program sharing each span's x loads
 # (GemvConfig.groups). H100, bench/quant_gemv.py --rows 16 --groups (quant_gemv_rows16_groups_h100_c957a86.json), us:
-# Qwen3-8B gate|up 24576 x 4096 NVFP4 33.6 against STREAM_ROWS_WIDE's 40.9 (with SwiGLU 34.2 against 41.0), int4
-# with SwiGLU 32.1 against the dot path's 35.9 (int4 unfolded stays on the dot path: 31.8 against 29.4); the
-# narrower layers lost (qkv 14.5 against 13.3, o 11.9 against 9.6, down 33.6 against 24.1). Measured at K = 4096
-# (GROUPED_MAX_K); Qwen3.6-27B's K = 5120 gate|up keeps its ROWS_TUNED launch.
+# Qwen3-8B gate|up 24576 x 4096 NVFP4 33.6 against STREAM_ROWS_WIDE's 40.9 (with SwiGLU 34.2 against 41.0); the
+# narrower layers lost (qkv 14.5 against 13.3, o 11.9 against 9.6, down 33.6 against 24.1). Engine (H100, Qwen3-8B
+# NVFP4, bench/ab_engine.py): k15 step 5.24 -> 4.95 ms. int4 with SwiGLU (32.1 us) lost in the engine (k15 4.39 ->
+# 4.46 ms): its dot path folds SwiGLU into the epilogue (~29.4 us), which the bench's baseline then did not.
+# Measured at K = 4096 (GROUPED_MAX_K); Qwen3.6-27B's K = 5120 gate|up keeps its ROWS_TUNED launch.
 GROUPED_WIDE = GemvConfig(warps=4, spans=1, parts=2, groups=2)
 GROUPED_MAX_K = 4096
+# 9-16 rows of Qwen3.6-35B-A3B's K = 2048 projections (H100, same file): Gated DeltaNet in_proj 12288 x 2048 12.5 us
+# against the dot path's 16.7, attention q|gate|k|v 9216 x 2048 11.9 against 14.1 (the streamed rows kernel: 12.8 /
+# 11.8); between NARROW_MAX_ROWS and WIDE_ROWS outputs, K from GROUPED_MIN_K up to STREAM_ROWS_MIN_K.
+GROUPED_MID = GemvConfig(warps=4, spans=2, parts=4, groups=2)
+GROUPED_MIN_K = 2048
 
 
 def _tiles_k(cfg: GemvConfig, k: int) -> bool:
@@ -179,14 +187,12 @@ def _fit_k(cfg: GemvConfig, k: int) -> GemvConfig | None:
 def launch_config(meta, m: int = 1, gated: bool = False) -> GemvConfig | None:
     """The launch for m rows of the layer, or None where quant_linear's dot path measured faster (H100 / H200,
     bench/quant_gemv.py --sweep / --stream / --groups). int4, one row: a gate|up with SwiGLU (INT4_WIDE) and an o
-    projection (STREAM_NARROW); 9-16 rows of a K = 4096 gate|up with SwiGLU: GROUPED_WIDE. NVFP4, one row: one K part
-    for >= GEMV_WIDE_ROWS outputs; up to 2048 outputs 8 parts over 16 warps (NARROWEST: 32 warps spilled); between
-    the two the streamed kernel (STREAM_*; past NARROW_MAX_ROWS outputs only up to STREAM_MID_MAX_K, the dot path
-    beyond). 2 to MAX_ROWS rows: the rows kernel (above), with launches of its own for the measured Qwen3.6-27B shapes
-    (ROWS_TUNED), streamed or grouped at 9-16 rows (`_rows_streamed`)."""
+    projection (STREAM_NARROW). NVFP4, one row: one K part for >= GEMV_WIDE_ROWS outputs; up to 2048 outputs 8 parts
+    over 16 warps (NARROWEST: 32 warps spilled); between the two the streamed kernel (STREAM_*; past NARROW_MAX_ROWS
+    outputs only up to STREAM_MID_MAX_K, the dot path beyond). 2 to MAX_ROWS rows: the rows kernel (above), with
+    launches of its own for the measured Qwen3.6-27B shapes (ROWS_TUNED), streamed or grouped at 9-16 rows
+    (`_rows_streamed`, GROUPED_MID)."""
     if meta.scheme == "int4":
-        if 8 < m <= MAX_ROWS and gated and meta.n >= WIDE_ROWS and STREAM_ROWS_MIN_K <= meta.k <= GROUPED_MAX_K:
-            return _fit_k(GROUPED_WIDE, meta.k)
         if m == 1 and gated and meta.n >= WIDE_ROWS and meta.k <= INT4_MAX_K and _tiles_k(INT4_WIDE, meta.k):
             return INT4_WIDE
         if m == 1 and NARROWEST_ROWS < meta.n <= NARROW_MAX_ROWS and meta.k < 2 * meta.n:  # an o projection
@@ -199,6 +205,8 @@ def launch_config(meta, m: int = 1, gated: bool = False) -> GemvConfig | None:
             cfg = ROWS_TUNED[(meta.n, meta.k)]
         elif m > 8 and meta.n > NARROWEST_ROWS and meta.k >= STREAM_ROWS_MIN_K:
             cfg = _rows_streamed(meta.n, meta.k)
+        elif m > 8 and NARROW_MAX_ROWS < meta.n < WIDE_ROWS and meta.k >= GROUPED_MIN_K:
+            cfg = GROUPED_MID
         else:
             cfg = ROWS_WIDE if meta.n >= WIDE_ROWS else ROWS_FEW if m <= 8 else \
                 ROWS_LONG_K if meta.k >= 2 * meta.n else None

@@ -30,7 +30,7 @@ STREAMED = (qg.GemvConfig(2, 4, 1, stream=True), qg.GemvConfig(8, 2, 4, stream=T
 STREAMED_ROWS = (qg.STREAM_ROWS_WIDE, qg.STREAM_ROWS_MID, qg.STREAM_ROWS_NARROW, qg.GemvConfig(8, 2, 8, stream=True),
                  qg.GemvConfig(16, 4, 8, stream=True, early=True), qg.GemvConfig(8, 1, 2, stream=True))
 # R blocks a program sharing each span's x loads, plain and streamed (GemvConfig.groups)
-GROUPED_ROWS = (qg.GROUPED_WIDE, qg.GemvConfig(4, 2, 1, groups=2),
+GROUPED_ROWS = (qg.GROUPED_WIDE, qg.GROUPED_MID, qg.GemvConfig(4, 2, 1, groups=2),
                 qg.GemvConfig(4, 1, 1, stream=True, early=True, groups=2),
                 qg.GemvConfig(4, 1, 4, stream=True, early=True, groups=2), qg.GemvConfig(4, 1, 4, groups=4))
 
@@ -90,7 +90,10 @@ def test_rows_dispatch_rule() -> None:
     assert cfg(24576, 4096, 16) == qg.GROUPED_WIDE  # gate|up: two blocks of rows a program share x
     assert cfg(24576, 8192, 16) == qg.STREAM_ROWS_WIDE  # past the measured K = 4096: streamed, one block
     assert cfg(qg.WIDE_ROWS, 512, 16) == cfg(qg.WIDE_ROWS, 512, 3) == qg.ROWS_WIDE  # K < 4096: unstreamed
-    assert cfg(12288, 2048, 16) is None  # Qwen3.6-35B-A3B's in_proj: K < 4096, the dot path as before
+    # Qwen3.6-35B-A3B's in_proj and q|gate|k|v (K = 2048): two blocks of rows a program; shorter K the dot path
+    assert cfg(12288, 2048, 16) == cfg(9216, 2048, 9) == qg.GROUPED_MID \
+        and cfg(12288, 2048, 8) == qg._fit_k(qg.ROWS_FEW, 2048)
+    assert cfg(12288, 1024, 16) is None and cfg(4096, 2048, 16) is None
     assert cfg(2048, 4096, 16) == qg.ROWS_LONG_K and cfg(2048, 2048, 16) is None  # up to 2048 outputs: unstreamed
     assert cfg(6144, 6144, 16) is None  # past 4224 outputs, K > 4096 (not long): the dot path
     assert cfg(4096, 4096, 17) is None  # more rows: quant_linear's tiles
@@ -99,7 +102,7 @@ def test_rows_dispatch_rule() -> None:
     assert cfg(4096, 17408, 16) == qg.GemvConfig(4, 2, 4, stream=True, early=True)
     # Qwen3.6-27B's measured launches at 9-16 rows (ROWS_TUNED); at 2-8 rows the rules
     assert cfg(5120, 17408, 16) == cfg(5120, 17408, 9) == qg.ROWS_TUNED[(5120, 17408)] == qg.GemvConfig(8, 2, 4)
-    assert cfg(34816, 5120, 16) == qg.GemvConfig(4, 1, 1) and cfg(34816, 5120, 8) == qg.ROWS_WIDE
+    assert cfg(34816, 5120, 16) == qg.GemvConfig(4, 1, 4, groups=2) and cfg(34816, 5120, 8) == qg.ROWS_WIDE
     assert cfg(14336, 5120, 16) == qg.GemvConfig(8, 2, 2) and cfg(5120, 6144, 16) is None
     assert cfg(4096, 256, 2) == qg.GemvConfig(16, 1, 2)
     assert cfg(4096, 192, 2) is None  # not whole 128-weight spans
@@ -329,11 +332,9 @@ def test_int4_dispatch_rule() -> None:
     assert cfg(128, n=qg.WIDE_ROWS - 8, gated=True) is None  # narrower: the dot path
     rows = make_layer("int4", qg.WIDE_ROWS, 512, torch.bfloat16, group=128)
     assert qg.launch_config(ql.quant_meta(rows), 16) is None
-    # 9-16 rows of a K = 4096 gate|up with SwiGLU: two blocks of rows a program (the rest stays on the dot path)
+    # 9-16 rows of a gate|up: the dot path, SwiGLU folded in its epilogue (two blocks of rows a program lost there)
     gate_up = ql.quant_meta(make_layer("int4", 24576, 4096, torch.bfloat16, group=128))
-    assert qg.launch_config(gate_up, 16, True) == qg.launch_config(gate_up, 9, True) == qg.GROUPED_WIDE
-    assert qg.launch_config(gate_up, 16) is None and qg.launch_config(gate_up, 8, True) is None
-    assert qg.launch_config(ql.quant_meta(rows), 16, True) is None  # K < 4096: not measured
+    assert qg.launch_config(gate_up, 16, True) is None and qg.launch_config(gate_up, 16) is None
     assert qg.launch_config(ql.quant_meta(make_layer("nvfp4", 4096, 4096, torch.bfloat16)), 1, True) == \
         qg.STREAM_NARROW
     assert qg.launch_config(ql.quant_meta(make_layer("nvfp4", 64, 4096, torch.bfloat16)), 1, True) == qg.NARROWEST
