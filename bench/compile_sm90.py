@@ -202,7 +202,9 @@ def cases() -> list[tuple[str, tuple, dict]]:
     # R blocks a program sharing each span's x loads (GemvConfig.groups; swept by bench/quant_gemv.py --groups). R = 4
     # sits at the register limit: 248 registers with Triton 3.6 (the lent GPUs'), 8 bytes of spill with 3.9, so
     # only R = 2 must not spill here
-    for int4, gated, res, k, cfg in ((False, True, False, 4096, qv.GemvConfig(4, 1, 1, True, True, groups=2)),
+    for int4, gated, res, k, cfg in ((False, True, False, 4096, qv.GROUPED_WIDE),
+                                     (False, False, False, 2048, qv.GROUPED_MID),
+                                     (False, True, False, 4096, qv.GemvConfig(4, 1, 1, True, True, groups=2)),
                                      (False, True, False, 4096, qv.GemvConfig(4, 2, 1, groups=2)),
                                      (False, False, False, 4096, qv.GemvConfig(4, 1, 4, True, True, groups=2)),
                                      (False, False, True, 12288, qv.GemvConfig(4, 1, 4, True, True, groups=2)),
@@ -219,7 +221,8 @@ def cases() -> list[tuple[str, tuple, dict]]:
                              (4096, True, qv.ROWS_WIDE, True), (5120, False, qv._fit_k(qv.ROWS_FEW, 5120), False),
                              *tuned):
         out.append((f"quant_gemv rows K={k} TWO={two} HAS_RES={res} {cfg}", (qv._rows_kernel, rows, dict(
-            K=k, HAS_GS=True, BN=cfg.block, SPANS=cfg.spans, P=cfg.parts, TWO=two, HAS_RES=res, PDL=True)),
+            K=k, HAS_GS=True, BN=cfg.block, SPANS=cfg.spans, P=cfg.parts, TWO=two, HAS_RES=res, PDL=True,
+            R=cfg.groups)),
             dict(div16=("X", "QW", "S", "Y"), num_warps=cfg.warps, num_stages=1, no_spill=True,
                  ptx_has=pdl_ptx + ("mma.sync.aligned.m16n8k16",))))
     for int4, group, gated, k, two, cfg in ((True, 128, False, 12288, True, qv.ROWS_LONG_K),
