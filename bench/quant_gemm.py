@@ -45,6 +45,8 @@ from first_gpu import copy_bandwidth  # noqa: E402
 # name, N (out), K (in), epilogue as the decode layers run it (o / down add into the residual stream)
 SHAPES = [("qkv", 6144, 4096, "plain"), ("o", 4096, 4096, "residual"), ("gate_up", 24576, 4096, "plain"),
           ("down", 4096, 12288, "residual"), ("lm_head", 151936, 4096, "plain")]
+# gate|up with SwiGLU folded into the epilogue (GATED: the decoder's launch), only when named in --shapes
+GATED_SHAPES = [("gate_up_swiglu", 24576, 4096, "gated")]
 DEVICE = "cuda"  # the dry run of this script on CPU (TRITON_INTERPRET=1) sets "cpu"
 SCHEME_VARIANTS = {  # scheme: the format as Qwen3-8B checkpoints of that kind store it
     "int4": dict(group=128),  # GPTQ / AWQ g128, asymmetric
@@ -108,7 +110,8 @@ def quant_fn(x, layers, epilogue, res, cfg=None, fast=None):
     turn = itertools.cycle(layers)
 
     def fn():
-        return ql._gemm_triton(x, next(turn), meta, res if epilogue == "residual" else None, cfg, fast)
+        return ql._gemm_triton(x, next(turn), meta, res if epilogue == "residual" else None, cfg, fast,
+                               gated=epilogue == "gated")
     return fn
 
 
@@ -116,7 +119,7 @@ def check(x, layer, epilogue, cfg=None, fast=None) -> float:
     """Relative error of one launch against quant_linear_ref (a fresh residual, so in-place adds do not pile up)."""
     res = torch.zeros(x.shape[0], layer.out_features, dtype=x.dtype, device=x.device)
     got = quant_fn(x, [layer], epilogue, res, cfg, fast)()
-    return rel_err(got, ql.quant_linear_ref(x, layer))
+    return rel_err(got, ql.quant_linear_ref(x, layer, gated=epilogue == "gated"))
 
 
 def baselines(x, w, epilogue, res) -> tuple[float, float]:
@@ -173,7 +176,7 @@ def measure(name, n, k, epilogue, m, scheme, x, res, bf16, bw) -> tuple[dict, li
     """One table row: the default launch config, the plain-Triton dequantizer beside the PTX one, bf16 baselines."""
     layer = random_layer(scheme, n, k)
     nbytes, meta = bytes_read(layer), ql.quant_meta(layer)
-    cfg, fast = ql.launch_config(meta, m), ql.fast_unpack(meta, x.dtype)
+    cfg, fast = ql.launch_config(meta, m, epilogue == "gated"), ql.fast_unpack(meta, x.dtype)
     err = check(x, layer, epilogue)
     layers = rotation(layer)
     us = bench(quant_fn(x, layers, epilogue, res))
@@ -274,7 +277,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="1,16", help="comma-separated row counts")
     ap.add_argument("--schemes", default=",".join(ql.SCHEMES))
-    ap.add_argument("--shapes", default=",".join(s[0] for s in SHAPES))
+    ap.add_argument("--shapes", default=",".join(s[0] for s in SHAPES), help="comma-separated; gate_up_swiglu: "
+                    "gate|up with SwiGLU in the epilogue")
     ap.add_argument("--sweep", action="store_true", help="also sweep launch configs (int4 / nvfp4 unless --schemes)")
     ap.add_argument("--sweep-budget", type=float, default=420.0, help="seconds after which sweeping stops")
     ap.add_argument("--warps-along-rows", action="store_true", help="sweep ROWS_WARPS (warps along the weight rows, "
@@ -286,7 +290,7 @@ def main() -> None:
     rows = [int(r) for r in args.rows.split(",") if r]
     schemes = [s for s in args.schemes.split(",") if s]
     sweep_schemes = schemes if "--schemes" in sys.argv else ["int4", "nvfp4"]
-    shapes = [s for s in SHAPES if s[0] in args.shapes.split(",")]
+    shapes = [s for s in SHAPES + GATED_SHAPES if s[0] in args.shapes.split(",")]
     torch.manual_seed(0)
     bw = copy_bandwidth()
     deadline = time.time() + args.sweep_budget

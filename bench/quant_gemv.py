@@ -100,8 +100,8 @@ def sweep(x, layer, layers, ref, k, gated: bool, stream: bool = False, check: bo
     """The fastest correct launch of the sweep (us and its GemvConfig's fields), or None."""
     best_us, best_cfg = None, None
     one = x.shape[0] == 1
-    if groups:
-        configs = SWEEP_GROUPS
+    if groups:  # one row: on the rows kernel (rows=True), x loaded once for R blocks (the GEMV loads it per row)
+        configs = [replace(c, rows=True) for c in SWEEP_GROUPS] if one else SWEEP_GROUPS
     else:
         configs = (SWEEP_STREAM + SWEEP_ROWS_AT_ONE if one else SWEEP_STREAM_ROWS) if stream else \
             SWEEP if one else SWEEP_ROWS
@@ -136,11 +136,10 @@ def main() -> None:
     ap.add_argument("--stream", action="store_true", help="+ the streamed launches (weights a step ahead, the "
                     "first step's before the PDL wait): quant_gemv._stream_kernel at one row, the rows kernel's "
                     "at 2-16; and one row on the rows kernel, plain and streamed")
-    ap.add_argument("--groups", action="store_true", help="2-16 rows: + the rows kernel running 2-4 blocks of "
-                    "weight rows a program, each span's x loaded once for all (GemvConfig.groups; NOTES session 29)")
+    ap.add_argument("--groups", action="store_true", help="+ the rows kernel running 2-4 blocks of weight rows a "
+                    "program, each span's x loaded once for all (GemvConfig.groups; NOTES sessions 29-30), at one "
+                    "row with rows=True")
     args = ap.parse_args()
-    if args.groups and "1" in args.rows.split(","):
-        ap.error("--groups sweeps the rows kernel: 2-16 rows (--rows)")
     if args.no_x:  # before any kernel that reads it compiles
         quant_gemv._span_x = _x_free
     torch.manual_seed(0)
