@@ -158,7 +158,8 @@ def cases() -> list[tuple[str, tuple, dict]]:
         out.append((f"selector_walk sampling={sampling} rank={rank}", (sw._walk_kernel, walk, dict(
             K=16, RANK=rank, BLOCK_K=16, BLOCK_R=rank, SAMPLING=sampling, PDL=True)),
             dict(num_warps=4 if 16 * rank >= 4096 else 1, no_spill=True, ptx_has=pdl_ptx)))
-    gemv = {"X": "*bf16", "QW": "*u8", "S": "*u8", "GS": "*fp32", "Y": "*bf16", "N": "i32"}
+    gemv = {"X": "*bf16", "QW": "*u8", "S": "*u8", "GS": "*fp32", "Y": "*bf16", "N": "i32", "WS": "*fp32",
+            "CNT": "*i32", "NP": "i32"}
     for k, has_gs, cfg, res in ((4096, True, qv.WIDE, False), (5120, False, qv.WIDE, True),
                                 (12288, True, qv.NARROW, True), (4096, True, qv.NARROWEST, True)):
         kern, extra = (qv._wide_kernel, {}) if cfg.parts == 1 else (qv._parts_kernel, dict(P=cfg.parts))
@@ -216,6 +217,21 @@ def cases() -> list[tuple[str, tuple, dict]]:
                 INT4=int4, G2=64 if int4 else 8, GATED=gated, STREAM=cfg.stream, EARLY=cfg.early, R=cfg.groups)),
             dict(div16=("X", "QW", "S", "Y"), num_warps=cfg.warps, num_stages=1, no_spill=cfg.groups == 2,
                  ptx_has=pdl_ptx + ("mma.sync.aligned.m16n8k16",))))
+    # K split over programs (GemvConfig.splits: float32 sums to a workspace, the last program to arrive adds them)
+    for int4, gated, res, k, cfg in ((False, False, True, 12288, qv.GemvConfig(4, 1, 4, groups=2, splits=2)),
+                                     (False, False, True, 12288,
+                                      qv.GemvConfig(4, 1, 4, True, True, groups=2, splits=4)),
+                                     (False, False, False, 4096, qv.GemvConfig(4, 1, 2, groups=2, splits=2)),
+                                     (False, True, False, 4096, qv.GemvConfig(4, 1, 2, groups=2, splits=2)),
+                                     (False, False, True, 4096, qv.GemvConfig(8, 2, 4, True, True, splits=2)),
+                                     (True, False, True, 12288, qv.GemvConfig(4, 1, 4, groups=2, splits=2))):
+        out.append((f"quant_gemv rows split int4={int4} GATED={gated} HAS_RES={res} K={k} {cfg}", (
+            qv._rows_kernel, {**(gemv_int4 if int4 else gemv), "M": "i32"}, dict(
+                K=k, HAS_GS=not int4, BN=cfg.block, SPANS=cfg.spans, P=cfg.parts, TWO=True, HAS_RES=res, PDL=True,
+                INT4=int4, G2=64 if int4 else 8, GATED=gated, STREAM=cfg.stream, EARLY=cfg.early, R=cfg.groups,
+                SPLITS=cfg.splits)),
+            dict(div16=("X", "QW", "S", "Y"), num_warps=cfg.warps, num_stages=1, no_spill=True,
+                 ptx_has=pdl_ptx + ("mma.sync.aligned.m16n8k16", "atom.global.gpu.acq_rel.add"))))
     tuned = [(k, True, cfg, n < k) for (n, k), cfg in qv.ROWS_TUNED.items()]  # Qwen3.6-27B; down adds the residual
     for k, two, cfg, res in ((4096, False, qv.ROWS_FEW, False), (12288, True, qv.ROWS_LONG_K, True),
                              (4096, True, qv.ROWS_WIDE, True), (5120, False, qv._fit_k(qv.ROWS_FEW, 5120), False),

@@ -83,6 +83,13 @@ SWEEP_ROWS_AT_ONE = [quant_gemv.GemvConfig(w, s, p, stream=st, rows=True) for w,
 # 1), 192-248 registers; the best streamed one is timed again releasing early
 SWEEP_GROUPS = [quant_gemv.GemvConfig(w, s, p, stream=st, groups=r) for r, s, st in
                 ((2, 1, False), (2, 2, False), (2, 1, True), (4, 1, False)) for w in (4, 8) for p in (1, 2, 4)]
+# 2-16 rows, K split over 2-4 programs (GemvConfig.splits): wider blocks (R = 2, fewer K parts) that read each x
+# span for more weight rows, with as many programs as the narrow layers' one-block launches (NOTES session 30: at
+# 16 rows x is read ~3.6x the weight bytes from L2 on Qwen3-8B's down); compiled for sm_90 without spills
+SWEEP_SPLITS = [quant_gemv.GemvConfig(w, s, p, stream=st, early=st, groups=r, splits=k) for k in (2, 4)
+                for w, s, p, st, r in ((4, 1, 4, False, 2), (4, 1, 2, False, 2), (4, 2, 4, False, 2),
+                                       (4, 1, 1, False, 2), (4, 1, 4, True, 2), (8, 2, 4, True, 1),
+                                       (4, 1, 4, False, 1))]
 
 
 if torch.cuda.is_available():
@@ -96,21 +103,23 @@ if torch.cuda.is_available():
 
 
 def sweep(x, layer, layers, ref, k, gated: bool, stream: bool = False, check: bool = True,
-          groups: bool = False) -> dict | None:
+          groups: bool = False, splits: bool = False) -> dict | None:
     """The fastest correct launch of the sweep (us and its GemvConfig's fields), or None."""
     best_us, best_cfg = None, None
     one = x.shape[0] == 1
-    if groups:  # one row: on the rows kernel (rows=True), x loaded once for R blocks (the GEMV loads it per row)
+    if splits:
+        configs = SWEEP_SPLITS
+    elif groups:  # one row: on the rows kernel (rows=True), x loaded once for R blocks (the GEMV loads it per row)
         configs = [replace(c, rows=True) for c in SWEEP_GROUPS] if one else SWEEP_GROUPS
     else:
         configs = (SWEEP_STREAM + SWEEP_ROWS_AT_ONE if one else SWEEP_STREAM_ROWS) if stream else \
             SWEEP if one else SWEEP_ROWS
-    for cfg in configs + ([None] if stream or groups else []):
+    for cfg in configs + ([None] if (stream or groups) and not splits else []):
         if cfg is None:  # the best streamed launch again, releasing its dependents early
             if best_cfg is None or not best_cfg.stream:
                 break
             cfg = replace(best_cfg, early=True)
-        if k % (128 * cfg.spans * cfg.parts) or (gated and one and not cfg.rows and cfg.block // cfg.parts % 2):
+        if not quant_gemv._tiles_k(cfg, k) or (gated and one and not cfg.rows and cfg.block // cfg.parts % 2):
             continue
         err = qgm.rel_err(gemv_fn(x, [layer], cfg, gated)(), ref) if check else 0.0
         if err > 2e-2:
@@ -139,7 +148,11 @@ def main() -> None:
     ap.add_argument("--groups", action="store_true", help="+ the rows kernel running 2-4 blocks of weight rows a "
                     "program, each span's x loaded once for all (GemvConfig.groups; NOTES sessions 29-30), at one "
                     "row with rows=True")
+    ap.add_argument("--splits", action="store_true", help="2-16 rows: + the rows kernel with K split over 2-4 "
+                    "programs (GemvConfig.splits; NOTES session 30)")
     args = ap.parse_args()
+    if args.splits and "1" in args.rows.split(","):
+        ap.error("--splits sweeps the rows kernel at 2-16 rows (--rows)")
     if args.no_x:  # before any kernel that reads it compiles
         quant_gemv._span_x = _x_free
     torch.manual_seed(0)
@@ -170,6 +183,8 @@ def main() -> None:
                         rows[-1]["x_free"] = args.no_x
                     if args.groups:
                         rows[-1]["groups"] = sweep(x, layer, layers, ref, k, gated, groups=True)
+                    if args.splits:
+                        rows[-1]["splits"] = sweep(x, layer, layers, ref, k, gated, splits=True)
                     print(rows[-1], flush=True)
             del layers
     out = Path(os.environ.get("OUT", "bench/results"))
@@ -193,7 +208,11 @@ def main() -> None:
               + (f"  groups {r['groups']['us']:.1f} us ({qgm.pct(r['bytes'], r['groups']['us'], bw):.1f}%): "
                  f"R {r['groups']['groups']} warps {r['groups']['warps']} spans {r['groups']['spans']} "
                  f"parts {r['groups']['parts']}{' streamed' if r['groups']['stream'] else ''}"
-                 f"{' early' if r['groups']['early'] else ''}" if r.get("groups") else ""))
+                 f"{' early' if r['groups']['early'] else ''}" if r.get("groups") else "")
+              + (f"  splits {r['splits']['us']:.1f} us ({qgm.pct(r['bytes'], r['splits']['us'], bw):.1f}%): "
+                 f"K over {r['splits']['splits']} R {r['splits']['groups']} warps {r['splits']['warps']} spans "
+                 f"{r['splits']['spans']} parts {r['splits']['parts']}{' streamed' if r['splits']['stream'] else ''}"
+                 if r.get("splits") else ""))
 
 
 if __name__ == "__main__":

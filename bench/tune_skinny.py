@@ -28,8 +28,9 @@ import triton
 import triton.testing
 
 from blockspec.kernels.activation import silu_mul
+from blockspec.kernels.arrivals import arrival_counters
 from blockspec.kernels.rms_norm import rms_norm
-from blockspec.kernels.skinny_linear import _counters, _launch_config, _skinny_linear_kernel, skinny_linear, split_k
+from blockspec.kernels.skinny_linear import _launch_config, _skinny_linear_kernel, skinny_linear, split_k
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # first_gpu.py sits beside this script
 from first_gpu import copy_bandwidth  # noqa: E402
@@ -98,7 +99,7 @@ def dot_path(x, w, nw, res, epilogue, cfg):
     out = res if epilogue == "residual" else torch.empty(m, n_out, dtype=x.dtype, device=x.device)
     tiles = triton.cdiv(n_out, bn)
     ws = torch.empty(tiles * sk * 16 * bn, dtype=torch.float32, device=x.device) if sk > 1 else x
-    cnt = _counters(x.device) if sk > 1 else x
+    cnt = arrival_counters(x.device) if sk > 1 else x
 
     def fn():
         h = x if one_row else prologue(x, nw, epilogue)  # one row: the norm folds into the kernel

@@ -53,6 +53,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from blockspec.kernels._triton import HAVE_TRITON, INTERPRET, pdl
+from blockspec.kernels.arrivals import ARRIVALS, arrival_counters, can_split
 from blockspec.kernels.quant_tiles import E2M1_REGS, FP4_GLOBAL_BIAS, INT4_REGS, e2m1_decode_ptx, int4_decode_ptx
 
 SPAN_BYTES = 64  # weight bytes a row per mma step group: 4 lanes x 16
@@ -67,6 +68,7 @@ class GemvConfig:
     early: bool = False  # (stream) dependents released right after the PDL wait, not before the stores
     rows: bool = False  # one row on the rows kernel too (weights as the mma's A operand: 2 bytes of x a weight byte)
     groups: int = 1  # (rows kernel) blocks of rows_block weight rows a program, each span's x loaded once for all
+    splits: int = 1  # (rows kernel) programs a block's K is split over; the last to finish adds their float32 sums
 
     @property
     def block(self) -> int:
@@ -169,7 +171,7 @@ GROUPED_MIN_K = 2048
 
 def _tiles_k(cfg: GemvConfig, k: int) -> bool:
     """Whether cfg's loop steps over whole spans of each K part (64 bytes = 128 weights), nothing masked."""
-    return k % (2 * SPAN_BYTES * cfg.parts * cfg.spans) == 0
+    return k % (2 * SPAN_BYTES * cfg.parts * cfg.splits * cfg.spans) == 0
 
 
 def _fit_k(cfg: GemvConfig, k: int) -> GemvConfig | None:
@@ -636,9 +638,18 @@ def gemv(x: torch.Tensor, layer, meta, cfg: GemvConfig, residual: torch.Tensor |
                   INT4=int4, G2=meta.group // 2 if int4 else 8, GATED=gated, num_warps=cfg.warps, num_stages=1,
                   launch_pdl=on)
     if m > 1 or cfg.rows:
-        grid = (triton.cdiv(meta.n, cfg.rows_block * cfg.groups),)
-        _rows_kernel[grid](x, layer.qweight, scales, gs, y, m, meta.n, P=cfg.parts, TWO=m > 8, STREAM=cfg.stream,
-                           EARLY=cfg.early, R=cfg.groups, **common)
+        programs = triton.cdiv(meta.n, cfg.rows_block * cfg.groups)
+        ws, cnt, slots = y, y, 0  # (not read without a split)
+        if cfg.splits > 1:
+            if programs > ARRIVALS or not can_split(x):
+                raise ValueError(f"{cfg}: {programs} programs a split (at most {ARRIVALS}), or a graph captured "
+                                 "before an eager launch allocated the arrival counters")
+            slots = programs * cfg.groups * cfg.rows_block
+            ws = torch.empty(cfg.splits * 16 * slots, dtype=torch.float32, device=x.device)
+            cnt = arrival_counters(x.device)
+        _rows_kernel[(programs, cfg.splits)](x, layer.qweight, scales, gs, y, m, meta.n, ws, cnt, slots, P=cfg.parts,
+                                             TWO=m > 8, STREAM=cfg.stream, EARLY=cfg.early, R=cfg.groups,
+                                             SPLITS=cfg.splits, **common)
         return y
     args = (x, layer.qweight, scales, gs, y, meta.n)
     grid = (triton.cdiv(meta.n * cfg.parts, cfg.block),)
@@ -820,11 +831,15 @@ if HAVE_TRITON:
     def _rows_block(acc, GS, blk, j0, dtype: tl.constexpr, BN: tl.constexpr, P: tl.constexpr,
                     HAS_GS: tl.constexpr, INT4: tl.constexpr, GATED: tl.constexpr):
         """One block's C registers -> (values in dtype, output column, token) of program blk's 16-row groups and
-        the block's tokens j0 + 2 t + e: GATED, SiLU(gate) * up [group, g, t, e] of output (blk RG + group) 8 + g
-        (a group's lo rows are the gate rows, its hi rows the up rows); else the sums [group, g, t, hi, e] of
-        weight row (blk RG + group) 16 + g + 8 hi. What the dense and the MoE rows kernels store."""
+        the block's tokens j0 + 2 t + e (`_rows_values`). What the dense and the MoE rows kernels store."""
+        return _rows_values(_rows_sums(acc, GS, BN, P, HAS_GS, INT4), blk, j0, dtype, BN, P, GATED)
+
+    @triton.jit
+    def _rows_values(y, blk, j0, dtype: tl.constexpr, BN: tl.constexpr, P: tl.constexpr, GATED: tl.constexpr):
+        """A block's sums y [group, g, t, hi, e] -> (values in dtype, output column, token): GATED, SiLU(gate) * up
+        [group, g, t, e] of output (blk RG + group) 8 + g (a group's lo rows are the gate rows, its hi rows the up
+        rows); else the sums of weight row (blk RG + group) 16 + g + 8 hi, tokens j0 + 2 t + e."""
         RG: tl.constexpr = BN // 8 // P
-        y = _rows_sums(acc, GS, BN, P, HAS_GS, INT4)  # [group, g, t, hi, e]
         gi = tl.arange(0, RG)[:, None, None, None]
         g = tl.arange(0, 8)[None, :, None, None]
         j = j0 + 2 * tl.arange(0, 4)[None, None, :, None] + tl.arange(0, 2)[None, None, None, :]  # [1, 1, t, e]
@@ -839,14 +854,32 @@ if HAVE_TRITON:
     @triton.jit
     def _rows_store(acc, Y, GS, pid, tok0, M, N, BN: tl.constexpr, P: tl.constexpr, HAS_GS: tl.constexpr,
                     HAS_RES: tl.constexpr, INT4: tl.constexpr, GATED: tl.constexpr):
-        """One block's sums -> y [M, N] (tokens tok0 ..); GATED: SiLU(gate) * up -> [M, N / 2] (`_rows_block`)."""
-        vals, out, tok = _rows_block(acc, GS, pid, tok0, Y.dtype.element_ty, BN, P, HAS_GS, INT4, GATED)
+        """One block's C registers -> y [M, N] (tokens tok0 ..); GATED: SiLU(gate) * up -> [M, N / 2]."""
+        _rows_put(_rows_sums(acc, GS, BN, P, HAS_GS, INT4), Y, pid, tok0, M, N, BN, P, HAS_RES, GATED)
+
+    @triton.jit
+    def _rows_put(y, Y, pid, tok0, M, N, BN: tl.constexpr, P: tl.constexpr, HAS_RES: tl.constexpr,
+                  GATED: tl.constexpr):
+        """One block's sums y [group, g, t, hi, e] -> y [M, N] (`_rows_values`), the residual added."""
+        vals, out, tok = _rows_values(y, pid, tok0, Y.dtype.element_ty, BN, P, GATED)
         if GATED:
             tl.store(Y + tok * (N // 2) + out, vals, mask=(out < N // 2) & (tok < M))
         else:
             ptr = Y + tok * N + out
             keep = (out < N) & (tok < M)
             tl.store(ptr, _with_residual(vals, ptr, keep, HAS_RES), mask=keep)
+
+    @triton.jit
+    def _split_sums(WS, split, blk, j0, NP, BN: tl.constexpr, P: tl.constexpr):
+        """Where a block's sums [group, g, t, hi, e] of K split `split` live in the workspace WS [splits, 16, NP]
+        (float32): token j0 + 2 t + e, the program-local slot (blk RG + group) 16 + g + 8 hi of each weight row."""
+        RG: tl.constexpr = BN // 8 // P
+        gi = tl.arange(0, RG)[:, None, None, None, None]
+        g = tl.arange(0, 8)[None, :, None, None, None]
+        t = tl.arange(0, 4)[None, None, :, None, None]
+        hi = tl.arange(0, 2)[None, None, None, :, None]
+        e = tl.arange(0, 2)[None, None, None, None, :]
+        return WS + (split * 16 + j0 + 2 * t + e) * NP + (blk * RG + gi) * 16 + g + 8 * hi
 
     @triton.jit
     def _block_rows(blk, w, g, N, BN: tl.constexpr, P: tl.constexpr, GATED: tl.constexpr):
@@ -910,22 +943,31 @@ if HAVE_TRITON:
         return accs
 
     @triton.jit
-    def _rows_kernel(X, QW, S, GS, Y, M, N, K: tl.constexpr, HAS_GS: tl.constexpr, BN: tl.constexpr,
+    def _rows_kernel(X, QW, S, GS, Y, M, N, WS, CNT, NP, K: tl.constexpr, HAS_GS: tl.constexpr, BN: tl.constexpr,
                      SPANS: tl.constexpr, P: tl.constexpr, TWO: tl.constexpr, HAS_RES: tl.constexpr = False,
                      PDL: tl.constexpr = False, INT4: tl.constexpr = False, G2: tl.constexpr = 8,
                      GATED: tl.constexpr = False, STREAM: tl.constexpr = False, EARLY: tl.constexpr = False,
-                     R: tl.constexpr = 1):
+                     R: tl.constexpr = 1, SPLITS: tl.constexpr = 1):
         # tile row r = 8 w + g (warp w, lane row g) reads K part w % P of the weight rows 16 (w // P) + g (lo) and
         # + 8 (hi) of the block's, and x of token g (and g + 8). GATED (N = 2I rows of [gate; up]): the 16-row
         # group j holds the gate rows of outputs 8 j .. 8 j + 7 as its lo rows and their up rows as its hi rows.
         # STREAM: the weights a step ahead, the first step's loaded before the PDL wait (`_stream_kernel`'s way);
         # EARLY: the dependents released right after the wait. R > 1: the program runs R blocks (pid R ..), each
-        # span's x loaded once for all of them (x is 4 bytes a weight byte at 16 rows: NOTES session 29)
+        # span's x loaded once for all of them (x is 4 bytes a weight byte at 16 rows: NOTES session 29).
+        # SPLITS > 1: program (pid, s) takes the K parts s P .. s P + P - 1 of SPLITS P (K split over programs as
+        # over warps), stores its float32 sums to WS [SPLITS, 16, NP] and counts its arrival (CNT[pid]); the last
+        # to arrive adds the SPLITS sums in split order (deterministic whoever it is), resets CNT[pid] to 0 and
+        # stores (skinny_linear's split K): more programs for a narrow layer whose blocks are wide enough to
+        # share their x reads.
         pid = tl.program_id(0)
         r = tl.arange(0, BN)
         w = r // 8
         g = r % 8
-        part = (w % P).to(tl.int64)
+        PK: tl.constexpr = P * SPLITS  # the K parts of a row over the program's warps and the splits
+        split = 0
+        if SPLITS > 1:
+            split = tl.program_id(1)
+        part = (split * P + w % P).to(tl.int64)
         KB: tl.constexpr = K // 2
         NG: tl.constexpr = K // (2 * G2)
         x32 = X.to(tl.pointer_type(tl.int32))
@@ -936,7 +978,7 @@ if HAVE_TRITON:
             accs = accs + ((tl.zeros([BN, 64], dtype=tl.float32), tl.zeros([BN, 64], dtype=tl.float32)),)
         ring = ()
         if STREAM:
-            ring = _groups_ahead(QW, S, rows, part, 0, KB, NG, P, SPANS, INT4, G2, R)
+            ring = _groups_ahead(QW, S, rows, part, 0, KB, NG, PK, SPANS, INT4, G2, R)
         wait_for_inputs(PDL)
         if EARLY:
             release_dependents(PDL)
@@ -946,17 +988,35 @@ if HAVE_TRITON:
             lo_row, hi_row = rows[0]
             acc_a, acc_b = accs[0]
             accs = (_rows_span_loop(acc_a, acc_b, QW, x32, S, lo_row, hi_row, part, tok, tok_b, KB, NG, BN, SPANS,
-                                    P, TWO, INT4, G2),)
+                                    PK, TWO, INT4, G2),)
         else:
-            accs = _groups_loop(accs, ring, QW, x32, S, rows, part, tok, tok_b, KB, NG, BN, SPANS, P, TWO, INT4, G2,
+            accs = _groups_loop(accs, ring, QW, x32, S, rows, part, tok, tok_b, KB, NG, BN, SPANS, PK, TWO, INT4, G2,
                                 R, STREAM)
         if not EARLY:
             release_dependents(PDL)
-        for i in tl.static_range(R):
-            acc_a, acc_b = accs[i]
-            _rows_store(acc_a, Y, GS, pid * R + i, 0, M, N, BN, P, HAS_GS, HAS_RES, INT4, GATED)
-            if TWO:
-                _rows_store(acc_b, Y, GS, pid * R + i, 8, M, N, BN, P, HAS_GS, HAS_RES, INT4, GATED)
+        if SPLITS == 1:
+            for i in tl.static_range(R):
+                acc_a, acc_b = accs[i]
+                _rows_store(acc_a, Y, GS, pid * R + i, 0, M, N, BN, P, HAS_GS, HAS_RES, INT4, GATED)
+                if TWO:
+                    _rows_store(acc_b, Y, GS, pid * R + i, 8, M, N, BN, P, HAS_GS, HAS_RES, INT4, GATED)
+        else:
+            for i in tl.static_range(R):
+                acc_a, acc_b = accs[i]
+                tl.store(_split_sums(WS, split, pid * R + i, 0, NP, BN, P), _rows_sums(acc_a, GS, BN, P, HAS_GS, INT4))
+                if TWO:
+                    tl.store(_split_sums(WS, split, pid * R + i, 8, NP, BN, P),
+                             _rows_sums(acc_b, GS, BN, P, HAS_GS, INT4))
+            tl.debug_barrier()  # every thread's sums stored before the arrival is counted (release, gpu scope)
+            if tl.atomic_add(CNT + pid, 1, sem="acq_rel") != SPLITS - 1:
+                return
+            for i in tl.static_range(R):
+                for half in tl.static_range(2 if TWO else 1):
+                    y = tl.load(_split_sums(WS, 0, pid * R + i, 8 * half, NP, BN, P), cache_modifier=".cg")
+                    for s in tl.static_range(1, SPLITS):  # split order, whoever arrived last
+                        y += tl.load(_split_sums(WS, s, pid * R + i, 8 * half, NP, BN, P), cache_modifier=".cg")
+                    _rows_put(y, Y, pid * R + i, 8 * half, M, N, BN, P, HAS_RES, GATED)
+            tl.atomic_xchg(CNT + pid, 0)  # ready for the next launch
 
 
 # ---------------------------------------------------------------------------------------------------------------

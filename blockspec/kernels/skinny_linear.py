@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from blockspec.kernels._triton import HAVE_TRITON, pdl, use_triton
 from blockspec.kernels.activation import silu_mul_ref
+from blockspec.kernels.arrivals import ARRIVALS, arrival_counters, can_split
 from blockspec.kernels.rms_norm import rms_norm, rms_norm_ref
 
 if HAVE_TRITON:
@@ -264,19 +265,6 @@ def split_k(m: int, n: int, k: int, block_n: int, block_k: int) -> int:
     return split
 
 
-_ARRIVALS = 4096  # tiles a split-K launch may have: its per-tile arrival counters, one zeroed buffer a device
-_arrival_counters: dict[torch.device, torch.Tensor] = {}
-
-
-def _counters(device: torch.device) -> torch.Tensor:
-    """The device's arrival counters: zero between launches (each tile's last program resets its own). One stream
-    at a time: two split-K launches running concurrently on two streams would share them."""
-    cnt = _arrival_counters.get(device)
-    if cnt is None:
-        cnt = _arrival_counters[device] = torch.zeros(_ARRIVALS, dtype=torch.int32, device=device)
-    return cnt
-
-
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, except that 2 or 3 rows on CPU are padded to 4. MKL's 2- and 3-row GEMM reads the
     weight about once per row: 1.2-1.5x the 4-row time on decoder-sized weights and 1.7x on SmolLM2's
@@ -334,18 +322,18 @@ def _skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     use_dot = m > 1
     block_m = 16 if use_dot else 1
     tiles = triton.cdiv(n_out, block_n)
-    if not use_dot or norm_weight is not None or gated or tiles > _ARRIVALS:
+    if not use_dot or norm_weight is not None or gated or tiles > ARRIVALS:
         split = 1
     elif split is None:
         split = split_k(m, n_out, k, block_n, block_k)
-        if split > 1 and x.device not in _arrival_counters and x.is_cuda and torch.cuda.is_current_stream_capturing():
+        if split > 1 and not can_split(x):
             split = 1  # the counters must outlive any one graph: allocated by an eager launch (the warm-up's) first
     if split > 1 and k % (split * block_k):
         raise ValueError(f"a K split of {split} needs K = {k} in whole {block_k}-column steps a split")
     ws, cnt = x, x  # (not read without a split)
     if split > 1:
         ws = torch.empty(tiles * split * block_m * block_n, dtype=torch.float32, device=x.device)
-        cnt = _counters(x.device)
+        cnt = arrival_counters(x.device)
     on = pdl(x)
     _skinny_linear_kernel[(tiles * split,)](
         x, weight, bias if bias is not None else x, norm_weight if norm_weight is not None else x, out,

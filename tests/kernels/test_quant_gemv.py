@@ -33,6 +33,10 @@ STREAMED_ROWS = (qg.STREAM_ROWS_WIDE, qg.STREAM_ROWS_MID, qg.STREAM_ROWS_NARROW,
 GROUPED_ROWS = (qg.GROUPED_WIDE, qg.GROUPED_MID, qg.GemvConfig(4, 2, 1, groups=2),
                 qg.GemvConfig(4, 1, 1, stream=True, early=True, groups=2),
                 qg.GemvConfig(4, 1, 4, stream=True, early=True, groups=2), qg.GemvConfig(4, 1, 4, groups=4))
+# K split over programs (GemvConfig.splits), plain and streamed, with and without groups
+SPLIT_ROWS = (qg.GemvConfig(4, 1, 4, groups=2, splits=2), qg.GemvConfig(4, 1, 4, stream=True, early=True, groups=2,
+                                                                        splits=4),
+              qg.GemvConfig(8, 2, 4, stream=True, early=True, splits=2), qg.GemvConfig(4, 1, 2, groups=2, splits=2))
 
 
 @pytest.fixture(autouse=True)
@@ -141,7 +145,7 @@ def test_rows_match_the_reference(m: int, n: int, k: int, global_scale: bool) ->
     x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
     want = exact(x, layer)
     for c in (qg.ROWS_FEW, qg.ROWS_LONG_K, qg.ROWS_WIDE, qg.GemvConfig(4, 4, 4), qg.GemvConfig(8, 4, 2),
-              *qg.ROWS_TUNED.values(), *STREAMED_ROWS, *GROUPED_ROWS):
+              *qg.ROWS_TUNED.values(), *STREAMED_ROWS, *GROUPED_ROWS, *SPLIT_ROWS):
         c = qg._fit_k(c, k)
         got = qg.gemv(x, layer, meta, c)
         assert got.shape == (m, n)
@@ -169,8 +173,8 @@ def test_residual_is_added_in_place_as_a_separate_add_rounds(m: int, n: int, k: 
     out = ql.quant_linear(x, layer, residual=res)
     assert out.data_ptr() == res.data_ptr()
     torch.testing.assert_close(res, before + y, rtol=0, atol=0)  # y rounded first, then the bf16 add
-    for cfg in STREAMED if m == 1 else STREAMED_ROWS + GROUPED_ROWS:
-        if k % (128 * cfg.spans * cfg.parts) == 0:
+    for cfg in STREAMED if m == 1 else STREAMED_ROWS + GROUPED_ROWS + SPLIT_ROWS:
+        if qg._tiles_k(cfg, k):
             res = before.clone()
             qg.gemv(x, layer, meta, cfg, residual=res)
             torch.testing.assert_close(res, before + qg.gemv(x, layer, meta, cfg), rtol=0, atol=0)
@@ -216,6 +220,37 @@ def test_gemv_replays_in_a_cuda_graph(m: int) -> None:
     assert not torch.equal(out, eager)
 
 
+@gpu
+def test_split_rows_replay_in_a_cuda_graph(monkeypatch) -> None:
+    """K split over programs: the last program of each block adds the splits' sums in split order (the same
+    result on every call and replay), resets its arrival counter for the next launch, and a capture before any
+    eager launch allocated the counters is refused rather than allocating them from the graph's pool."""
+    import blockspec.kernels.arrivals as arrivals
+
+    monkeypatch.setattr(arrivals, "_counters", {})
+    n, k, m = 4096 - 24, 4096, 16
+    layer = make_layer("nvfp4", n, k, torch.bfloat16, seed=5).to("cuda")
+    meta = ql.quant_meta(layer)
+    x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+    cfg = qg.GemvConfig(4, 1, 4, groups=2, splits=4)
+    with pytest.raises(ValueError, match="arrival counters"), torch.cuda.graph(torch.cuda.CUDAGraph()):
+        qg.gemv(x, layer, meta, cfg)
+    eager = qg.gemv(x, layer, meta, cfg)  # allocates the counters
+    assert torch.equal(qg.gemv(x, layer, meta, cfg), eager) and not arrivals._counters[x.device].any()
+    assert rel_err(eager, exact(x, layer)) < 3e-3
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = qg.gemv(x, layer, meta, cfg)
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager) and not arrivals._counters[x.device].any()
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, qg.gemv(x, layer, meta, cfg), rtol=0, atol=0)
+
+
 def int4_layer(n: int, k: int, group: int, seed: int, *, symmetric: bool = False):
     """An int4 layer on the GPU; asymmetric ones also hold GPTQ v1's zero 16 (the format's off-by-one kept)."""
     layer = make_layer("int4", n, k, torch.bfloat16, group=group, zeros=not symmetric, seed=seed)
@@ -256,7 +291,8 @@ def test_int4_rows_match_the_reference(m: int, n: int, k: int, group: int) -> No
     meta = ql.quant_meta(layer)
     x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
     want = ql.quant_linear_ref(x, layer)
-    for c in (qg.ROWS_FEW, qg.ROWS_LONG_K, qg.ROWS_WIDE, qg.GemvConfig(8, 4, 2), *STREAMED_ROWS, *GROUPED_ROWS):
+    for c in (qg.ROWS_FEW, qg.ROWS_LONG_K, qg.ROWS_WIDE, qg.GemvConfig(8, 4, 2), *STREAMED_ROWS, *GROUPED_ROWS,
+              *SPLIT_ROWS):
         c = qg._fit_k(c, k)
         got = qg.gemv(x, layer, meta, c)
         assert got.shape == (m, n)
@@ -278,7 +314,7 @@ def test_swiglu_is_folded_into_the_epilogue(scheme: str, m: int, n: int, k: int)
     x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
     want = silu_mul_ref(ql.quant_linear_ref(x, layer))
     cfgs = (qg.WIDE, qg.NARROW, qg.GemvConfig(8, 2, 8), *STREAMED) if m == 1 else \
-        (qg.ROWS_FEW, qg.ROWS_WIDE, qg.ROWS_LONG_K, *STREAMED_ROWS, *GROUPED_ROWS)
+        (qg.ROWS_FEW, qg.ROWS_WIDE, qg.ROWS_LONG_K, *STREAMED_ROWS, *GROUPED_ROWS, *SPLIT_ROWS)
     for cfg in cfgs:
         cfg = qg._fit_k(cfg, k)
         got = qg.gemv(x, layer, meta, cfg, gated=True)

@@ -300,7 +300,8 @@ def test_split_k_matches_one_program_a_tile(monkeypatch, m, residual, dtype):
     """A tile's K over 4 programs, the last to arrive summing their float32 sums in split order: the reference's
     result (and the unsplit launch's to float32 rounding), the same on a second call, and the arrival counters
     back at zero for the next launch (a CUDA graph replays it)."""
-    from blockspec.kernels.skinny_linear import _arrival_counters, _launch_config, _skinny_linear_triton, split_k
+    from blockspec.kernels.arrivals import _counters
+    from blockspec.kernels.skinny_linear import _launch_config, _skinny_linear_triton, split_k
 
     if INTERPRET:
         _interpreter_like_gpu(monkeypatch)
@@ -321,7 +322,7 @@ def test_split_k_matches_one_program_a_tile(monkeypatch, m, residual, dtype):
     assert rel_err(split, expected) < (1e-2 if dtype == torch.bfloat16 else 1e-5)
     assert rel_err(split, one) < (1e-2 if dtype == torch.bfloat16 else 1e-5)
     assert torch.equal(run(None), split)
-    assert not _arrival_counters[inp["x"].device].any()
+    assert not _counters[inp["x"].device].any()
     with pytest.raises(ValueError, match="whole 256-column steps"):
         run(8)
 
@@ -331,10 +332,11 @@ def test_split_k_inside_a_graph_capture(monkeypatch):
     """The arrival counters outlive every graph: allocated by an eager launch, then captured and replayed (reset by
     each replay's last programs); a capture with none allocated yet takes the unsplit launch instead of allocating
     them from the graph's pool."""
+    import blockspec.kernels.arrivals as arrivals
     import blockspec.kernels.skinny_linear as sl
     from blockspec.runner.decode_graphs import capture_graph
 
-    monkeypatch.setattr(sl, "_arrival_counters", {})
+    monkeypatch.setattr(arrivals, "_counters", {})
     g = torch.Generator().manual_seed(3)
     x = torch.randn(16, 2048, generator=g).to("cuda", torch.bfloat16)
     w = (torch.randn(128, 2048, generator=g) * 0.02).to("cuda", torch.bfloat16)
@@ -344,12 +346,12 @@ def test_split_k_inside_a_graph_capture(monkeypatch):
         with torch.cuda.graph(graph):
             captured = sl._skinny_linear_triton(x, w, None, None, 0.0, False, None)
         graph.replay()
-        assert not sl._arrival_counters and torch.equal(captured, one)
+        assert not arrivals._counters and torch.equal(captured, one)
         eager = sl._skinny_linear_triton(x, w, None, None, 0.0, False, None)  # allocates the counters
         graph, out = capture_graph(lambda: sl._skinny_linear_triton(x, w, None, None, 0.0, False, None))
         for _ in range(3):
             graph.replay()
             torch.cuda.synchronize()
             assert torch.equal(out, eager)
-            assert not sl._arrival_counters[x.device].any()
+            assert not arrivals._counters[x.device].any()
     assert rel_err(eager, one) < 1e-2
