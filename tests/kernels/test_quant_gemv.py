@@ -314,7 +314,7 @@ def test_swiglu_is_folded_into_the_epilogue(scheme: str, m: int, n: int, k: int)
     x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
     want = silu_mul_ref(ql.quant_linear_ref(x, layer))
     cfgs = (qg.WIDE, qg.NARROW, qg.GemvConfig(8, 2, 8), *STREAMED) if m == 1 else \
-        (qg.ROWS_FEW, qg.ROWS_WIDE, qg.ROWS_LONG_K, *STREAMED_ROWS, *GROUPED_ROWS, *SPLIT_ROWS)
+        (qg.ROWS_FEW, qg.ROWS_WIDE, qg.ROWS_LONG_K, *qg.ROWS_TUNED.values(), *STREAMED_ROWS, *GROUPED_ROWS, *SPLIT_ROWS)
     for cfg in cfgs:
         cfg = qg._fit_k(cfg, k)
         got = qg.gemv(x, layer, meta, cfg, gated=True)
