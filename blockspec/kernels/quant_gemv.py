@@ -620,8 +620,9 @@ def gemv(x: torch.Tensor, layer, meta, cfg: GemvConfig, residual: torch.Tensor |
     m = x.shape[0]
     if not 1 <= m <= MAX_ROWS or not _tiles_k(cfg, meta.k):
         raise ValueError(f"{m} rows of K = {meta.k} do not fit the mma kernels with {cfg}")
-    if cfg.groups > 1 and m == 1 and not cfg.rows:
-        raise ValueError(f"{cfg}: groups of weight rows are the rows kernel's (2 to {MAX_ROWS} rows, or rows=True)")
+    if (cfg.groups > 1 or cfg.splits > 1) and m == 1 and not cfg.rows:
+        raise ValueError(f"{cfg}: groups of weight rows and K splits are the rows kernel's (2 to {MAX_ROWS} rows, or "
+                         "rows=True)")
     if gated and (residual is not None or meta.n % 2 or (m == 1 and not cfg.rows and (cfg.block // cfg.parts) % 2)):
         raise ValueError(f"SwiGLU over {meta.n} rows with {cfg} (and a residual: {residual is not None}) does not fit")
     y = residual if residual is not None else \

@@ -83,6 +83,16 @@ def test_dispatch_rule_keeps_cpu_narrow_and_folded_layers_off_the_gemv() -> None
     assert cfg("int4", 6144, 4096) is None and cfg("int4", 4096, 12288) is None and cfg("int4", 24576, 4096) is None
 
 
+def test_rows_kernel_options_are_refused_on_the_one_row_kernels() -> None:
+    """Groups of weight rows and K splits exist on the rows kernel only: one row without rows=True is refused,
+    not run unsplit."""
+    layer = make_layer("nvfp4", 64, 1024, torch.bfloat16)
+    x = torch.randn(1, 1024, dtype=torch.bfloat16)
+    for cfg in (qg.GemvConfig(4, 1, 2, groups=2), qg.GemvConfig(4, 1, 2, splits=2)):
+        with pytest.raises(ValueError, match="rows kernel's"):
+            qg.gemv(x, layer, ql.quant_meta(layer), cfg)
+
+
 def test_rows_dispatch_rule() -> None:
     def cfg(n: int, k: int, m: int) -> qg.GemvConfig | None:
         return qg.launch_config(ql.quant_meta(make_layer("nvfp4", n, k, torch.bfloat16)), m)
