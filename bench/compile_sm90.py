@@ -200,9 +200,10 @@ def cases() -> list[tuple[str, tuple, dict]]:
                 INT4=int4, G2=64 if int4 else 8, GATED=gated, STREAM=True, EARLY=cfg.early)),
             dict(div16=("X", "QW", "S", "Y"), num_warps=cfg.warps, num_stages=1, no_spill=True,
                  ptx_has=pdl_ptx + ("mma.sync.aligned.m16n8k16",))))
-    # R blocks a program sharing each span's x loads (GemvConfig.groups; swept by bench/quant_gemv.py --groups). R = 4
-    # sits at the register limit: 248 registers with Triton 3.6 (the lent GPUs'), 8 bytes of spill with 3.9, so
-    # only R = 2 must not spill here
+    # R blocks a program sharing each span's x loads (GemvConfig.groups; swept by bench/quant_gemv.py --groups), and K
+    # split over programs (GemvConfig.splits: float32 sums to a workspace, the last program to arrive adds them). R = 4
+    # sits at the register limit: 248 registers with Triton 3.6 (the lent GPUs'), 8 bytes of spill with 3.9, so only
+    # R <= 2 must not spill here
     for int4, gated, res, k, cfg in ((False, True, False, 4096, qv.GROUPED_WIDE),
                                      (False, False, False, 2048, qv.GROUPED_MID),
                                      (False, True, False, 4096, qv.GemvConfig(4, 1, 1, True, True, groups=2)),
@@ -210,28 +211,23 @@ def cases() -> list[tuple[str, tuple, dict]]:
                                      (False, False, False, 4096, qv.GemvConfig(4, 1, 4, True, True, groups=2)),
                                      (False, False, True, 12288, qv.GemvConfig(4, 1, 4, True, True, groups=2)),
                                      (False, False, False, 4096, qv.GemvConfig(4, 1, 4, groups=4)),
-                                     (True, True, False, 4096, qv.GemvConfig(4, 1, 1, True, True, groups=2))):
-        out.append((f"quant_gemv rows R={cfg.groups} int4={int4} GATED={gated} HAS_RES={res} K={k} {cfg}", (
-            qv._rows_kernel, {**(gemv_int4 if int4 else gemv), "M": "i32"}, dict(
-                K=k, HAS_GS=not int4, BN=cfg.block, SPANS=cfg.spans, P=cfg.parts, TWO=True, HAS_RES=res, PDL=True,
-                INT4=int4, G2=64 if int4 else 8, GATED=gated, STREAM=cfg.stream, EARLY=cfg.early, R=cfg.groups)),
-            dict(div16=("X", "QW", "S", "Y"), num_warps=cfg.warps, num_stages=1, no_spill=cfg.groups == 2,
-                 ptx_has=pdl_ptx + ("mma.sync.aligned.m16n8k16",))))
-    # K split over programs (GemvConfig.splits: float32 sums to a workspace, the last program to arrive adds them)
-    for int4, gated, res, k, cfg in ((False, False, True, 12288, qv.GemvConfig(4, 1, 4, groups=2, splits=2)),
+                                     (True, True, False, 4096, qv.GemvConfig(4, 1, 1, True, True, groups=2)),
+                                     (False, False, True, 12288, qv.GemvConfig(4, 1, 4, groups=2, splits=2)),
                                      (False, False, True, 12288,
                                       qv.GemvConfig(4, 1, 4, True, True, groups=2, splits=4)),
                                      (False, False, False, 4096, qv.GemvConfig(4, 1, 2, groups=2, splits=2)),
                                      (False, True, False, 4096, qv.GemvConfig(4, 1, 2, groups=2, splits=2)),
                                      (False, False, True, 4096, qv.GemvConfig(8, 2, 4, True, True, splits=2)),
                                      (True, False, True, 12288, qv.GemvConfig(4, 1, 4, groups=2, splits=2))):
-        out.append((f"quant_gemv rows split int4={int4} GATED={gated} HAS_RES={res} K={k} {cfg}", (
+        out.append((f"quant_gemv rows R={cfg.groups} splits={cfg.splits} int4={int4} GATED={gated} HAS_RES={res} "
+                    f"K={k} {cfg}", (
             qv._rows_kernel, {**(gemv_int4 if int4 else gemv), "M": "i32"}, dict(
                 K=k, HAS_GS=not int4, BN=cfg.block, SPANS=cfg.spans, P=cfg.parts, TWO=True, HAS_RES=res, PDL=True,
                 INT4=int4, G2=64 if int4 else 8, GATED=gated, STREAM=cfg.stream, EARLY=cfg.early, R=cfg.groups,
                 SPLITS=cfg.splits)),
-            dict(div16=("X", "QW", "S", "Y"), num_warps=cfg.warps, num_stages=1, no_spill=True,
-                 ptx_has=pdl_ptx + ("mma.sync.aligned.m16n8k16", "atom.global.gpu.acq_rel.add"))))
+            dict(div16=("X", "QW", "S", "Y"), num_warps=cfg.warps, num_stages=1, no_spill=cfg.groups <= 2,
+                 ptx_has=pdl_ptx + ("mma.sync.aligned.m16n8k16",)
+                 + (("atom.global.gpu.acq_rel.add",) if cfg.splits > 1 else ()))))
     tuned = [(k, True, cfg, n < k) for (n, k), cfg in qv.ROWS_TUNED.items()]  # Qwen3.6-27B; down adds the residual
     for k, two, cfg, res in ((4096, False, qv.ROWS_FEW, False), (12288, True, qv.ROWS_LONG_K, True),
                              (4096, True, qv.ROWS_WIDE, True), (5120, False, qv._fit_k(qv.ROWS_FEW, 5120), False),

@@ -198,22 +198,17 @@ def main() -> None:
         print(f"{r['scheme']:6} {r['shape']:12} {r['n']:6} {r['k']:6} {r['m']:3} {'yes' if r['gated'] else '':>6} "
               f"{r['dot_us']:7.1f} {r['dot_pct']:6.1f} {r['gemv_us']:8.1f} {r['gemv_pct']:6.1f} {r['rel_err']:7.1e}  "
               f"{'mma' if r['dispatched'] else 'dot'}"
-              + (f"  best {r['best']['us']:.1f} us ({qgm.pct(r['bytes'], r['best']['us'], bw):.1f}%): "
-                 f"warps {r['best']['warps']} spans {r['best']['spans']} "
-                 f"parts {r['best']['parts']}" if r.get("best") else "")
-              + (f"  stream {r['stream']['us']:.1f} us ({qgm.pct(r['bytes'], r['stream']['us'], bw):.1f}%): "
-                 f"warps {r['stream']['warps']} spans {r['stream']['spans']} parts {r['stream']['parts']}"
-                 f"{' streamed' if r['stream'].get('stream') else ''}{' early' if r['stream']['early'] else ''}"
-                 f"{' rows kernel' if r['stream'].get('rows') else ''}" if r.get("stream") else "")
-              + (f"  groups {r['groups']['us']:.1f} us ({qgm.pct(r['bytes'], r['groups']['us'], bw):.1f}%): "
-                 f"R {r['groups']['groups']} warps {r['groups']['warps']} spans {r['groups']['spans']} "
-                 f"parts {r['groups']['parts']}{' streamed' if r['groups']['stream'] else ''}"
-                 f"{' early' if r['groups']['early'] else ''}" if r.get("groups") else "")
-              + (f"  splits {r['splits']['us']:.1f} us ({qgm.pct(r['bytes'], r['splits']['us'], bw):.1f}%): "
-                 f"K over {r['splits']['splits']} R {r['splits']['groups']} warps {r['splits']['warps']} spans "
-                 f"{r['splits']['spans']} parts {r['splits']['parts']}{' streamed' if r['splits']['stream'] else ''}"
-                 if r.get("splits") else ""))
+              + "".join(swept(key, r[key], r["bytes"], bw) for key in ("best", "stream", "groups", "splits")
+                        if r.get(key)))
 
+
+def swept(key: str, c: dict, nbytes: int, bw: float) -> str:
+    """A sweep's best launch (`sweep`'s dict) for the table's last column."""
+    return (f"  {key} {c['us']:.1f} us ({qgm.pct(nbytes, c['us'], bw):.1f}%): "
+            + (f"K over {c['splits']} " if c["splits"] > 1 else "") + (f"R {c['groups']} " if c["groups"] > 1 else "")
+            + f"warps {c['warps']} spans {c['spans']} parts {c['parts']}"
+            + "".join(f" {flag}" for flag, on in (("streamed", c["stream"]), ("early", c["early"]),
+                                                  ("rows kernel", c["rows"])) if on))
 
 if __name__ == "__main__":
     main()

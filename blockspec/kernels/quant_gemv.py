@@ -193,7 +193,7 @@ def launch_config(meta, m: int = 1, gated: bool = False) -> GemvConfig | None:
     over 16 warps (NARROWEST: 32 warps spilled); between the two the streamed kernel (STREAM_*; past NARROW_MAX_ROWS
     outputs only up to STREAM_MID_MAX_K, the dot path beyond). 2 to MAX_ROWS rows: the rows kernel (above), with
     launches of its own for the measured Qwen3.6-27B shapes (ROWS_TUNED), streamed or grouped at 9-16 rows
-    (`_rows_streamed`, GROUPED_MID)."""
+    (`_rows_streamed_or_grouped`, GROUPED_MID)."""
     if meta.scheme == "int4":
         if m == 1 and gated and meta.n >= WIDE_ROWS and meta.k <= INT4_MAX_K and _tiles_k(INT4_WIDE, meta.k):
             return INT4_WIDE
@@ -206,7 +206,7 @@ def launch_config(meta, m: int = 1, gated: bool = False) -> GemvConfig | None:
         if m > 8 and (meta.n, meta.k) in ROWS_TUNED:
             cfg = ROWS_TUNED[(meta.n, meta.k)]
         elif m > 8 and meta.n > NARROWEST_ROWS and meta.k >= STREAM_ROWS_MIN_K:
-            cfg = _rows_streamed(meta.n, meta.k)
+            cfg = _rows_streamed_or_grouped(meta.n, meta.k)
         elif m > 8 and NARROW_MAX_ROWS < meta.n < WIDE_ROWS and meta.k >= GROUPED_MIN_K:
             cfg = GROUPED_MID
         else:
@@ -222,9 +222,10 @@ def launch_config(meta, m: int = 1, gated: bool = False) -> GemvConfig | None:
     return _gated_fit(_fit_k(STREAM_LONG_K if meta.k >= 2 * meta.n else STREAM_NARROW, meta.k), gated)
 
 
-def _rows_streamed(n: int, k: int) -> GemvConfig | None:
-    """The streamed rows launch for 9-16 rows of an n x k NVFP4 layer of more than NARROWEST_ROWS outputs and
-    K >= STREAM_ROWS_MIN_K, or None (the dot path) where none measured faster."""
+def _rows_streamed_or_grouped(n: int, k: int) -> GemvConfig | None:
+    """The rows launch for 9-16 rows of an n x k NVFP4 layer of more than NARROWEST_ROWS outputs and K >=
+    STREAM_ROWS_MIN_K: streamed, or grouped for a wide layer up to GROUPED_MAX_K; None (the dot path) where none
+    measured faster."""
     if n >= WIDE_ROWS:
         return GROUPED_WIDE if k <= GROUPED_MAX_K else STREAM_ROWS_WIDE
     if k >= 2 * n:
@@ -995,19 +996,15 @@ if HAVE_TRITON:
                                 R, STREAM)
         if not EARLY:
             release_dependents(PDL)
-        if SPLITS == 1:
-            for i in tl.static_range(R):
-                acc_a, acc_b = accs[i]
-                _rows_store(acc_a, Y, GS, pid * R + i, 0, M, N, BN, P, HAS_GS, HAS_RES, INT4, GATED)
-                if TWO:
-                    _rows_store(acc_b, Y, GS, pid * R + i, 8, M, N, BN, P, HAS_GS, HAS_RES, INT4, GATED)
-        else:
-            for i in tl.static_range(R):
-                acc_a, acc_b = accs[i]
-                tl.store(_split_sums(WS, split, pid * R + i, 0, NP, BN, P), _rows_sums(acc_a, GS, BN, P, HAS_GS, INT4))
-                if TWO:
-                    tl.store(_split_sums(WS, split, pid * R + i, 8, NP, BN, P),
-                             _rows_sums(acc_b, GS, BN, P, HAS_GS, INT4))
+        for i in tl.static_range(R):  # the blocks' token halves: stored, or (SPLITS) their sums to the workspace
+            for half in tl.static_range(2 if TWO else 1):
+                if SPLITS == 1:
+                    _rows_store(accs[i][half], Y, GS, pid * R + i, 8 * half, M, N, BN, P, HAS_GS, HAS_RES, INT4,
+                                GATED)
+                else:
+                    tl.store(_split_sums(WS, split, pid * R + i, 8 * half, NP, BN, P),
+                             _rows_sums(accs[i][half], GS, BN, P, HAS_GS, INT4))
+        if SPLITS > 1:
             tl.debug_barrier()  # every thread's sums stored before the arrival is counted (release, gpu scope)
             if tl.atomic_add(CNT + pid, 1, sem="acq_rel") != SPLITS - 1:
                 return

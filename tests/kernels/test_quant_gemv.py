@@ -83,16 +83,6 @@ def test_dispatch_rule_keeps_cpu_narrow_and_folded_layers_off_the_gemv() -> None
     assert cfg("int4", 6144, 4096) is None and cfg("int4", 4096, 12288) is None and cfg("int4", 24576, 4096) is None
 
 
-def test_rows_kernel_options_are_refused_on_the_one_row_kernels() -> None:
-    """Groups of weight rows and K splits exist on the rows kernel only: one row without rows=True is refused,
-    not run unsplit."""
-    layer = make_layer("nvfp4", 64, 1024, torch.bfloat16)
-    x = torch.randn(1, 1024, dtype=torch.bfloat16)
-    for cfg in (qg.GemvConfig(4, 1, 2, groups=2), qg.GemvConfig(4, 1, 2, splits=2)):
-        with pytest.raises(ValueError, match="rows kernel's"):
-            qg.gemv(x, layer, ql.quant_meta(layer), cfg)
-
-
 def test_rows_dispatch_rule() -> None:
     def cfg(n: int, k: int, m: int) -> qg.GemvConfig | None:
         return qg.launch_config(ql.quant_meta(make_layer("nvfp4", n, k, torch.bfloat16)), m)
@@ -637,7 +627,8 @@ def test_block_folds_a_quantized_shared_expert_into_the_rows_launches(monkeypatc
 
 
 def test_launches_that_do_not_tile_k_are_refused() -> None:
-    """A config whose K parts x spans do not tile K would read across parts: refused before any launch."""
+    """A config whose K parts x spans do not tile K would read across parts: refused before any launch; so are the
+    rows kernel's groups and K splits on the one-row kernels."""
     layer = make_layer("nvfp4", 64, 1024, torch.bfloat16)
     meta = ql.quant_meta(layer)
     with pytest.raises(ValueError, match="do not fit"):
@@ -646,3 +637,6 @@ def test_launches_that_do_not_tile_k_are_refused() -> None:
         qg.gemv(torch.randn(17, 1024, dtype=torch.bfloat16), layer, meta, qg.ROWS_WIDE)
     with pytest.raises(ValueError, match="groups of weight rows"):  # the one-row GEMV has no blocks to group
         qg.gemv(torch.randn(1, 1024, dtype=torch.bfloat16), layer, meta, qg.GemvConfig(2, 4, 1, groups=2))
+    for cfg in (qg.GemvConfig(4, 1, 2, groups=2), qg.GemvConfig(4, 1, 2, splits=2)):  # nor K to split: not run unsplit
+        with pytest.raises(ValueError, match="rows kernel's"):
+            qg.gemv(torch.randn(1, 1024, dtype=torch.bfloat16), layer, meta, cfg)
