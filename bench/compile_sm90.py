@@ -218,7 +218,10 @@ def cases() -> list[tuple[str, tuple, dict]]:
                                      (False, False, False, 4096, qv.GemvConfig(4, 1, 2, groups=2, splits=2)),
                                      (False, True, False, 4096, qv.GemvConfig(4, 1, 2, groups=2, splits=2)),
                                      (False, False, True, 4096, qv.GemvConfig(8, 2, 4, True, True, splits=2)),
-                                     (True, False, True, 12288, qv.GemvConfig(4, 1, 4, groups=2, splits=2))):
+                                     (True, False, True, 12288, qv.GemvConfig(4, 1, 4, groups=2, splits=2)),
+                                     (False, False, True, 17408, qv.SPLIT_ROWS),  # Qwen3.6-27B's down, dispatched
+                                     (True, False, True, 17408, qv.SPLIT_ROWS),
+                                     (False, False, False, 6144, qv.SPLIT_ROWS)):
         out.append((f"quant_gemv rows R={cfg.groups} splits={cfg.splits} int4={int4} GATED={gated} HAS_RES={res} "
                     f"K={k} {cfg}", (
             qv._rows_kernel, {**(gemv_int4 if int4 else gemv), "M": "i32"}, dict(

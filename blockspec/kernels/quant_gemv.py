@@ -138,8 +138,6 @@ ROWS_TUNED = {
     (34816, 5120): GemvConfig(warps=4, spans=1, parts=4, groups=2),
     (16384, 5120): GemvConfig(warps=8, spans=2, parts=2),  # Gated DeltaNet in_proj: 33.2 against 54.0 / 41.4
     (14336, 5120): GemvConfig(warps=8, spans=2, parts=2),  # attention q|gate|k|v: 32.7 against 42.0 (dot)
-    # down: 54.3 against 55.3 / 64.8 (16 warps measured 54.1 but spill 40 bytes a thread with the residual add)
-    (5120, 17408): GemvConfig(warps=8, spans=2, parts=4),
 }
 # 9-16 rows streamed (the rows kernel with STREAM: each step's weights loaded a step ahead, the first step's before
 # the PDL wait, dependents released right after it). NVFP4 at 16 rows, H200, bench/quant_gemv.py --rows 16 --stream
@@ -167,6 +165,14 @@ GROUPED_MAX_K = 4096
 # 11.8); between NARROW_MAX_ROWS and WIDE_ROWS outputs, K from GROUPED_MIN_K up to STREAM_ROWS_MIN_K.
 GROUPED_MID = GemvConfig(warps=4, spans=2, parts=4, groups=2)
 GROUPED_MIN_K = 2048
+# 9-16 rows of a layer between NARROW_MAX_ROWS and GEMV_WIDE_ROWS outputs with K past STREAM_MID_MAX_K, NVFP4 and int4:
+# two blocks of rows a program, K split over 4 programs (GemvConfig.splits; the last to arrive adds the sums in split
+# order). H100, bench/quant_gemv.py --rows 16 --splits (quant_gemv_rows16_splits_h100_1a833f4.json), us against the
+# dispatch before: Qwen3.6-27B down 5120 x 17408 NVFP4 36.4 against ROWS_TUNED's 53.6 (int4 34.4 against the dot
+# path's 42.4), out_proj / o_proj 5120 x 6144 17.6 against the dot path's 23.0 (int4 16.2 against 17.4). The
+# Qwen3-8B layers (4096 outputs or K = 4096) keep their launches: split, qkv / o / down 13.8 / 11.9 / 25.1 against
+# 13.3 / 9.8 / 24.0 (int4 on the dot path: 13.2 / 11.5 / 22.2 against 10.8 / 8.5 / 18.0).
+SPLIT_ROWS = GemvConfig(warps=4, spans=1, parts=2, groups=2, splits=4)
 
 
 def _tiles_k(cfg: GemvConfig, k: int) -> bool:
@@ -193,7 +199,10 @@ def launch_config(meta, m: int = 1, gated: bool = False) -> GemvConfig | None:
     over 16 warps (NARROWEST: 32 warps spilled); between the two the streamed kernel (STREAM_*; past NARROW_MAX_ROWS
     outputs only up to STREAM_MID_MAX_K, the dot path beyond). 2 to MAX_ROWS rows: the rows kernel (above), with
     launches of its own for the measured Qwen3.6-27B shapes (ROWS_TUNED), streamed or grouped at 9-16 rows
-    (`_rows_streamed_or_grouped`, GROUPED_MID)."""
+    (`_rows_streamed_or_grouped`, GROUPED_MID), K split over programs past STREAM_MID_MAX_K (SPLIT_ROWS, int4 too)."""
+    if 8 < m <= MAX_ROWS and NARROW_MAX_ROWS < meta.n < GEMV_WIDE_ROWS and meta.k > STREAM_MID_MAX_K \
+            and _tiles_k(SPLIT_ROWS, meta.k) and _gated_fit(SPLIT_ROWS, gated):
+        return SPLIT_ROWS
     if meta.scheme == "int4":
         if m == 1 and gated and meta.n >= WIDE_ROWS and meta.k <= INT4_MAX_K and _tiles_k(INT4_WIDE, meta.k):
             return INT4_WIDE

@@ -36,7 +36,8 @@ GROUPED_ROWS = (qg.GROUPED_WIDE, qg.GROUPED_MID, qg.GemvConfig(4, 2, 1, groups=2
 # K split over programs (GemvConfig.splits), plain and streamed, with and without groups
 SPLIT_ROWS = (qg.GemvConfig(4, 1, 4, groups=2, splits=2), qg.GemvConfig(4, 1, 4, stream=True, early=True, groups=2,
                                                                         splits=4),
-              qg.GemvConfig(8, 2, 4, stream=True, early=True, splits=2), qg.GemvConfig(4, 1, 2, groups=2, splits=2))
+              qg.GemvConfig(8, 2, 4, stream=True, early=True, splits=2), qg.GemvConfig(4, 1, 2, groups=2, splits=2),
+              qg.SPLIT_ROWS)
 
 
 @pytest.fixture(autouse=True)
@@ -99,15 +100,16 @@ def test_rows_dispatch_rule() -> None:
         and cfg(12288, 2048, 8) == qg._fit_k(qg.ROWS_FEW, 2048)
     assert cfg(12288, 1024, 16) is None and cfg(4096, 2048, 16) is None
     assert cfg(2048, 4096, 16) == qg.ROWS_LONG_K and cfg(2048, 2048, 16) is None  # up to 2048 outputs: unstreamed
-    assert cfg(6144, 6144, 16) is None  # past 4224 outputs, K > 4096 (not long): the dot path
+    # past 4224 outputs (up to GEMV_WIDE_ROWS), K > 4096: K split over programs (Qwen3.6-27B's down and out_proj)
+    assert cfg(6144, 6144, 16) == cfg(5120, 6144, 9) == cfg(5120, 17408, 16) == qg.SPLIT_ROWS
+    assert cfg(5120, 6144, 8) == qg._fit_k(qg.ROWS_FEW, 6144) and cfg(qg.GEMV_WIDE_ROWS, 6144, 16) is None
     assert cfg(4096, 4096, 17) is None  # more rows: quant_linear's tiles
     # K that does not tile into the config's parts x spans: both cut until it does (27B: K = 5120)
     assert cfg(4096, 5120, 4) == qg.GemvConfig(16, 1, 8)
     assert cfg(4096, 17408, 16) == qg.GemvConfig(4, 2, 4, stream=True, early=True)
     # Qwen3.6-27B's measured launches at 9-16 rows (ROWS_TUNED); at 2-8 rows the rules
-    assert cfg(5120, 17408, 16) == cfg(5120, 17408, 9) == qg.ROWS_TUNED[(5120, 17408)] == qg.GemvConfig(8, 2, 4)
     assert cfg(34816, 5120, 16) == qg.GemvConfig(4, 1, 4, groups=2) and cfg(34816, 5120, 8) == qg.ROWS_WIDE
-    assert cfg(14336, 5120, 16) == qg.GemvConfig(8, 2, 2) and cfg(5120, 6144, 16) is None
+    assert cfg(14336, 5120, 16) == qg.GemvConfig(8, 2, 2)
     assert cfg(4096, 256, 2) == qg.GemvConfig(16, 1, 2)
     assert cfg(4096, 192, 2) is None  # not whole 128-weight spans
 
@@ -371,6 +373,9 @@ def test_int4_dispatch_rule() -> None:
     # 9-16 rows of a gate|up: the dot path, SwiGLU folded in its epilogue (two blocks of rows a program lost there)
     gate_up = ql.quant_meta(make_layer("int4", 24576, 4096, torch.bfloat16, group=128))
     assert qg.launch_config(gate_up, 16, True) is None and qg.launch_config(gate_up, 16) is None
+    # ... but past 4224 outputs with K > 4096 K split over programs, as NVFP4 (Qwen3.6-27B's down)
+    down = ql.quant_meta(make_layer("int4", 5120, 17408, torch.bfloat16, group=128))
+    assert qg.launch_config(down, 16) == qg.SPLIT_ROWS and qg.launch_config(down, 8) is None
     assert qg.launch_config(ql.quant_meta(make_layer("nvfp4", 4096, 4096, torch.bfloat16)), 1, True) == \
         qg.STREAM_NARROW
     assert qg.launch_config(ql.quant_meta(make_layer("nvfp4", 64, 4096, torch.bfloat16)), 1, True) == qg.NARROWEST
