@@ -85,11 +85,12 @@ SWEEP_GROUPS = [quant_gemv.GemvConfig(w, s, p, stream=st, groups=r) for r, s, st
                 ((2, 1, False), (2, 2, False), (2, 1, True), (4, 1, False)) for w in (4, 8) for p in (1, 2, 4)]
 # 2-16 rows, K split over 2-4 programs (GemvConfig.splits): wider blocks (R = 2, fewer K parts) that read each x
 # span for more weight rows, with as many programs as the narrow layers' one-block launches (NOTES session 30: at
-# 16 rows x is read ~3.6x the weight bytes from L2 on Qwen3-8B's down); compiled for sm_90 without spills
+# 16 rows x is read ~3.6x the weight bytes from L2 on Qwen3-8B's down); compiled for sm_90 without spills (R = 4
+# with K split: 249 registers, Triton 3.6)
 SWEEP_SPLITS = [quant_gemv.GemvConfig(w, s, p, stream=st, early=st, groups=r, splits=k) for k in (2, 4)
                 for w, s, p, st, r in ((4, 1, 4, False, 2), (4, 1, 2, False, 2), (4, 2, 4, False, 2),
                                        (4, 1, 1, False, 2), (4, 1, 4, True, 2), (8, 2, 4, True, 1),
-                                       (4, 1, 4, False, 1))]
+                                       (4, 1, 4, False, 1), (4, 1, 4, False, 4), (4, 1, 2, False, 4))]
 
 
 if torch.cuda.is_available():

@@ -222,6 +222,17 @@ def test_launch_config(scheme, m, n, k):
     assert gated.block_n == (cfg.block_n if m > 16 else max(16 if cfg.use_dot else 4, cfg.block_n // 2))
 
 
+def test_int4_wide_verify_tiles_take_two_slices():
+    """9-16 rows of a wide int4 layer (gate|up, LM heads): two K slices over two warps (measured faster on an H100,
+    with and without SwiGLU); 8 rows and narrower layers keep four."""
+    wide = ql.QuantMeta("int4", 24576, 4096, 128, 1, 1, False, False, False)
+    assert (ql.launch_config(wide, 16).split, ql.launch_config(wide, 16).num_warps) == (2, 2)
+    assert ql.launch_config(wide, 16, gated=True) == ql.LaunchConfig(True, 16, 16, 128, 2, 2, 3)
+    assert ql.launch_config(wide, 8).split == 4
+    narrow = ql.QuantMeta("int4", 6144, 4096, 128, 1, 1, False, False, False)
+    assert ql.launch_config(narrow, 16).split == 4
+
+
 # ------------------------------------------------------------------------------------------------------------
 # The kernels
 
@@ -308,6 +319,7 @@ CONFIGS = {
     "reduce": ql.LaunchConfig(False, 1, 8, 64, 1, 4, 2),
     "dot_bm8_split2": ql.LaunchConfig(True, 8, 16, 64, 2, 2, 2),
     "dot_bm16_bn32_split4": ql.LaunchConfig(True, 16, 32, 32, 4, 4, 2),
+    "dot_bm16_split2": ql.LaunchConfig(True, 16, 32, 64, 2, 2, 2),  # a wide int4 layer's 9-16 rows
     "dot_bm32": ql.LaunchConfig(True, 32, 32, 64, 1, 4, 2),
 }
 
