@@ -534,6 +534,11 @@ def launch_config(meta: QuantMeta, m: int, gated: bool = False, post_scale: bool
         cfg = replace(cfg, block_k=meta.group)  # K > 4096: 128-wide slices, each in one group
     if not gated or m > 16:
         return cfg
+    if meta.scheme == "int4" and cfg.use_dot and cfg.block_m == 16 and cfg.block_n == 32:
+        # 9-16 rows of a wide int4 gate|up: two K slices over two warps (H100, bench/quant_gemm.py --shapes
+        # gate_up_swiglu --sweep: Qwen3-8B 28.0 against 33.5 us; engine verify step 4.23 -> 4.06 ms). Not unfused:
+        # the drafter's 15-row LM head and gate|up on it cost that much back (its k15 step 4.48 -> 4.50 ms)
+        cfg = replace(cfg, split=min(cfg.split, 2), num_warps=min(cfg.num_warps, 2))
     return replace(cfg, block_n=max(16 if cfg.use_dot else 4, cfg.block_n // 2))
 
 
@@ -579,8 +584,6 @@ def _launch_config(meta: QuantMeta, m: int) -> LaunchConfig:
         split = _max_split(k, block_k, 4)
         p32 = _cdiv(n, 32)
         block_n = 32 if p32 * split >= _TARGET_WARPS and _balance(p32) >= 0.9 else 16
-        if meta.scheme == "int4" and m > 8 and block_n == 32:  # 9-16 rows of a wide layer: two slices, two warps
-            split = min(split, 2)  # (H100, Qwen3-8B gate|up: 26.5 against 29.2 us, with SwiGLU 28.0 against 33.5)
         return LaunchConfig(True, 8 if m <= 8 else 16, block_n, block_k, split, split, 3 if wide else 4)
     return LaunchConfig(True, 32 if m <= 32 else 64, 64, 64 if k >= 64 else 32, 1, 4, 3)
 
