@@ -534,11 +534,6 @@ def launch_config(meta: QuantMeta, m: int, gated: bool = False, post_scale: bool
         cfg = replace(cfg, block_k=meta.group)  # K > 4096: 128-wide slices, each in one group
     if not gated or m > 16:
         return cfg
-    if meta.scheme == "int4" and cfg.use_dot and cfg.block_m == 16 and cfg.block_n == 32:
-        # 9-16 rows of a wide int4 gate|up: two K slices over two warps (H100, bench/quant_gemm.py --shapes
-        # gate_up_swiglu --sweep: Qwen3-8B 28.0 against 33.5 us; engine verify step 4.23 -> 4.06 ms). Not unfused:
-        # the drafter's 15-row LM head and gate|up on it cost that much back (its k15 step 4.48 -> 4.50 ms)
-        cfg = replace(cfg, split=min(cfg.split, 2), num_warps=min(cfg.num_warps, 2))
     return replace(cfg, block_n=max(16 if cfg.use_dot else 4, cfg.block_n // 2))
 
 
