@@ -131,7 +131,8 @@ ROWS_LONG_K = GemvConfig(warps=8, spans=2, parts=8)  # 9-16 rows, K >= 2 N
 # 9-16 rows of Qwen3.6-27B's layers (H100, bench/quant_gemv.py --rows 16 --sweep, quant_gemv_rows16_27b_sweep_h100_
 # d60662d.json), us against the dot path / the rules above: their K = 5120 rows measured best on other launches
 # than Qwen3-8B's K = 4096 ones (gate|up: one span a step, 78.5 against 103.3 with ROWS_WIDE's two); its out_proj /
-# o_proj 5120 x 6144 keeps the dot path (23.1, no launch faster)
+# o_proj 5120 x 6144 kept the dot path (23.1, no launch faster) until K was split over programs (SPLIT_ROWS, which
+# took its down too)
 ROWS_TUNED = {
     # gate|up: 78.5 against 95.1 / 103.3; then two blocks of rows a program (GemvConfig.groups) 65.3 against that
     # launch's 76.7 (quant_gemv_rows16_groups_27b_35b_h100_a89c836.json)
