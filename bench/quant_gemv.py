@@ -54,12 +54,11 @@ def gemv_fn(x, layers, cfg: quant_gemv.GemvConfig | None = None, gated: bool = F
 
 
 def dot_fn(x, layers, gated: bool):
-    """quant_linear's dot path as the decoder runs it: (gated) with SwiGLU in its epilogue (`_gemm_triton`'s
-    GATED), not a separate launch (the baseline of sessions before 30 added one, and so flattered the mma kernels)."""
-    if not gated:
-        return qgm.quant_fn(x, layers, "plain", None)
-    meta, turn = ql.quant_meta(layers[0]), itertools.cycle(layers)
-    return lambda: ql._gemm_triton(x, next(turn), meta, None, gated=True)
+    """quant_linear's dot path as the decoder runs it (`QuantLinear.forward_gated`): gated, the SwiGLU launch after
+    it -- the decoder folds SwiGLU only into the mma kernels (`quant_linear.gemv_takes`). (Sessions 30-31 timed the
+    dot path's own SwiGLU epilogue here, which the decoder never launches.)"""
+    plain = qgm.quant_fn(x, layers, "plain", None)
+    return (lambda: silu_mul(plain())) if gated else plain
 
 
 SWEEP = [quant_gemv.GemvConfig(w, s, p) for w in (2, 4, 8, 16, 32) for s in (2, 4, 8) for p in (1, 2, 4, 8)

@@ -156,8 +156,8 @@ STREAM_ROWS_MIN_K = 4096
 # (GemvConfig.groups). H100, bench/quant_gemv.py --rows 16 --groups (quant_gemv_rows16_groups_h100_c957a86.json), us:
 # Qwen3-8B gate|up 24576 x 4096 NVFP4 33.6 against STREAM_ROWS_WIDE's 40.9 (with SwiGLU 34.2 against 41.0); the
 # narrower layers lost (qkv 14.5 against 13.3, o 11.9 against 9.6, down 33.6 against 24.1). Engine (H100, Qwen3-8B
-# NVFP4, bench/ab_engine.py): k15 step 5.24 -> 4.95 ms. int4 with SwiGLU (32.1 us) lost in the engine (k15 4.39 ->
-# 4.46 ms): its dot path folds SwiGLU into the epilogue (~29.4 us), which the bench's baseline then did not.
+# NVFP4, bench/ab_engine.py): k15 step 5.24 -> 4.95 ms. int4 with SwiGLU (32.1 us against the dot path and its
+# SwiGLU launch's 35.9) lost in the engine (k15 4.39 -> 4.46 ms, verify alone 3.96 -> 4.19): int4 keeps the dot path.
 # Measured at K = 4096 (GROUPED_MAX_K); Qwen3.6-27B's K = 5120 gate|up keeps its ROWS_TUNED launch.
 GROUPED_WIDE = GemvConfig(warps=4, spans=1, parts=2, groups=2)
 GROUPED_MAX_K = 4096
