@@ -42,17 +42,23 @@ from blockspec.kernels import skinny_linear as sl  # noqa: E402
 TARGET = GPUTarget("cuda", 90, 32)
 
 
+def build(fn, types: dict[str, str], consts: dict, div16: tuple[str, ...] = (), num_warps: int = 4,
+          num_stages: int = 3):
+    """The compiled kernel for sm_90, constexprs left out of `consts` at their defaults (PDL off)."""
+    consts = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default and p.name not in consts},
+              **consts}
+    sig = {n: "constexpr" if n in consts else types[n] for n in fn.arg_names}
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in div16}
+    return triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=TARGET,
+                          options={"num_warps": num_warps, "num_stages": num_stages})
+
+
 def compile_case(fn, types: dict[str, str], consts: dict, div16: tuple[str, ...] = (), num_warps: int = 4,
                  num_stages: int = 3, no_spill: bool = False, ptx_has: tuple[str, ...] = ()) -> tuple[int, int] | None:
     """Compile one case; (registers, stack bytes) a thread of the cubin Triton built (spills live on the stack),
     or None where Triton's cuobjdump is not bundled. `ptx_has`: instructions the PTX must contain (the PDL wait,
     the release)."""
-    consts = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default and p.name not in consts},
-              **consts}  # constexprs left at their defaults (PDL off)
-    sig = {n: "constexpr" if n in consts else types[n] for n in fn.arg_names}
-    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in div16}
-    kernel = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=TARGET,
-                            options={"num_warps": num_warps, "num_stages": num_stages})
+    kernel = build(fn, types, consts, div16, num_warps, num_stages)
     missing = [i for i in ptx_has if i not in kernel.asm["ptx"]]
     if missing:
         raise AssertionError(f"the PTX lacks {missing}")
@@ -62,15 +68,21 @@ def compile_case(fn, types: dict[str, str], consts: dict, div16: tuple[str, ...]
     return usage
 
 
-def resources(cubin: bytes) -> tuple[int, int] | None:
-    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    if not cuobjdump.exists():
+def cuobjdump(cubin: bytes, *flags: str) -> str | None:
+    """Triton's bundled cuobjdump over a cubin (its report), or None where it is not bundled."""
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not tool.exists():
         return None
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "k.cubin")
         Path(path).write_bytes(cubin)
-        report = subprocess.run([str(cuobjdump), "-res-usage", path], capture_output=True, text=True,
-                                check=True).stdout
+        return subprocess.run([str(tool), *flags, path], capture_output=True, text=True, check=True).stdout
+
+
+def resources(cubin: bytes) -> tuple[int, int] | None:
+    report = cuobjdump(cubin, "-res-usage")
+    if report is None:
+        return None
     regs, stack = re.search(r"REG:(\d+)", report), re.search(r"STACK:(\d+)", report)
     return int(regs.group(1)), int(stack.group(1))
 

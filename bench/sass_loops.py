@@ -10,11 +10,8 @@ Prints, per case, each backward branch's loop: its static instruction count by o
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
 import sys
-import tempfile
 from collections import Counter
 from pathlib import Path
 
@@ -22,8 +19,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import compile_sm90 as cs  # noqa: E402
-import triton  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
 
 _LINE = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?);")
 _PREDICATE = re.compile(r"^@!?U?P[T\d]+\s+")
@@ -31,17 +26,10 @@ _PREDICATE = re.compile(r"^@!?U?P[T\d]+\s+")
 
 def sass(fn, types: dict[str, str], consts: dict, opts: dict) -> list[tuple[int, str]]:
     """(address, instruction) of the case's cubin, as compile_sm90.compile_case builds it."""
-    consts = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default and p.name not in consts},
-              **consts}
-    sig = {n: "constexpr" if n in consts else types[n] for n in fn.arg_names}
-    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in opts.get("div16", ())}
-    kernel = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=cs.TARGET,
-                            options={"num_warps": opts.get("num_warps", 4), "num_stages": opts.get("num_stages", 3)})
-    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "k.cubin")
-        Path(path).write_bytes(kernel.asm["cubin"])
-        text = subprocess.run([str(cuobjdump), "-sass", path], capture_output=True, text=True, check=True).stdout
+    kernel = cs.build(fn, types, consts, opts.get("div16", ()), opts.get("num_warps", 4), opts.get("num_stages", 3))
+    text = cs.cuobjdump(kernel.asm["cubin"], "-sass")
+    if text is None:
+        raise SystemExit("this Triton bundles no cuobjdump")
     return [(int(m.group(1), 16), m.group(2).strip()) for m in map(_LINE.match, text.splitlines()) if m]
 
 
