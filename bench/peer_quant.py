@@ -37,8 +37,12 @@ def vllm_generate(model: str):
     from vllm import LLM, SamplingParams  # noqa: PLC0415
     from vllm.inputs import TokensPrompt  # noqa: PLC0415
 
+    # the hybrids' published configs are their vision-language wrappers (text_config): the text model alone, as
+    # blockspec serves it (no image processor in a bare config directory)
+    wrapped = "text_config" in json.loads((Path(model) / "config.json").read_text())
     llm = LLM(model=model, dtype="bfloat16", max_model_len=PROMPT + NEW + 64, gpu_memory_utilization=0.8,
-              enable_prefix_caching=False, seed=0, load_format="dummy", skip_tokenizer_init=True, max_num_seqs=1)
+              enable_prefix_caching=False, seed=0, load_format="dummy", skip_tokenizer_init=True, max_num_seqs=1,
+              **({"language_model_only": True} if wrapped else {}))
 
     def gen(prompt: list[int], n: int) -> list[int]:
         sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, detokenize=False)
