@@ -69,7 +69,6 @@ class GemvConfig:
     rows: bool = False  # one row on the rows kernel too (weights as the mma's A operand: 2 bytes of x a weight byte)
     groups: int = 1  # (rows kernel) blocks of rows_block weight rows a program, each span's x loaded once for all
     splits: int = 1  # (rows kernel) programs a block's K is split over; the last to finish adds their float32 sums
-    stages: int = 1  # (unstreamed) K-loop stages Triton pipelines through shared memory (cp.async); 1: none
 
     @property
     def block(self) -> int:
@@ -416,8 +415,7 @@ if HAVE_TRITON:
     @triton.jit
     def _wide_kernel(X, QW, S, GS, Y, N, K: tl.constexpr, HAS_GS: tl.constexpr, BN: tl.constexpr,
                      SPANS: tl.constexpr, HAS_RES: tl.constexpr = False, PDL: tl.constexpr = False,
-                     INT4: tl.constexpr = False, G2: tl.constexpr = 8, GATED: tl.constexpr = False,
-                     STAGES: tl.constexpr = 1):
+                     INT4: tl.constexpr = False, G2: tl.constexpr = 8, GATED: tl.constexpr = False):
         """One K part (wide layers). Kept as first measured: the parts kernel at P = 1 (its loads written the
         same) compiled to another schedule, ~20% slower on gate|up (bench/quant_gemv.py, H100). INT4: S holds the
         scale|zero words, G2 bytes a group. GATED: SiLU(gate) * up to Y [1, N / 2] (`_tile_rows`)."""
@@ -430,7 +428,7 @@ if HAVE_TRITON:
         acc1 = tl.zeros([BN, 64], dtype=tl.float32)
         acc2 = tl.zeros([BN, 64], dtype=tl.float32)
         wait_for_inputs(PDL)
-        for b0 in tl.range(0, KB, 64 * SPANS, num_stages=STAGES):
+        for b0 in range(0, KB, 64 * SPANS):
             for u in tl.static_range(SPANS):
                 acc1, acc2 = _wide_span(acc1, acc2, QW, x32, S, rows64, n_mask, b0 + 64 * u, KB, NG, BN, INT4, G2)
         y = _sums_scaled(_c_sums(acc1, acc2, BN), GS, INT4, HAS_GS)  # [BN, t, c]: tile column 2 t + c of the 8
@@ -534,8 +532,7 @@ if HAVE_TRITON:
     @triton.jit
     def _parts_kernel(X, QW, S, GS, Y, N, K: tl.constexpr, HAS_GS: tl.constexpr, BN: tl.constexpr,
                       SPANS: tl.constexpr, P: tl.constexpr, HAS_RES: tl.constexpr = False, PDL: tl.constexpr = False,
-                      INT4: tl.constexpr = False, G2: tl.constexpr = 8, GATED: tl.constexpr = False,
-                      STAGES: tl.constexpr = 1):
+                      INT4: tl.constexpr = False, G2: tl.constexpr = 8, GATED: tl.constexpr = False):
         # BN tile columns = BN / P tile rows x P parts of K (column c: tile row c // P, part c % P); P divides 8,
         # so the 8 columns of a warp's mma hold whole rows and part(g) = g % P. `_tile_rows` maps tile rows to
         # weight rows (GATED: gate rows, then the up rows)
@@ -549,7 +546,7 @@ if HAVE_TRITON:
         wait_for_inputs(PDL)
         # software-pipelined by one span: the next span's loads are issued before this one's mma
         w, xp, sa, sb = _span_loads(QW, x32, S, wrow, part, n_mask, 0, KB, NG, BN, P, INT4, G2)
-        for b0 in tl.range(0, KB // P, 64 * SPANS, num_stages=STAGES):
+        for b0 in range(0, KB // P, 64 * SPANS):
             for u in tl.static_range(SPANS):
                 nw, nxp, nsa, nsb = _span_loads(QW, x32, S, wrow, part, n_mask, b0 + 64 * (u + 1), KB, NG, BN, P,
                                                 INT4, G2)
@@ -634,9 +631,6 @@ def gemv(x: torch.Tensor, layer, meta, cfg: GemvConfig, residual: torch.Tensor |
     m = x.shape[0]
     if not 1 <= m <= MAX_ROWS or not _tiles_k(cfg, meta.k):
         raise ValueError(f"{m} rows of K = {meta.k} do not fit the mma kernels with {cfg}")
-    if cfg.stream and cfg.stages > 1:
-        raise ValueError(f"{cfg}: a streamed launch holds its next step in registers; stages are the unstreamed "
-                         "loops'")
     if (cfg.groups > 1 or cfg.splits > 1) and m == 1 and not cfg.rows:
         raise ValueError(f"{cfg}: groups of weight rows and K splits are the rows kernel's (2 to {MAX_ROWS} rows, or "
                          "rows=True)")
@@ -667,16 +661,16 @@ def gemv(x: torch.Tensor, layer, meta, cfg: GemvConfig, residual: torch.Tensor |
             cnt = arrival_counters(x.device)
         _rows_kernel[(programs, cfg.splits)](x, layer.qweight, scales, gs, y, m, meta.n, ws, cnt, slots, P=cfg.parts,
                                              TWO=m > 8, STREAM=cfg.stream, EARLY=cfg.early, R=cfg.groups,
-                                             SPLITS=cfg.splits, STAGES=cfg.stages, **common)
+                                             SPLITS=cfg.splits, **common)
         return y
     args = (x, layer.qweight, scales, gs, y, meta.n)
     grid = (triton.cdiv(meta.n * cfg.parts, cfg.block),)
     if cfg.stream:
         _stream_kernel[grid](*args, P=cfg.parts, EARLY=cfg.early, **common)
     elif cfg.parts == 1:
-        _wide_kernel[grid](*args, STAGES=cfg.stages, **common)
+        _wide_kernel[grid](*args, **common)
     else:
-        _parts_kernel[grid](*args, P=cfg.parts, STAGES=cfg.stages, **common)
+        _parts_kernel[grid](*args, P=cfg.parts, **common)
     return y
 
 
@@ -826,10 +820,10 @@ if HAVE_TRITON:
     @triton.jit
     def _rows_span_loop(acc_a, acc_b, QW, x32, S, lo_row, hi_row, part, tok, tok_b, KB: tl.constexpr,
                         NG: tl.constexpr, BN: tl.constexpr, SPANS: tl.constexpr, P: tl.constexpr, TWO: tl.constexpr,
-                        INT4: tl.constexpr = False, G2: tl.constexpr = 8, STAGES: tl.constexpr = 1):
+                        INT4: tl.constexpr = False, G2: tl.constexpr = 8):
         """acc_a, acc_b += the products of the tile rows' K parts: every span of weight rows lo_row / hi_row
         against x rows tok / tok_b (row indices into x32, KB words a row)."""
-        for b0 in tl.range(0, KB // P, 64 * SPANS, num_stages=STAGES):
+        for b0 in range(0, KB // P, 64 * SPANS):
             for u in tl.static_range(SPANS):
                 wl, wh, xa, xb, sla, slb, sha, shb = _rows_loads(QW, x32, S, lo_row, hi_row, part, tok, tok_b,
                                                                  b0 + 64 * u, KB, NG, P, TWO, INT4, G2)
@@ -942,7 +936,7 @@ if HAVE_TRITON:
     @triton.jit
     def _groups_loop(accs, ring, QW, x32, S, rows, part, tok, tok_b, KB: tl.constexpr, NG: tl.constexpr,
                      BN: tl.constexpr, SPANS: tl.constexpr, P: tl.constexpr, TWO: tl.constexpr, INT4: tl.constexpr,
-                     G2: tl.constexpr, R: tl.constexpr, STREAM: tl.constexpr, STAGES: tl.constexpr = 1):
+                     G2: tl.constexpr, R: tl.constexpr, STREAM: tl.constexpr):
         """accs (a tuple of R (acc_a, acc_b)) += the R blocks' products over the K part. STREAM: `ring` holds the
         first step's weights (loaded before the PDL wait) and each step issues the next step's before its mmas;
         else each step loads its own, all its weights before its x and mmas."""
@@ -955,7 +949,7 @@ if HAVE_TRITON:
                 ring = ahead
             accs = _groups_step(accs, ring, x32, part, tok, tok_b, LAST, KB, BN, SPANS, P, TWO, INT4, R)
         else:
-            for b0 in tl.range(0, KB // P, STEP, num_stages=STAGES):
+            for b0 in range(0, KB // P, STEP):
                 step = _groups_ahead(QW, S, rows, part, b0, KB, NG, P, SPANS, INT4, G2, R)
                 accs = _groups_step(accs, step, x32, part, tok, tok_b, b0, KB, BN, SPANS, P, TWO, INT4, R)
         return accs
@@ -965,7 +959,7 @@ if HAVE_TRITON:
                      SPANS: tl.constexpr, P: tl.constexpr, TWO: tl.constexpr, HAS_RES: tl.constexpr = False,
                      PDL: tl.constexpr = False, INT4: tl.constexpr = False, G2: tl.constexpr = 8,
                      GATED: tl.constexpr = False, STREAM: tl.constexpr = False, EARLY: tl.constexpr = False,
-                     R: tl.constexpr = 1, SPLITS: tl.constexpr = 1, STAGES: tl.constexpr = 1):
+                     R: tl.constexpr = 1, SPLITS: tl.constexpr = 1):
         # tile row r = 8 w + g (warp w, lane row g) reads K part w % P of the weight rows 16 (w // P) + g (lo) and
         # + 8 (hi) of the block's, and x of token g (and g + 8). GATED (N = 2I rows of [gate; up]): the 16-row
         # group j holds the gate rows of outputs 8 j .. 8 j + 7 as its lo rows and their up rows as its hi rows.
@@ -1006,10 +1000,10 @@ if HAVE_TRITON:
             lo_row, hi_row = rows[0]
             acc_a, acc_b = accs[0]
             accs = (_rows_span_loop(acc_a, acc_b, QW, x32, S, lo_row, hi_row, part, tok, tok_b, KB, NG, BN, SPANS,
-                                    PK, TWO, INT4, G2, STAGES),)
+                                    PK, TWO, INT4, G2),)
         else:
             accs = _groups_loop(accs, ring, QW, x32, S, rows, part, tok, tok_b, KB, NG, BN, SPANS, PK, TWO, INT4, G2,
-                                R, STREAM, STAGES)
+                                R, STREAM)
         if not EARLY:
             release_dependents(PDL)
         for i in tl.static_range(R):  # the blocks' token halves: stored, or (SPLITS) their sums to the workspace
