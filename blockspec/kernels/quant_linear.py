@@ -76,9 +76,12 @@ _NUM_SMS = 132  # H100 / H200
 _MIN_PROGRAMS = 2 * _NUM_SMS
 _TARGET_WARPS = 8 * _NUM_SMS  # warps that hide the dequantizing dot path's ALU chains and load latency
 # 9-16 rows of a wide int4 layer of K <= 4096 (slices of 128) run two slices over two warps, not four: Qwen3-8B gate|up
-# 26.5 against 29.2 us (H100, bench/quant_gemm.py --sweep, NOTES session 31), a 151936-row LM head (a drafter's 15
-# rows) 150.7 against 166.9 (H200, quant_gemm_int4_rows16_gate_up_lm_head_sweep_h200_2e26943.json). Engine (H200,
-# gate|up only): verify 4.17 -> 4.00 ms, k15 step 4.30 -> 4.26 (ab_engine_8b_int4_two_slices_h200_2e26943.json).
+# 26.5 against 29.2 us (H100, bench/quant_gemm.py --sweep, NOTES session 31); engine (H200): verify 4.17 -> 4.00 ms,
+# k15 step 4.30 -> 4.26 (ab_engine_8b_int4_two_slices_h200_2e26943.json). LM heads (vocabulary-sized: a drafter's 15
+# rows) keep four: alone 150.7 against 166.9 us with two on an H200, but with them in the rule the H100 engine's k15
+# step got slower twice (4.48 -> 4.50 ms in session 31, 4.47 -> 4.53 in session 32:
+# ab_engine_8b_int4_two_slices_heads_h100_eba22a3.json).
+_VOCAB_ROWS = 65536
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -583,8 +586,8 @@ def _launch_config(meta: QuantMeta, m: int) -> LaunchConfig:
         split = _max_split(k, block_k, 4)
         p32 = _cdiv(n, 32)
         block_n = 32 if p32 * split >= _TARGET_WARPS and _balance(p32) >= 0.9 else 16
-        if meta.scheme == "int4" and m > 8 and block_n == 32 and k <= 4096:
-            split = min(split, 2)  # a verify block's wide int4 layer (gate|up, LM head): two slices, two warps
+        if meta.scheme == "int4" and m > 8 and block_n == 32 and k <= 4096 and n < _VOCAB_ROWS:
+            split = min(split, 2)  # a verify block's wide int4 layer (gate|up): two slices, two warps
         return LaunchConfig(True, 8 if m <= 8 else 16, block_n, block_k, split, split, 3 if wide else 4)
     return LaunchConfig(True, 32 if m <= 32 else 64, 64, 64 if k >= 64 else 32, 1, 4, 3)
 
