@@ -21,25 +21,24 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import hybrid_gpu  # noqa: E402 -- the bench's shapes and quantization configs
+
 PROMPT = 1024
 NEW = 128
 
 
 def write_config(path: Path, key: str, quant: str) -> None:
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import hybrid_gpu  # noqa: PLC0415 -- the bench's shapes and quantization configs
-
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(hybrid_gpu.model_config(key, False, quant), indent=1))
 
 
-def vllm_generate(model: str):
+def vllm_generate(model: str, wrapped: bool):
+    """`wrapped`: a vision-language wrapper's config (text_config, as the hybrids publish theirs): the text model
+    alone, as blockspec serves it (a bare config directory has no image processor)."""
     from vllm import LLM, SamplingParams  # noqa: PLC0415
     from vllm.inputs import TokensPrompt  # noqa: PLC0415
 
-    # the hybrids' published configs are their vision-language wrappers (text_config): the text model alone, as
-    # blockspec serves it (no image processor in a bare config directory)
-    wrapped = "text_config" in json.loads((Path(model) / "config.json").read_text())
     llm = LLM(model=model, dtype="bfloat16", max_model_len=PROMPT + NEW + 64, gpu_memory_utilization=0.8,
               enable_prefix_caching=False, seed=0, load_format="dummy", skip_tokenizer_init=True, max_num_seqs=1,
               **({"language_model_only": True} if wrapped else {}))
@@ -80,7 +79,7 @@ def main() -> None:
     vocab = cfg.get("text_config", cfg)["vocab_size"]
     prompt = torch.randint(100, min(30000, vocab - 1), (PROMPT,), generator=torch.Generator().manual_seed(0)).tolist()
     t0 = time.time()
-    gen = (vllm_generate if args.engine == "vllm" else blockspec_generate)(args.model)
+    gen = vllm_generate(args.model, "text_config" in cfg) if args.engine == "vllm" else blockspec_generate(args.model)
     startup = time.time() - t0
 
     def timed(n: int) -> float:

@@ -55,8 +55,8 @@ def gemv_fn(x, layers, cfg: quant_gemv.GemvConfig | None = None, gated: bool = F
 
 def dot_fn(x, layers, gated: bool):
     """quant_linear's dot path as the decoder runs it (`QuantLinear.forward_gated`): gated, the SwiGLU launch after
-    it -- the decoder folds SwiGLU only into the mma kernels (`quant_linear.gemv_takes`). (Sessions 30-31 timed the
-    dot path's own SwiGLU epilogue here, which the decoder never launches.)"""
+    it -- the decoder folds SwiGLU only into the mma kernels (`quant_linear.gemv_takes`), never into the dot path's
+    epilogue, so timing that epilogue here would compare against a launch the engine does not make."""
     plain = qgm.quant_fn(x, layers, "plain", None)
     return (lambda: silu_mul(plain())) if gated else plain
 
@@ -209,6 +209,7 @@ def swept(key: str, c: dict, nbytes: int, bw: float) -> str:
             + f"warps {c['warps']} spans {c['spans']} parts {c['parts']}"
             + "".join(f" {flag}" for flag, on in (("streamed", c["stream"]), ("early", c["early"]),
                                                   ("rows kernel", c["rows"])) if on))
+
 
 if __name__ == "__main__":
     main()

@@ -370,7 +370,7 @@ def test_int4_dispatch_rule() -> None:
     assert cfg(128, n=qg.WIDE_ROWS - 8, gated=True) is None  # narrower: the dot path
     rows = make_layer("int4", qg.WIDE_ROWS, 512, torch.bfloat16, group=128)
     assert qg.launch_config(ql.quant_meta(rows), 16) is None
-    # 9-16 rows of a gate|up: the dot path, SwiGLU folded in its epilogue (two blocks of rows a program lost there)
+    # 9-16 rows of a gate|up: the dot path, then the SwiGLU launch (two blocks of rows a program lost there)
     gate_up = ql.quant_meta(make_layer("int4", 24576, 4096, torch.bfloat16, group=128))
     assert qg.launch_config(gate_up, 16, True) is None and qg.launch_config(gate_up, 16) is None
     # ... but past 4224 outputs with K > 4096 K split over programs, as NVFP4 (Qwen3.6-27B's down)
