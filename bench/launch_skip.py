@@ -1,0 +1,119 @@
+"""What the small launches between a decode step's GEMMs cost: the step timed with kinds of them made no-ops.
+
+Before folding a kind of launch into its neighbours (issue 14: the quantized Qwen3-8B step), this bounds the gain:
+each variant builds the engine of bench/hybrid_gpu.py in a process of its own with the chosen launches turned into
+no-ops, so its outputs are wrong and only its step times mean anything (the dense shapes have no data-dependent
+launches). Kinds:
+  - norm:  RMSNorm of 1-16 rows on the GPU (the decoder layers' input and post-attention norms, the final norm,
+           the drafter's), the residual add of the fused form included;
+  - rope:  rope_qk (q/k norm, rotary, the K/V cache write);
+  - merge: the split-attention merge launch of paged_attention.
+Each variant runs `hybrid_gpu.py --in-process --profile` with the arguments after `--` (launches per graph show
+what was removed); prints the AR, k = 15 and verify step ms against the base variant, and writes
+$OUT/launch_skip.json.
+
+  python bench/launch_skip.py [--variants base,norm,rope,merge,all] -- --models 8b --quant nvfp4 \\
+      --draft-quantization rtn --skip-equality --runs 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+
+KINDS = ("norm", "rope", "merge")
+
+
+def skip(kinds: set[str]) -> None:
+    """Turn the chosen launches into no-ops in this process."""
+    import torch
+
+    if "norm" in kinds:
+        from blockspec.models.layers import norm
+
+        forward = norm.RMSNorm.forward
+
+        def no_norm(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+            if x.is_cuda and x.dim() == 2 and x.shape[0] <= 16:
+                return x if residual is None else (x, residual)
+            return forward(self, x, residual)
+
+        norm.RMSNorm.forward = no_norm
+    if "rope" in kinds:
+        from blockspec.models import llama
+
+        llama.rope_qk = lambda *args, **kwargs: None
+    if "merge" in kinds:
+        from blockspec.kernels import paged_attention as pa
+
+        class NoLaunch:
+            def __getitem__(self, grid):
+                return lambda *args, **kwargs: None
+
+        pa._merge_splits_kernel = NoLaunch()
+
+
+def child(variant: str, rest: list[str]) -> None:
+    import hybrid_gpu
+
+    skip(set(KINDS) if variant == "all" else set() if variant == "base" else {variant})
+    hybrid_gpu.main(rest)
+
+
+def step_ms(path: Path) -> dict:
+    """AR / k15 / verify step ms and launches per graph of the one model in a hybrid_gpu JSON."""
+    files = sorted(path.glob("hybrid_gpu*.json"))
+    if not files:
+        return {"error": "no result"}
+    model = json.loads(files[0].read_text())["models"][0]
+    out = {"error": model.get("error")}
+    for key in ("ar", "k15", "verify"):
+        entry = model.get(key, {})
+        entry = entry.get("uniform", entry) if key != "ar" else entry
+        out[f"{key}_ms"] = entry.get("step_ms")
+    out["launches"] = {f"k{p['k']} {p['graph']}": p.get("launches") for p in model.get("profile", [])}
+    return out
+
+
+def main() -> None:
+    argv = sys.argv[1:]
+    if argv and argv[0] == "--child":
+        child(argv[1], argv[3:] if len(argv) > 2 and argv[2] == "--" else argv[2:])
+        return
+    rest = argv[argv.index("--") + 1:] if "--" in argv else []
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--variants", default="base,norm,rope,merge,all")
+    args = ap.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+    out = Path(os.environ.get("OUT", str(HERE / "results")))
+    rows = {}
+    for variant in args.variants.split(","):
+        where = out / f"skip_{variant}"
+        where.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, __file__, "--child", variant, "--", *rest, "--in-process", "--profile",
+               "--out", str(where)]
+        print(f"== {variant}", flush=True)
+        subprocess.run(cmd, check=False)
+        rows[variant] = step_ms(where)
+        (out / "launch_skip.json").write_text(json.dumps({"args": rest, "variants": rows}, indent=1))
+    base = rows.get("base", {})
+    print(f"{'variant':8} {'AR ms':>8} {'k15 ms':>8} {'verify ms':>10}  (saved against base)  launches")
+    for variant, r in rows.items():
+        cells = []
+        for key in ("ar_ms", "k15_ms", "verify_ms"):
+            v, b = r.get(key), base.get(key)
+            cells.append(f"{v:.3f}" if v is not None else "-")
+            if v is not None and b is not None and variant != "base":
+                cells[-1] += f" ({b - v:+.3f})"
+        print(f"{variant:8} {cells[0]:>16} {cells[1]:>16} {cells[2]:>16}  {r.get('launches')} {r.get('error') or ''}")
+
+
+if __name__ == "__main__":
+    main()
