@@ -7,12 +7,13 @@ launches). Kinds:
   - norm:  RMSNorm of 1-16 rows on the GPU (the decoder layers' input and post-attention norms, the final norm,
            the drafter's), the residual add of the fused form included;
   - rope:  rope_qk (q/k norm, rotary, the K/V cache write);
-  - merge: the split-attention merge launch of paged_attention.
+  - merge: the split-attention merge launch of paged_attention;
+  - attn:  decode attention altogether (its split launch and the merge).
 Each variant runs `hybrid_gpu.py --in-process --profile` with the arguments after `--` (launches per graph show
 what was removed); prints the AR, k = 15 and verify step ms against the base variant, and writes
 $OUT/launch_skip.json.
 
-  python bench/launch_skip.py [--variants base,norm,rope,merge,all] -- --models 8b --quant nvfp4 \\
+  python bench/launch_skip.py [--variants base,norm,rope,merge,attn,all] -- --models 8b --quant nvfp4 \\
       --draft-quantization rtn --skip-equality --runs 3
 """
 
@@ -29,7 +30,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
-KINDS = ("norm", "rope", "merge")
+KINDS = ("norm", "rope", "merge", "attn")
 
 
 def skip(kinds: set[str]) -> None:
@@ -59,6 +60,10 @@ def skip(kinds: set[str]) -> None:
                 return lambda *args, **kwargs: None
 
         pa._merge_splits_kernel = NoLaunch()
+    if "attn" in kinds:
+        from blockspec.models.layers import attention
+
+        attention.paged_attention = lambda q, *args, **kwargs: torch.empty_like(q)
 
 
 def child(variant: str, rest: list[str]) -> None:
@@ -90,7 +95,7 @@ def main() -> None:
         return
     rest = argv[argv.index("--") + 1:] if "--" in argv else []
     ap = argparse.ArgumentParser()
-    ap.add_argument("--variants", default="base,norm,rope,merge,all")
+    ap.add_argument("--variants", default="base,norm,rope,merge,attn,all")
     args = ap.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
     out = Path(os.environ.get("OUT", str(HERE / "results")))
     rows = {}
