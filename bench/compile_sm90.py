@@ -314,12 +314,6 @@ def cases() -> list[tuple[str, tuple, dict]]:
             GROUP=8, HEAD_DIM=head_dim, PAGE=16, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=True, WINDOWED=False,
             HAS_Q_START=False, ROW_TILES=1, SPLIT_TILES=0)), dict(num_stages=2, num_warps=warps,
                                                                   no_spill=rows <= pa._FEW_ROWS and head_dim < 256)))
-        # the target's launch: the first tile's keys and values loaded before the PDL wait where settled
-        out.append((f"paged_attention settled head_dim={head_dim} BLOCK_M={block_m}", (
-            pa._paged_attention_kernel, paged, dict(
-                GROUP=8, HEAD_DIM=head_dim, PAGE=16, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=True, WINDOWED=False,
-                HAS_Q_START=False, ROW_TILES=1, SPLIT_TILES=0, PDL=True, SETTLED=True)),
-            dict(num_stages=2, num_warps=warps, no_spill=rows <= pa._FEW_ROWS and head_dim < 256, ptx_has=pdl_ptx)))
     ragged = {n: "i32" for n in pa._ragged_attention_kernel.arg_names}
     ragged.update(Q="*bf16", K="*bf16", V="*bf16", Out="*bf16", SINKS="*bf16", QUERY_INDEX="*i32", QUERY_POS="*i32",
                   KV_SLOTS="*i32", scale="fp32")

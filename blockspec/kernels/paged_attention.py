@@ -130,34 +130,6 @@ if HAVE_TRITON:
         return m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
 
     @triton.jit
-    def _kv_tile(K, V, BT, b, n, seq_len, kv_start, kvh, d, stride_bt, stride_kb, stride_ks, stride_kh, stride_vb,
-                 stride_vs, stride_vh, PAGE: tl.constexpr, load):
-        """Keys and values [BLOCK_N, HEAD_DIM] at key positions n of sequence b through its block table; zeros where
-        a position is outside [kv_start, seq_len) or `load` (a scalar) is false (then nothing is read)."""
-        n_ok = (n < tl.where(load, seq_len, 0)) & (n >= kv_start)  # (a scalar bool in a mask: the interpreter's int)
-        blk = tl.load(BT + b * stride_bt + n // PAGE, mask=n_ok, other=0)
-        slot = n % PAGE
-        k = tl.load(K + blk[:, None] * stride_kb + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :],
-                    mask=n_ok[:, None], other=0.0)
-        v = tl.load(V + blk[:, None] * stride_vb + slot[:, None] * stride_vs + kvh * stride_vh + d[None, :],
-                    mask=n_ok[:, None], other=0.0)
-        return k, v
-
-    @triton.jit
-    def _attend_tile(q, k, v, n, seq_len, kv_start, row_ok, q_pos, window, scale, m_i, l_i, acc,
-                     CAUSAL: tl.constexpr, WINDOWED: tl.constexpr):
-        """Fold the key tile at positions n (keys k, values v) into the rows' running softmax, under the mask."""
-        s = tl.dot(q, tl.trans(k)) * scale
-        visible = ((n < seq_len) & (n >= kv_start))[None, :] & row_ok[:, None]
-        if CAUSAL:
-            visible = visible & (n[None, :] <= q_pos[:, None])
-        if WINDOWED:
-            visible = visible & (q_pos[:, None] - n[None, :] < window)
-            if not CAUSAL:
-                visible = visible & (n[None, :] - q_pos[:, None] < window)
-        return _online_softmax_step(s, visible, v, m_i, l_i, acc)
-
-    @triton.jit
     def _first_tile(kv_start, q0, window, BLOCK_N: tl.constexpr, WINDOWED: tl.constexpr):
         """The first BLOCK_N key tile any query of the block sees."""
         lo = kv_start
@@ -186,18 +158,13 @@ if HAVE_TRITON:
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, HAS_Q_START: tl.constexpr,
         ROW_TILES: tl.constexpr, SPLIT_TILES: tl.constexpr, PDL: tl.constexpr = False,
-        SETTLED: tl.constexpr = False,
     ):
         """One (sequence, KV head, tile of BLOCK_M query rows, split of the key range): its rows are the
         (query, head of the group) pairs tile * BLOCK_M.. of that KV head, all queries' heads in one matrix.
         SPLIT_TILES = 0: the sequence's key range shared evenly among the splits (`_split_share`); a split without
         keys stores nothing (the merge reads the splits with keys only). > 0 (deterministic mode): split s holds
         the absolute key tiles [s * SPLIT_TILES, (s + 1) * SPLIT_TILES), tiles no row of the program can see are
-        skipped (exactly nothing for those rows), splits past the sequence store nothing.
-        SETTLED (SPLIT_TILES = 0, PDL): the keys before the first query were written by earlier steps, never by the
-        launch just before this one (the target's rope_qk writes the step's own keys only), so a program whose
-        first tile ends before the first query loads that tile's keys and values before the PDL wait, while the
-        launch before still runs; the tile holding the step's keys loads after it."""
+        skipped (exactly nothing for those rows), splits past the sequence store nothing."""
         # The step's lengths are written before its first layer, never by the kernel just before this one: under
         # PDL they are read, and a split without keys returns, before waiting for that kernel (q, the new keys).
         b = tl.program_id(0)
@@ -231,37 +198,31 @@ if HAVE_TRITON:
             if t1 <= t0:  # a split without keys (past a short context): the merge reads nothing of it
                 return
             live = True
-        cols = tl.arange(0, BLOCK_N)
+        wait_for_inputs(PDL)
+        q = tl.load(Q + (b * q_len + qi)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                    mask=row_ok[:, None], other=0.0)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-        if SETTLED:
-            n0 = t0 * BLOCK_N + cols
-            early = (t0 + 1) * BLOCK_N <= q0  # the whole first tile precedes the step's keys
-            late = (t0 + 1) * BLOCK_N > q0
-            k0, v0 = _kv_tile(K, V, BT, b, n0, seq_len, kv_start, kvh, d, stride_bt, stride_kb, stride_ks,
-                              stride_kh, stride_vb, stride_vs, stride_vh, PAGE, early)
-            wait_for_inputs(PDL)
-            q = tl.load(Q + (b * q_len + qi)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
-                        mask=row_ok[:, None], other=0.0)
-            k1, v1 = _kv_tile(K, V, BT, b, n0, seq_len, kv_start, kvh, d, stride_bt, stride_kb, stride_ks,
-                              stride_kh, stride_vb, stride_vs, stride_vh, PAGE, late)
-            k = tl.where(early, k0, k1)
-            v = tl.where(early, v0, v1)
-            m_i, l_i, acc = _attend_tile(q, k, v, n0, seq_len, kv_start, row_ok, q_pos, window, scale, m_i, l_i, acc,
-                                         CAUSAL, WINDOWED)
-            t_rest = t0 + 1
-        else:
-            wait_for_inputs(PDL)
-            q = tl.load(Q + (b * q_len + qi)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
-                        mask=row_ok[:, None], other=0.0)
-            t_rest = t0
-        for t in range(t_rest, t1):
+        cols = tl.arange(0, BLOCK_N)
+        for t in range(t0, t1):
             n = t * BLOCK_N + cols
-            k, v = _kv_tile(K, V, BT, b, n, seq_len, kv_start, kvh, d, stride_bt, stride_kb, stride_ks, stride_kh,
-                            stride_vb, stride_vs, stride_vh, PAGE, True)
-            m_i, l_i, acc = _attend_tile(q, k, v, n, seq_len, kv_start, row_ok, q_pos, window, scale, m_i, l_i, acc,
-                                         CAUSAL, WINDOWED)
+            n_ok = (n < seq_len) & (n >= kv_start)
+            blk = tl.load(BT + b * stride_bt + n // PAGE, mask=n < seq_len, other=0)
+            slot = n % PAGE
+            k = tl.load(K + blk[:, None] * stride_kb + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :],
+                        mask=n_ok[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(k)) * scale
+            visible = n_ok[None, :] & row_ok[:, None]
+            if CAUSAL:
+                visible = visible & (n[None, :] <= q_pos[:, None])
+            if WINDOWED:
+                visible = visible & (q_pos[:, None] - n[None, :] < window)
+                if not CAUSAL:
+                    visible = visible & (n[None, :] - q_pos[:, None] < window)
+            v = tl.load(V + blk[:, None] * stride_vb + slot[:, None] * stride_vs + kvh * stride_vh + d[None, :],
+                        mask=n_ok[:, None], other=0.0)
+            m_i, l_i, acc = _online_softmax_step(s, visible, v, m_i, l_i, acc)
         release_dependents(PDL)
         base = b * stride_ob + kvh * stride_oh + split * stride_os
         TOTAL_M: tl.constexpr = ROW_TILES * BLOCK_M
@@ -298,8 +259,6 @@ if HAVE_TRITON:
             q0 = seq_len - q_len
         n_live = _split_share(seq_len, tl.load(KV_START + b), q0, window, num_splits, BLOCK_N, WINDOWED)[3]
         wait_for_inputs(PDL)  # the lengths above are the step's, not the attention launch's: read before it ends
-        # the launch after (o_proj) loads its weights before its own wait: let it start now, not after the stores
-        release_dependents(PDL)
         ml_base = (b * tl.num_programs(1) + kvh) * num_splits * BLOCK_M + row
         part = Part + b * stride_ob + kvh * stride_oh + row * stride_om
         d = tl.arange(0, HEAD_DIM)
@@ -329,6 +288,7 @@ if HAVE_TRITON:
             g = tl.load(GATE + (b * q_len + qi) * stride_gt + head * stride_gh + d).to(tl.float32)
             sg = (1.0 / (1.0 + tl.exp(-g))).to(Out.dtype.element_ty)
             y = (y.to(tl.float32) * sg.to(tl.float32)).to(Out.dtype.element_ty)
+        release_dependents(PDL)
         tl.store(Out + (b * q_len + qi) * stride_t + head * stride_h + d, y)
 
 
@@ -455,11 +415,11 @@ def _decode_tile(rows: int) -> tuple[int, int]:
 def _split_partials(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     seq_lens: torch.Tensor, kv_start: torch.Tensor, q_start: torch.Tensor | None, q_len: int,
                     scale: float, causal: bool, window: int | None, num_splits: int, block_m: int,
-                    split_tiles: int, block_n: int = _KEY_TILE, num_warps: int = 4, settled: bool = False
+                    split_tiles: int, block_n: int = _KEY_TILE, num_warps: int = 4
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """The partial softmaxes of every (sequence, KV head, row tile, split): (o, m, l, rows per KV head) for a merge
     kernel. split_tiles 0: each sequence's key range shared evenly among num_splits; > 0: fixed absolute splits
-    of that many 64-key tiles (--deterministic). `settled`: see paged_attention."""
+    of that many 64-key tiles (--deterministic)."""
     b_count, head_dim = seq_lens.shape[0], q.shape[2]
     num_kv = k_cache.shape[2]
     group = q.shape[1] // num_kv
@@ -477,8 +437,7 @@ def _split_partials(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         scale, q_len, num_splits, window or 0,
         GROUP=group, HEAD_DIM=head_dim, PAGE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal,
         WINDOWED=window is not None, HAS_Q_START=q_start is not None, ROW_TILES=row_tiles, SPLIT_TILES=split_tiles,
-        PDL=on, SETTLED=settled and split_tiles == 0 and q_start is None, num_warps=num_warps, num_stages=2,
-        launch_pdl=on,
+        PDL=on, num_warps=num_warps, num_stages=2, launch_pdl=on,
     )
     return o, m, ll, total_m
 
@@ -519,15 +478,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     seq_lens: torch.Tensor, kv_start: torch.Tensor, q_len: int, scale: float, causal: bool,
                     num_splits: int | None = None, sinks: torch.Tensor | None = None, window: int | None = None,
                     q_start: torch.Tensor | None = None, gate: torch.Tensor | None = None,
-                    tile: tuple[int, int] | None = None, settled: bool = False) -> torch.Tensor:
+                    tile: tuple[int, int] | None = None) -> torch.Tensor:
     """Triton paged attention on CUDA (the reference elsewhere); same contract as paged_attention_ref. q may be
     a strided view (unit stride along head_dim: a slice of the fused projection). `gate` [B * q_len, H, D] (a
     view as q): the output times sigmoid(gate), Qwen3-Next / 3.5's gated attention, in the merge launch.
-    num_splits None: `split_count`; tile None: `_decode_tile` (both set by bench/attention_sweep.py to compare).
-    `settled` (the caller's promise; without q_start): every key before the block's first query was written by an
-    earlier step, none by the launch just before this one, so the kernel reads them before its PDL wait (the
-    target's decode and verify: rope_qk writes only the step's own keys). Not the drafter's: its context keys
-    are written in the same step."""
+    num_splits None: `split_count`; tile None: `_decode_tile` (both set by bench/attention_sweep.py to compare)."""
     if not use_triton(q):
         out = paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, kv_start, q_len, scale, causal,
                                   sinks, window, q_start)
@@ -540,7 +495,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     num_splits = num_splits or splits
     block_n, num_warps = tile or _decode_tile(q_len * group)
     o, m, ll, total_m = _split_partials(q, k_cache, v_cache, block_tables, seq_lens, kv_start, q_start, q_len, scale,
-                                        causal, window, num_splits, block_m, 0, block_n, num_warps, settled)
+                                        causal, window, num_splits, block_m, 0, block_n, num_warps)
     out = torch.empty_like(q)
     gate_t = q if gate is None else gate
     on = pdl(q)

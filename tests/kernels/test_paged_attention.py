@@ -128,30 +128,6 @@ def test_many_splits_match_reference(splits):
 
 
 @pytest.mark.skipif(DEVICE is None, reason="Triton kernel needs a CUDA GPU (or TRITON_INTERPRET=1)")
-@pytest.mark.parametrize("q_len,window,with_sinks", [(1, None, False), (16, None, False), (16, 40, True)])
-def test_settled_keys_loaded_early_change_nothing(q_len, window, with_sinks):
-    """`settled` (the target's step: keys before the block written by earlier steps) loads a program's first tile
-    before the PDL wait where it ends before the block's first query, after it otherwise: the output is the one of
-    the plain launch, bit for bit, for decode rows and verify blocks whose keys straddle a tile edge or not, with
-    splits of one tile and of several, a sliding window and sinks."""
-    dtype = torch.float32 if DEVICE == "cpu" else torch.bfloat16
-    d = 64
-    for max_len, splits, seed in ((70, 2, 0), (200, 64, 1), (300, 3, 2)):
-        q, kc, vc, tables, seq_lens, kv_start = random_case(DEVICE, dtype, 2, q_len, 8, 2, d, max_len=max_len,
-                                                             seed=seed)
-        kv_start.zero_()
-        sinks = torch.randn(8, device=q.device) if with_sinks else None
-        with torch.no_grad():
-            settled = paged_attention(q, kc, vc, tables, seq_lens, kv_start, q_len, d**-0.5, True, num_splits=splits,
-                                      sinks=sinks, window=window, settled=True)
-            plain = paged_attention(q, kc, vc, tables, seq_lens, kv_start, q_len, d**-0.5, True, num_splits=splits,
-                                    sinks=sinks, window=window)
-        ref = paged_attention_ref(q, kc, vc, tables, seq_lens, kv_start, q_len, d**-0.5, True, sinks, window)
-        assert torch.equal(settled, plain)
-        assert float((settled.float() - ref.float()).norm() / ref.float().norm()) < 1e-2
-
-
-@pytest.mark.skipif(DEVICE is None, reason="Triton kernel needs a CUDA GPU (or TRITON_INTERPRET=1)")
 @pytest.mark.parametrize("causal", [True, False])
 def test_row_tiles_match_reference(causal):
     """Rows of one KV head beyond one tile (6 queries x 6 heads of head_dim 256: tiles of 32 rows, the second

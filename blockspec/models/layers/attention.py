@@ -301,10 +301,8 @@ class PagedAttention(nn.Module):
             return self._attend_deterministic(q, meta), False
         if meta.decode is not None:
             d = meta.decode
-            # the target's step writes only its own keys (the last q_len positions): the rest are settled
             out = paged_attention(q, self.k_cache, self.v_cache, d.block_tables, d.seq_lens, d.kv_start, d.q_len,
-                                  self.scale, causal=True, sinks=self.sinks, window=self.sliding_window, gate=gate,
-                                  settled=True)
+                                  self.scale, causal=True, sinks=self.sinks, window=self.sliding_window, gate=gate)
             return out.reshape(q.shape[0], -1), True
         if meta.fresh_prefill and self.sinks is None and self.sliding_window is None:
             out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
