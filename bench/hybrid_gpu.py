@@ -515,6 +515,8 @@ def task_model(args: argparse.Namespace, key: str, res: dict[str, Any], save: Ca
             hp.recapture(engine)
             res["routing"]["keep_per_token"] = blocks[0].route_override.keep
         res["k15"][mode] = hp.median_runs(request, runs, warmup)
+        if mode == "uniform":
+            res["graphs_ms"] = {"k15_draft": graph_ms(engine, "draft"), "k15_target": graph_ms(engine, "target")}
         if count_experts:  # the random drafter's blocks repeat tokens: fewer experts than verify's
             res["routing"].setdefault(mode, {})["k15_blocks"] = touched(mode)
         save(res)
@@ -528,6 +530,7 @@ def task_model(args: argparse.Namespace, key: str, res: dict[str, Any], save: Ca
     # 2. AR (k = 0), and aggregate decode at concurrency.
     engine.set_num_speculative_tokens(0)
     res["ar"] = hp.median_runs(request, runs, warmup)
+    res["graphs_ms"]["ar_target"] = graph_ms(engine, "target")
     if args.profile and args.device == "cuda":
         res["profile"].append({"k": 0} | kernel_table(engine, "target"))
     res["ar_fraction"] = res["ar"]["tok_s"] / res["roofline_tok_s"]
@@ -573,6 +576,15 @@ def task_model(args: argparse.Namespace, key: str, res: dict[str, Any], save: Ca
         v["over_ar"] = v["step_ms"] / res["ar"]["step_ms"]
         save(res)
     engine.release()
+
+
+def graph_ms(engine, name: str) -> float | None:
+    """GPU time of one replay of the batch-1 graph `name` (no host work, median of 5 x 20 replays): what an A/B of a
+    kernel change reads, steadier than whole requests (bench/ab_engine.py); None without graphs (eager, CPU)."""
+    from first_gpu import replay_ms
+
+    times = [replay_ms(engine, name, 20) for _ in range(5)]
+    return None if any(t != t for t in times) else statistics.median(times)
 
 
 def k15_bytes_bound(res: dict[str, Any]) -> float | None:

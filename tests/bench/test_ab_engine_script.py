@@ -32,3 +32,23 @@ def test_tiny_cpu_ab(tmp_path, capsys):
         assert json.loads((tmp_path / side / "hybrid_gpu.json").read_text())["commit"].startswith(base)
     out = capsys.readouterr().out.rstrip().splitlines()
     assert out[-1].startswith("| Qwen3-Coder-30B-A3B (tiny) |") and out[-3].startswith("| model |")
+
+
+def test_rounds_compare_medians():
+    """--rounds: each tree's figures are the medians of its runs (a missing figure, e.g. graph times of an eager or
+    older tree, stays out of the median), and the graph replays are compared beside the requests."""
+    def run(tok_s: float, k15: float, graphs: dict | None) -> dict:
+        model = {"key": "8b", "model": "Qwen3-8B", "ar": {"tok_s": tok_s}, "ar_fraction": tok_s / 500,
+                 "k15": {"uniform": {"step_ms": k15}}, "verify": {"uniform": {"step_ms": 4.0, "fraction": 0.3}}}
+        if graphs is not None:
+            model["graphs_ms"] = graphs
+        return {"models": [model]}
+
+    new = ab_engine.median_of_rounds([run(300.0, 5.0, {"ar_target": 3.0, "k15_draft": 0.6, "k15_target": 4.0}),
+                                      run(310.0, 4.0, {"ar_target": 2.0, "k15_draft": 0.5, "k15_target": 3.9}),
+                                      run(350.0, 4.5, None)])
+    base = ab_engine.median_of_rounds([run(320.0, 5.5, None)])
+    (row,) = ab_engine.compare(new, base)
+    assert row["ar_tok_s"] == [310.0, 320.0] and row["k15_ms"] == [4.5, 5.5]
+    assert row["ar_graph_ms"] == [2.5, None] and row["k15_graphs_ms"] == [0.55 + 3.95, None]
+    assert "2.500" not in ab_engine.table([row], "new", "base")  # a pair with a missing side prints "-"
