@@ -301,27 +301,34 @@ def cases() -> list[tuple[str, tuple, dict]]:
     paged = {n: "i32" for n in pa._paged_attention_kernel.arg_names}
     paged.update(Q="*bf16", K="*bf16", V="*bf16", Out="*fp32", M="*fp32", L="*fp32", BT="*i32", SEQ_LENS="*i32",
                  KV_START="*i32", Q_START="*i32", scale="fp32")
+    # what a launch's JIT specialises on: the pointers and the strides of the caches, q, the block table and the
+    # partials are multiples of 16 (without it the cases compiled to 255 registers where the launches take 80-226)
+    paged_div = ("Q", "K", "V", "Out", "M", "L", "BT", "stride_qt", "stride_qh", "stride_kb", "stride_ks", "stride_kh",
+                 "stride_vb", "stride_vs", "stride_vh", "stride_bt", "stride_ob", "stride_oh", "stride_os")
     for split_tiles in (0, 8):
         out.append((f"paged_attention SPLIT_TILES={split_tiles}", (pa._paged_attention_kernel, paged, dict(
             GROUP=8, HEAD_DIM=256, PAGE=16, BLOCK_M=16, BLOCK_N=64, CAUSAL=True, WINDOWED=False, HAS_Q_START=False,
-            ROW_TILES=1, SPLIT_TILES=split_tiles)), dict(num_stages=2)))
+            ROW_TILES=1, SPLIT_TILES=split_tiles)), dict(num_stages=2, div16=paged_div)))
     out.append(("paged_attention SPLIT_TILES=8 windowed (GPT-OSS --deterministic)", (pa._paged_attention_kernel, paged,
                 dict(GROUP=8, HEAD_DIM=64, PAGE=16, BLOCK_M=pa._det_block_m(64), BLOCK_N=64, CAUSAL=True,
-                     WINDOWED=True, HAS_Q_START=False, ROW_TILES=1, SPLIT_TILES=8)), dict(num_stages=2)))
+                     WINDOWED=True, HAS_Q_START=False, ROW_TILES=1, SPLIT_TILES=8)),
+                dict(num_stages=2, div16=paged_div)))
     for head_dim, block_m, rows in ((64, 128, 48), (128, 16, 8), (128, 64, 128), (256, 16, 6), (256, 32, 96)):
-        block_n, warps = pa._decode_tile(rows)  # the default path's tiles; verify blocks (4 warps) spill by choice
+        block_n, warps = pa._decode_tile(rows)  # the default path's tiles
         out.append((f"paged_attention head_dim={head_dim} BLOCK_M={block_m}", (pa._paged_attention_kernel, paged, dict(
             GROUP=8, HEAD_DIM=head_dim, PAGE=16, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=True, WINDOWED=False,
-            HAS_Q_START=False, ROW_TILES=1, SPLIT_TILES=0)), dict(num_stages=2, num_warps=warps,
-                                                                  no_spill=rows <= pa._FEW_ROWS and head_dim < 256)))
+            HAS_Q_START=False, ROW_TILES=1, SPLIT_TILES=0)), dict(num_stages=2, num_warps=warps, div16=paged_div,
+                                                                  no_spill=True)))
     ragged = {n: "i32" for n in pa._ragged_attention_kernel.arg_names}
     ragged.update(Q="*bf16", K="*bf16", V="*bf16", Out="*bf16", SINKS="*bf16", QUERY_INDEX="*i32", QUERY_POS="*i32",
                   KV_SLOTS="*i32", scale="fp32")
+    ragged_div = ("Q", "K", "V", "Out", "QUERY_INDEX", "QUERY_POS", "KV_SLOTS", *(
+        n for n in pa._ragged_attention_kernel.arg_names if n.startswith("stride")))
     for head_dim, group in ((64, 3), (128, 8), (256, 6)):  # SmolLM2, Qwen3-Coder, Qwen3.6-27B: 64-row tiles
         block_n, warps = pa._ragged_tile(head_dim)
         out.append((f"ragged_attention head_dim={head_dim} GROUP={group}", (pa._ragged_attention_kernel, ragged, dict(
             GROUP=group, HEAD_DIM=head_dim, BLOCK_Q=64 // group, BLOCK_M=64, BLOCK_N=block_n, WINDOWED=False,
-            HAS_SINKS=False)), dict(num_stages=2, num_warps=warps, no_spill=True)))
+            HAS_SINKS=False)), dict(num_stages=2, num_warps=warps, no_spill=True, div16=ragged_div)))
     fixed = {n: "i32" for n in pa._merge_fixed_splits_kernel.arg_names}
     fixed.update(Part="*fp32", M="*fp32", L="*fp32", Out="*bf16", SEQ_LENS="*i32", SINKS="*bf16")
     for sinks in (False, True):  # GPT-OSS's sinks join the merge

@@ -399,8 +399,10 @@ _KEY_TILE = 64  # keys per step of the paged kernel (BLOCK_N) in --deterministic
 
 def _ragged_tile(head_dim: int) -> tuple[int, int]:
     """(keys a step, warps) of the ragged (prefill) kernel. Its key tiles are gathered through the block table into
-    registers (no cp.async pipeline); at 4 warps with 64-key tiles ptxas spilled 1.8 KB a thread at head_dim 256
-    (bench/compile_sm90.py): 8 warps, with 32-key tiles at head_dim 256."""
+    registers (no cp.async pipeline): 8 warps, 32-key tiles at head_dim 256. Chosen from register counts, not timed:
+    compiled without the JIT's divisibility specialisation, 64-key tiles at 4 warps seemed to spill 1.8 KB a thread;
+    as launched (strides multiples of 16) they take 255 registers and 8 bytes of stack, and 64-key tiles at 8 warps
+    201 registers without spills (bench/compile_sm90.py), a candidate for a prefill measurement."""
     return (32 if head_dim >= 256 else 64), 8
 
 
@@ -408,7 +410,8 @@ def _decode_tile(rows: int) -> tuple[int, int]:
     """(keys a step, warps) of the paged decode / verify kernel for `rows` query rows a KV head, from
     bench/attention_sweep.py --sweep on an H100 (bench/results/attention_sweep_h100_0c3de9e.json): 64-key tiles
     everywhere; 8 warps for decode rows, 4 for verify blocks (Qwen3.6-27B 16 queries: 12.2 us vs 16.6 with the
-    32-key, 8-warp tile that avoids ptxas's spills at head_dim 256: the spills cost less than the extra steps)."""
+    32-key, 8-warp tile). As launched none spills: 80 registers for Qwen3-8B decode rows, 206-224 for verify blocks
+    (bench/compile_sm90.py with the JIT's divisibility specialisation)."""
     return 64, (8 if rows <= _FEW_ROWS else 4)
 
 
