@@ -10,8 +10,8 @@ launches). Kinds:
   - merge: the split-attention merge launch of paged_attention;
   - attn:  decode attention altogether (its split launch and the merge).
 Each variant runs `hybrid_gpu.py --in-process --profile` with the arguments after `--` (launches per graph show
-what was removed); prints the AR, k = 15 and verify step ms against the base variant, and writes
-$OUT/launch_skip.json.
+what was removed) in a temporary folder; prints the AR, k = 15 and verify step ms against the base variant and
+writes $OUT/launch_skip.json (each variant's step ms, batch-1 graph replay ms and launches, the commit and device).
 
   python bench/launch_skip.py [--variants base,norm,rope,merge,attn,all] -- --models 8b --quant nvfp4 \\
       --draft-quantization rtn --skip-equality --runs 3
@@ -24,6 +24,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -84,8 +85,18 @@ def step_ms(path: Path) -> dict:
         entry = model.get(key, {})
         entry = entry.get("uniform", entry) if key != "ar" else entry
         out[f"{key}_ms"] = entry.get("step_ms")
+    out["graphs_ms"] = model.get("graphs_ms")
     out["launches"] = {f"k{p['k']} {p['graph']}": p.get("launches") for p in model.get("profile", [])}
     return out
+
+
+def run_info(path: Path) -> dict:
+    """Commit, device and settings of a variant's hybrid_gpu JSON."""
+    files = sorted(path.glob("hybrid_gpu*.json"))
+    if not files:
+        return {}
+    res = json.loads(files[0].read_text())
+    return {k: res.get(k) for k in ("commit", "device", "dtype", "settings", "copy_bandwidth_GBps")}
 
 
 def main() -> None:
@@ -98,16 +109,19 @@ def main() -> None:
     ap.add_argument("--variants", default="base,norm,rope,merge,attn,all")
     args = ap.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
     out = Path(os.environ.get("OUT", str(HERE / "results")))
-    rows = {}
-    for variant in args.variants.split(","):
-        where = out / f"skip_{variant}"
-        where.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, __file__, "--child", variant, "--", *rest, "--in-process", "--profile",
-               "--out", str(where)]
-        print(f"== {variant}", flush=True)
-        subprocess.run(cmd, check=False)
-        rows[variant] = step_ms(where)
-        (out / "launch_skip.json").write_text(json.dumps({"args": rest, "variants": rows}, indent=1))
+    out.mkdir(parents=True, exist_ok=True)
+    rows: dict[str, dict] = {}
+    info: dict = {}
+    with tempfile.TemporaryDirectory(prefix="launch_skip_") as tmp:
+        for variant in args.variants.split(","):
+            where = Path(tmp) / variant
+            cmd = [sys.executable, __file__, "--child", variant, "--", *rest, "--in-process", "--profile",
+                   "--out", str(where)]
+            print(f"== {variant}", flush=True)
+            subprocess.run(cmd, check=False)
+            rows[variant] = step_ms(where)
+            info = info or run_info(where)
+            (out / "launch_skip.json").write_text(json.dumps({**info, "args": rest, "variants": rows}, indent=1))
     base = rows.get("base", {})
     print(f"{'variant':8} {'AR ms':>8} {'k15 ms':>8} {'verify ms':>10}  (saved against base)  launches")
     for variant, r in rows.items():

@@ -26,7 +26,8 @@ def test_variants_run_and_are_compared(tmp_path):
                            "--models", "8b", "--skip-equality"], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     res = json.loads((tmp_path / "launch_skip.json").read_text())
-    assert set(res["variants"]) == {"base", "rope"}
+    assert set(res["variants"]) == {"base", "rope"} and res["commit"] and res["settings"]["tiny"]
+    assert not list(tmp_path.glob("*/"))  # the variants' own runs stay in a temporary folder
     for row in res["variants"].values():
         assert row["error"] is None and all(row[k] > 0 for k in ("ar_ms", "k15_ms", "verify_ms")), row
     lines = proc.stdout.rstrip().splitlines()
