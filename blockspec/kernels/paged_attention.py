@@ -318,10 +318,12 @@ if HAVE_TRITON:
         joining the normaliser; with HAS_GATE the output times sigmoid(gate), rounded as the two PyTorch ops
         (sigmoid in the activation dtype, then the product) would round it. Only the splits with keys are read
         (`_split_share`, from the sequence's length: a graph's launch has up to 64 splits, a short context
-        fills a few), CHUNK at a time with a running maximum (`_merge_rows`)."""
+        fills a few), CHUNK at a time with a running maximum."""
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         row = tl.program_id(2)
+        qi = row // GROUP
+        head = kvh * GROUP + row % GROUP
         seq_len = tl.load(SEQ_LENS + b)
         if HAS_Q_START:
             q0 = tl.load(Q_START + b)
@@ -329,17 +331,37 @@ if HAVE_TRITON:
             q0 = seq_len - q_len
         n_live = _split_share(seq_len, tl.load(KV_START + b), q0, window, num_splits, BLOCK_N, WINDOWED)[3]
         wait_for_inputs(PDL)  # the lengths above are the step's, not the attention launch's: read before it ends
-        rows = row + tl.arange(0, 1)
-        heads = kvh * GROUP + rows % GROUP
-        ok = rows >= 0
-        m_run, den = _merge_start(SINKS, heads, ok, HAS_SINKS)
-        num, den = _merge_rows(Part + b * stride_ob + kvh * stride_oh, M, L, (b * tl.num_programs(1) + kvh) * num_splits
-                               * BLOCK_M, rows, n_live, m_run, den, stride_os, stride_om, BLOCK_M, HEAD_DIM, CHUNK)
-        release_dependents(PDL)
+        ml_base = (b * tl.num_programs(1) + kvh) * num_splits * BLOCK_M + row
+        part = Part + b * stride_ob + kvh * stride_oh + row * stride_om
         d = tl.arange(0, HEAD_DIM)
-        tokens = b * q_len + rows // GROUP
-        _merge_store(num, den, Out, tokens[:, None] * stride_t + heads[:, None] * stride_h + d[None, :], GATE,
-                     tokens[:, None] * stride_gt + heads[:, None] * stride_gh + d[None, :], ok[:, None], HAS_GATE)
+        c = tl.arange(0, CHUNK)
+        m_run = tl.max(tl.full([CHUNK], float("-inf"), tl.float32), 0)
+        if HAS_SINKS:  # the sink joins as one more logit with a zero value
+            m_run = tl.load(SINKS + head).to(tl.float32)
+        m_safe = tl.where(m_run == float("-inf"), 0.0, m_run)
+        den = tl.exp(m_run - m_safe)  # the sink's weight, or 0
+        num = tl.zeros([HEAD_DIM], dtype=tl.float32)
+        for s0 in range(0, n_live, CHUNK):
+            s = s0 + c
+            s_ok = s < n_live
+            m = tl.load(M + ml_base + s * BLOCK_M, mask=s_ok, other=float("-inf"))
+            s_ok = s_ok & (m != float("-inf"))  # a row may see no key of a split (its window, kv_start)
+            m_new = tl.maximum(m_run, tl.max(m, 0))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m_run - m_safe)
+            w = tl.exp(m - m_safe)
+            acc = tl.load(part + s[:, None] * stride_os + d[None, :], mask=s_ok[:, None], other=0.0)
+            num = num * alpha + tl.sum(acc * w[:, None], 0)
+            den = den * alpha + tl.sum(tl.load(L + ml_base + s * BLOCK_M, mask=s_ok, other=0.0) * w, 0)
+            m_run = m_new
+        den = tl.maximum(den, 1e-30)
+        y = (num / den).to(Out.dtype.element_ty)
+        if HAS_GATE:
+            g = tl.load(GATE + (b * q_len + qi) * stride_gt + head * stride_gh + d).to(tl.float32)
+            sg = (1.0 / (1.0 + tl.exp(-g))).to(Out.dtype.element_ty)
+            y = (y.to(tl.float32) * sg.to(tl.float32)).to(Out.dtype.element_ty)
+        release_dependents(PDL)
+        tl.store(Out + (b * q_len + qi) * stride_t + head * stride_h + d, y)
 
 
 if HAVE_TRITON:
