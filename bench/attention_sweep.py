@@ -78,15 +78,14 @@ def measure(name: str, batch: int, q_len: int, ctx: int, args) -> dict:
 
     row = {"model": name, "batch": batch, "q_len": q_len, "context": ctx, "kv_bytes": kv_bytes}
     row["default_us"], row["default_err"] = run(None, None)
-    splits = pa.default_launch(q.device, batch, kv, q_len, heads // kv, hd)[1]
+    block_m, splits = pa.default_launch(q.device, batch, kv, q_len, heads // kv, hd)
     row["default_config"] = {"splits": splits, "tile": pa._decode_tile(q_len * heads // kv)}
     row["old_us"], _ = run(OLD["splits"], OLD["tile"])
     if args.merge_in_launch:  # the default launch with decode rows merged by each KV head's last split
         limit = pa.MERGE_IN_LAUNCH_ROWS
         pa.MERGE_IN_LAUNCH_ROWS = 16
         try:
-            fused = pa.merge_in_launch(q, batch * kv, q_len * heads // kv,
-                                       pa.default_launch(q.device, batch, kv, q_len, heads // kv, hd)[0])
+            fused = pa.merge_in_launch(q, batch * kv, q_len * heads // kv, block_m)
             row["merged_us"] = run(None, None)[0] if fused else None
         finally:
             pa.MERGE_IN_LAUNCH_ROWS = limit

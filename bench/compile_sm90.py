@@ -305,7 +305,7 @@ def cases() -> list[tuple[str, tuple, dict]]:
                  KV_START="*i32", Q_START="*i32", FINAL="*bf16", SINKS="*bf16", GATE="*bf16", CNT="*i32",
                  scale="fp32")
     # what a launch's JIT specialises on: the pointers and the strides of the caches, q, the block table and the
-    # partials are multiples of 16 (without it the cases compiled to 255 registers where the launches take 80-226)
+    # partials are multiples of 16 (without it the cases compiled to 255 registers where the launches take 64-216)
     paged_div = ("Q", "K", "V", "Out", "M", "L", "BT", "stride_qt", "stride_qh", "stride_kb", "stride_ks", "stride_kh",
                  "stride_vb", "stride_vs", "stride_vh", "stride_bt", "stride_ob", "stride_oh", "stride_os", "stride_om",
                  "FINAL", "GATE", "stride_t", "stride_h", "stride_gt", "stride_gh")
@@ -332,7 +332,7 @@ def cases() -> list[tuple[str, tuple, dict]]:
         out.append((label, (pa._paged_attention_kernel, paged, dict(
             GROUP=group, HEAD_DIM=head_dim, PAGE=16, BLOCK_M=16, BLOCK_N=block_n, CAUSAL=True, WINDOWED=sinks,
             HAS_Q_START=False, ROW_TILES=1, SPLIT_TILES=0, PDL=True, MERGE=True, MERGE_ROWS=merge_rows,
-            CHUNK=max(1, min(pa._MERGE_CHUNK, pa._MERGE_ELEMENTS // (merge_rows * head_dim))), HAS_SINKS=sinks,
+            CHUNK=pa.merge_chunk(merge_rows, head_dim), HAS_SINKS=sinks,
             HAS_GATE=gate)), dict(num_stages=2, num_warps=warps, div16=paged_div, no_spill=True,
                                   ptx_has=pdl_ptx + ("atom.",))))
     ragged = {n: "i32" for n in pa._ragged_attention_kernel.arg_names}

@@ -74,12 +74,14 @@ def child(variant: str, rest: list[str]) -> None:
     hybrid_gpu.main(rest)
 
 
-def step_ms(path: Path) -> dict:
-    """AR / k15 / verify step ms and launches per graph of the one model in a hybrid_gpu JSON."""
+def variant_result(path: Path) -> tuple[dict, dict]:
+    """From a variant's hybrid_gpu JSON (its one model): (AR / k15 / verify step ms, graph replay ms and launches per
+    graph; the run's commit, device and settings)."""
     files = sorted(path.glob("hybrid_gpu*.json"))
     if not files:
-        return {"error": "no result"}
-    model = json.loads(files[0].read_text())["models"][0]
+        return {"error": "no result"}, {}
+    res = json.loads(files[0].read_text())
+    model = res["models"][0]
     out = {"error": model.get("error")}
     for key in ("ar", "k15", "verify"):
         entry = model.get(key, {})
@@ -87,16 +89,7 @@ def step_ms(path: Path) -> dict:
         out[f"{key}_ms"] = entry.get("step_ms")
     out["graphs_ms"] = model.get("graphs_ms")
     out["launches"] = {f"k{p['k']} {p['graph']}": p.get("launches") for p in model.get("profile", [])}
-    return out
-
-
-def run_info(path: Path) -> dict:
-    """Commit, device and settings of a variant's hybrid_gpu JSON."""
-    files = sorted(path.glob("hybrid_gpu*.json"))
-    if not files:
-        return {}
-    res = json.loads(files[0].read_text())
-    return {k: res.get(k) for k in ("commit", "device", "dtype", "settings", "copy_bandwidth_GBps")}
+    return out, {k: res.get(k) for k in ("commit", "device", "dtype", "settings", "copy_bandwidth_GBps")}
 
 
 def main() -> None:
@@ -119,8 +112,8 @@ def main() -> None:
                    "--out", str(where)]
             print(f"== {variant}", flush=True)
             subprocess.run(cmd, check=False)
-            rows[variant] = step_ms(where)
-            info = info or run_info(where)
+            rows[variant], run = variant_result(where)
+            info = info or run
             (out / "launch_skip.json").write_text(json.dumps({**info, "args": rest, "variants": rows}, indent=1))
     base = rows.get("base", {})
     print(f"{'variant':8} {'AR ms':>8} {'k15 ms':>8} {'verify ms':>10}  (saved against base)  launches")

@@ -291,20 +291,24 @@ if HAVE_TRITON:
     def _merge_start(SINKS, head, row_ok, HAS_SINKS: tl.constexpr):
         """The running maximum and normaliser a merge starts from: the sink's logit and weight (it joins as one more
         key with a zero value), or -inf and 0."""
-        m_run = tl.where(row_ok, float("-inf"), float("-inf"))
+        m_run = tl.full(row_ok.shape, float("-inf"), tl.float32)
         if HAS_SINKS:
             m_run = tl.load(SINKS + head, mask=row_ok, other=0.0).to(tl.float32)
         return m_run, tl.exp(m_run - tl.where(m_run == float("-inf"), 0.0, m_run))
 
     @triton.jit
+    def _gated(y, g):
+        """y times sigmoid(g) (g in float32), rounded as the two PyTorch ops (sigmoid in y's dtype, then the product)
+        would round it."""
+        sg = (1.0 / (1.0 + tl.exp(-g))).to(y.dtype)
+        return (y.to(tl.float32) * sg.to(tl.float32)).to(y.dtype)
+
+    @triton.jit
     def _merge_store(num, den, Out, out_offs, GATE, gate_offs, mask, HAS_GATE: tl.constexpr):
-        """num / den to Out; with HAS_GATE times sigmoid(gate), rounded as the two PyTorch ops (sigmoid in the
-        activation dtype, then the product) would round it."""
+        """num / den to Out; with HAS_GATE times sigmoid(gate) (`_gated`)."""
         y = (num / tl.maximum(den, 1e-30)[:, None]).to(Out.dtype.element_ty)
         if HAS_GATE:
-            g = tl.load(GATE + gate_offs, mask=mask, other=0.0).to(tl.float32)
-            sg = (1.0 / (1.0 + tl.exp(-g))).to(Out.dtype.element_ty)
-            y = (y.to(tl.float32) * sg.to(tl.float32)).to(Out.dtype.element_ty)
+            y = _gated(y, tl.load(GATE + gate_offs, mask=mask, other=0.0).to(tl.float32))
         tl.store(Out + out_offs, y, mask=mask)
 
     @triton.jit
@@ -357,9 +361,7 @@ if HAVE_TRITON:
         den = tl.maximum(den, 1e-30)
         y = (num / den).to(Out.dtype.element_ty)
         if HAS_GATE:
-            g = tl.load(GATE + (b * q_len + qi) * stride_gt + head * stride_gh + d).to(tl.float32)
-            sg = (1.0 / (1.0 + tl.exp(-g))).to(Out.dtype.element_ty)
-            y = (y.to(tl.float32) * sg.to(tl.float32)).to(Out.dtype.element_ty)
+            y = _gated(y, tl.load(GATE + (b * q_len + qi) * stride_gt + head * stride_gh + d).to(tl.float32))
         release_dependents(PDL)
         tl.store(Out + (b * q_len + qi) * stride_t + head * stride_h + d, y)
 
@@ -521,7 +523,7 @@ def _split_partials(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         GROUP=group, HEAD_DIM=head_dim, PAGE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal,
         WINDOWED=window is not None, HAS_Q_START=q_start is not None, ROW_TILES=row_tiles, SPLIT_TILES=split_tiles,
         PDL=on, MERGE=merged is not None, MERGE_ROWS=merge_rows,
-        CHUNK=max(1, min(_MERGE_CHUNK, _MERGE_ELEMENTS // (merge_rows * head_dim))), HAS_SINKS=sinks is not None,
+        CHUNK=merge_chunk(merge_rows, head_dim), HAS_SINKS=sinks is not None,
         HAS_GATE=gate is not None, num_warps=num_warps, num_stages=2, launch_pdl=on,
     )
     return o, m, ll, total_m
@@ -600,6 +602,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 _MERGE_CHUNK = 16  # splits a merge program reads at once: every split with keys of a 1,024-key context
 _MERGE_ELEMENTS = 8192  # float32 partial values an in-launch merge reads at once (32 registers a thread at 8 warps)
+
+
+def merge_chunk(rows: int, head_dim: int) -> int:
+    """Splits an in-launch merge of `rows` rows reads at once: up to _MERGE_CHUNK, _MERGE_ELEMENTS values."""
+    return max(1, min(_MERGE_CHUNK, _MERGE_ELEMENTS // (rows * head_dim)))
+
+
 # Decode rows (a KV head's query heads, one row tile) up to which the split merge runs inside the attention launch
 # (`merge_in_launch`). 0 until measured: the merge launch cost 0.19 ms of the Qwen3-8B NVFP4 AR step on an H100
 # (bench/launch_skip.py, NOTES session 33); session 24's in-launch merge, which read the partials in dependent round
