@@ -160,7 +160,7 @@ if HAVE_TRITON:
         BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, HAS_Q_START: tl.constexpr,
         ROW_TILES: tl.constexpr, SPLIT_TILES: tl.constexpr, PDL: tl.constexpr = False, MERGE: tl.constexpr = False,
         MERGE_ROWS: tl.constexpr = 1, CHUNK: tl.constexpr = 1, HAS_SINKS: tl.constexpr = False,
-        HAS_GATE: tl.constexpr = False,
+        HAS_GATE: tl.constexpr = False, EARLY: tl.constexpr = False,
     ):
         """One (sequence, KV head, tile of BLOCK_M query rows, split of the key range): its rows are the
         (query, head of the group) pairs tile * BLOCK_M.. of that KV head, all queries' heads in one matrix.
@@ -174,6 +174,8 @@ if HAVE_TRITON:
         attention, not two."""
         # The step's lengths are written before its first layer, never by the kernel just before this one: under
         # PDL they are read, and a split without keys returns, before waiting for that kernel (q, the new keys).
+        if EARLY:  # `decode_releases_early`
+            release_dependents(PDL)
         b = tl.program_id(0)
         kvh = tl.program_id(1) // ROW_TILES
         rows = (tl.program_id(1) % ROW_TILES) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -230,7 +232,8 @@ if HAVE_TRITON:
             v = tl.load(V + blk[:, None] * stride_vb + slot[:, None] * stride_vs + kvh * stride_vh + d[None, :],
                         mask=n_ok[:, None], other=0.0)
             m_i, l_i, acc = _online_softmax_step(s, visible, v, m_i, l_i, acc)
-        release_dependents(PDL)
+        if not EARLY:
+            release_dependents(PDL)
         base = b * stride_ob + kvh * stride_oh + split * stride_os
         TOTAL_M: tl.constexpr = ROW_TILES * BLOCK_M
         ml_head = (b * (tl.num_programs(1) // ROW_TILES) + kvh) * num_splits * TOTAL_M
@@ -317,12 +320,17 @@ if HAVE_TRITON:
                              GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
                              BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, WINDOWED: tl.constexpr,
                              HAS_Q_START: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_GATE: tl.constexpr,
-                             PDL: tl.constexpr = False):
+                             PDL: tl.constexpr = False, EARLY: tl.constexpr = False):
         """Combine the splits' partial softmaxes of one query row (log-sum-exp weights), the sink's logit
         joining the normaliser; with HAS_GATE the output times sigmoid(gate), rounded as the two PyTorch ops
         (sigmoid in the activation dtype, then the product) would round it. Only the splits with keys are read
         (`_split_share`, from the sequence's length: a graph's launch has up to 64 splits, a short context
-        fills a few), CHUNK at a time with a running maximum."""
+        fills a few), CHUNK at a time with a running maximum; a chunk's maxima, normalisers and values in one round
+        trip (a row that saw no key of a split has m = -inf, l = 0 and zero values there, which weigh nothing:
+        k = 15 target graph of Qwen3-8B NVFP4 4.165 -> 4.149 ms on an H100 against masking the values by the
+        maxima)."""
+        if EARLY:  # `decode_releases_early`
+            release_dependents(PDL)
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         row = tl.program_id(2)
@@ -349,20 +357,21 @@ if HAVE_TRITON:
             s = s0 + c
             s_ok = s < n_live
             m = tl.load(M + ml_base + s * BLOCK_M, mask=s_ok, other=float("-inf"))
-            s_ok = s_ok & (m != float("-inf"))  # a row may see no key of a split (its window, kv_start)
+            acc = tl.load(part + s[:, None] * stride_os + d[None, :], mask=s_ok[:, None], other=0.0)
+            ll = tl.load(L + ml_base + s * BLOCK_M, mask=s_ok, other=0.0)
             m_new = tl.maximum(m_run, tl.max(m, 0))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             alpha = tl.exp(m_run - m_safe)
             w = tl.exp(m - m_safe)
-            acc = tl.load(part + s[:, None] * stride_os + d[None, :], mask=s_ok[:, None], other=0.0)
             num = num * alpha + tl.sum(acc * w[:, None], 0)
-            den = den * alpha + tl.sum(tl.load(L + ml_base + s * BLOCK_M, mask=s_ok, other=0.0) * w, 0)
+            den = den * alpha + tl.sum(ll * w, 0)
             m_run = m_new
         den = tl.maximum(den, 1e-30)
         y = (num / den).to(Out.dtype.element_ty)
         if HAS_GATE:
             y = _gated(y, tl.load(GATE + (b * q_len + qi) * stride_gt + head * stride_gh + d).to(tl.float32))
-        release_dependents(PDL)
+        if not EARLY:
+            release_dependents(PDL)
         tl.store(Out + (b * q_len + qi) * stride_t + head * stride_h + d, y)
 
 
@@ -494,12 +503,13 @@ def _split_partials(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     scale: float, causal: bool, window: int | None, num_splits: int, block_m: int,
                     split_tiles: int, block_n: int = _KEY_TILE, num_warps: int = 4,
                     merged: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
-                    gate: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+                    gate: torch.Tensor | None = None, early: bool = False
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """The partial softmaxes of every (sequence, KV head, row tile, split): (o, m, l, rows per KV head) for a merge
     kernel. split_tiles 0: each sequence's key range shared evenly among num_splits; > 0: fixed absolute splits
     of that many 64-key tiles (--deterministic). `merged` (q's shape; split_tiles 0, one row tile): the attention
     output, merged inside this launch by each KV head's last split to finish (with `sinks` and `gate` as the merge
-    kernel takes them)."""
+    kernel takes them). `early`: the dependents may launch before this launch's wait (`decode_releases_early`)."""
     b_count, head_dim = seq_lens.shape[0], q.shape[2]
     num_kv = k_cache.shape[2]
     group = q.shape[1] // num_kv
@@ -524,7 +534,7 @@ def _split_partials(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         WINDOWED=window is not None, HAS_Q_START=q_start is not None, ROW_TILES=row_tiles, SPLIT_TILES=split_tiles,
         PDL=on, MERGE=merged is not None, MERGE_ROWS=merge_rows,
         CHUNK=merge_chunk(merge_rows, head_dim), HAS_SINKS=sinks is not None,
-        HAS_GATE=gate is not None, num_warps=num_warps, num_stages=2, launch_pdl=on,
+        HAS_GATE=gate is not None, EARLY=early, num_warps=num_warps, num_stages=2, launch_pdl=on,
     )
     return o, m, ll, total_m
 
@@ -561,6 +571,15 @@ def default_launch(device: torch.device, b_count: int, num_kv: int, q_len: int, 
     return block_m, split_count(device, b_count * num_kv * -(-rows // block_m), rows)
 
 
+def decode_releases_early(b_count: int, q_len: int) -> bool:
+    """Whether the split attention and its merge let their dependents launch before their own PDL wait: then the
+    merge is in flight for the whole attention, and the output projection after it loads its first weights during
+    both. Batch-1 decode rows only, as measured (Qwen3-8B NVFP4, H100, batch-1 graph replays): the AR graph 3.145 ->
+    3.049 ms, while verify and drafter blocks lost (k = 15 target graph 4.165 -> 4.212, drafter 0.718 -> 0.766;
+    bench/results/early_release_8b_nvfp4_h100_1e3f9ff.json)."""
+    return b_count == 1 and q_len == 1
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     seq_lens: torch.Tensor, kv_start: torch.Tensor, q_len: int, scale: float, causal: bool,
                     num_splits: int | None = None, sinks: torch.Tensor | None = None, window: int | None = None,
@@ -586,8 +605,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         _split_partials(q, k_cache, v_cache, block_tables, seq_lens, kv_start, q_start, q_len, scale, causal, window,
                         num_splits, block_m, 0, block_n, num_warps, out, sinks, gate)
         return out
+    early = decode_releases_early(b_count, q_len)
     o, m, ll, total_m = _split_partials(q, k_cache, v_cache, block_tables, seq_lens, kv_start, q_start, q_len, scale,
-                                        causal, window, num_splits, block_m, 0, block_n, num_warps)
+                                        causal, window, num_splits, block_m, 0, block_n, num_warps, early=early)
     gate_t = q if gate is None else gate
     on = pdl(q)
     _merge_splits_kernel[(b_count, num_kv, q_len * group)](
@@ -596,7 +616,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         out.stride(0), out.stride(1), gate_t.stride(0), gate_t.stride(1), q_len, num_splits, window or 0,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_M=total_m, BLOCK_N=block_n, CHUNK=_MERGE_CHUNK,
         WINDOWED=window is not None, HAS_Q_START=q_start is not None, HAS_SINKS=sinks is not None,
-        HAS_GATE=gate is not None, PDL=on, num_warps=_merge_warps(head_dim), launch_pdl=on)
+        HAS_GATE=gate is not None, PDL=on, EARLY=early, num_warps=_merge_warps(head_dim), launch_pdl=on)
     return out
 
 
