@@ -10,7 +10,7 @@ Timing: R calls captured in one CUDA graph, each on its own KV cache so the keys
 paged_attention_ref first (relative error printed). Prints a table last (the default launch's us, the earlier
 launch's, the best swept one and its config) and writes $OUT/attention_sweep.json.
 
-  python bench/attention_sweep.py [--iters 50] [--sweep] [--merge-in-launch] [--models coder-30b,qwen3.6-27b]
+  python bench/attention_sweep.py [--iters 50] [--sweep] [--models coder-30b,qwen3.6-27b]
 """
 
 from __future__ import annotations
@@ -78,17 +78,9 @@ def measure(name: str, batch: int, q_len: int, ctx: int, args) -> dict:
 
     row = {"model": name, "batch": batch, "q_len": q_len, "context": ctx, "kv_bytes": kv_bytes}
     row["default_us"], row["default_err"] = run(None, None)
-    block_m, splits = pa.default_launch(q.device, batch, kv, q_len, heads // kv, hd)
+    splits = pa.default_launch(q.device, batch, kv, q_len, heads // kv, hd)[1]
     row["default_config"] = {"splits": splits, "tile": pa._decode_tile(q_len * heads // kv)}
     row["old_us"], _ = run(OLD["splits"], OLD["tile"])
-    if args.merge_in_launch:  # the default launch with decode rows merged by each KV head's last split
-        limit = pa.MERGE_IN_LAUNCH_ROWS
-        pa.MERGE_IN_LAUNCH_ROWS = 16
-        try:
-            fused = pa.merge_in_launch(q, batch * kv, q_len * heads // kv, block_m)
-            row["merged_us"] = run(None, None)[0] if fused else None
-        finally:
-            pa.MERGE_IN_LAUNCH_ROWS = limit
     sweep = [] if not args.sweep else [
         {"splits": s, "tile": t, "us": run(s, t)[0]} for s, t in itertools.product(SPLITS, TILES)]
     row["sweep"] = sweep
@@ -103,8 +95,6 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--sweep", action="store_true", help="also time every splits x (key tile, warps) variant "
                     "(minutes: each variant compiles)")
-    ap.add_argument("--merge-in-launch", action="store_true", help="also time decode rows merged in the attention "
-                    "launch (paged_attention.MERGE_IN_LAUNCH_ROWS) against the merge launch")
     ap.add_argument("--models", default=",".join(SHAPES))
     ap.add_argument("--q-lens", default="1,16", help="queries a sequence: 1 (decode), 16 (a k = 15 verify block)")
     ap.add_argument("--out", default=os.environ.get("OUT", str(Path(__file__).parent / "results")))
@@ -124,15 +114,13 @@ def main() -> None:
     (out / "attention_sweep.json").write_text(json.dumps(result, indent=1))
     print(f"{result['device']}  commit {result['commit']}  bf16, causal, page {PAGE}; us per call (median)")
     print("| model | batch | q_len | context | default us (splits, tile) | earlier us | earlier / default "
-          "| best swept | merged in launch us |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| best swept |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         cfg = r["default_config"]
         best = f"{r['best']['us']:.1f} ({r['best']['splits']}, {tuple(r['best']['tile'])})" if r["best"] else "-"
-        merged = f"{r['merged_us']:.1f}" if r.get("merged_us") is not None else "-"
         print(f"| {r['model']} | {r['batch']} | {r['q_len']} | {r['context']} | {r['default_us']:.1f} "
-              f"({cfg['splits']}, {cfg['tile']}) | {r['old_us']:.1f} | {r['old_us'] / r['default_us']:.2f} | {best} "
-              f"| {merged} |")
+              f"({cfg['splits']}, {cfg['tile']}) | {r['old_us']:.1f} | {r['old_us'] / r['default_us']:.2f} | {best} |")
 
 
 if __name__ == "__main__":

@@ -289,26 +289,27 @@ def cases() -> list[tuple[str, tuple, dict]]:
     out.append(("rms_norm PDL", (rn._rms_norm_kernel, {"X": "*bf16", "R": "*bf16", "W": "*bf16", "Y": "*bf16",
                                                        "RO": "*bf16", "n": "i32", "eps": "fp32"},
                                  dict(HAS_RES=True, BLOCK=4096, PDL=True)), dict(ptx_has=pdl_ptx)))
+    out.append(("rms_norm PDL early (2-16 rows)", (rn._rms_norm_kernel, {
+        "X": "*bf16", "R": "*bf16", "W": "*bf16", "Y": "*bf16", "RO": "*bf16", "n": "i32", "eps": "fp32"},
+        dict(HAS_RES=True, BLOCK=4096, PDL=True, EARLY=True)), dict(ptx_has=pdl_ptx)))
     merge = {n: "i32" for n in pa._merge_splits_kernel.arg_names}
     merge.update(Part="*fp32", M="*fp32", L="*fp32", Out="*bf16", SINKS="*bf16", GATE="*bf16", SEQ_LENS="*i32",
                  KV_START="*i32", Q_START="*i32")
     for head_dim, gate, sinks in ((128, False, False), (256, True, False), (64, False, True)):
-        label = f"merge_splits head_dim={head_dim} gate={gate} sinks={sinks}"
+        label = f"merge_splits head_dim={head_dim} gate={gate} sinks={sinks}{' early' if head_dim == 128 else ''}"
         out.append((label, (pa._merge_splits_kernel, merge, dict(
             GROUP=8, HEAD_DIM=head_dim, BLOCK_M=16, BLOCK_N=64, CHUNK=pa._MERGE_CHUNK, WINDOWED=sinks,
-            HAS_Q_START=False, HAS_SINKS=sinks, HAS_GATE=gate, PDL=True)),
+            HAS_Q_START=False, HAS_SINKS=sinks, HAS_GATE=gate, PDL=True, EARLY=head_dim == 128)),
             dict(num_warps=pa._merge_warps(head_dim), no_spill=True, ptx_has=pdl_ptx, div16=(
                 "Part", "Out", "GATE", "stride_ob", "stride_oh", "stride_os", "stride_om", "stride_t", "stride_h",
                 "stride_gt", "stride_gh"))))
     paged = {n: "i32" for n in pa._paged_attention_kernel.arg_names}
     paged.update(Q="*bf16", K="*bf16", V="*bf16", Out="*fp32", M="*fp32", L="*fp32", BT="*i32", SEQ_LENS="*i32",
-                 KV_START="*i32", Q_START="*i32", FINAL="*bf16", SINKS="*bf16", GATE="*bf16", CNT="*i32",
-                 scale="fp32")
+                 KV_START="*i32", Q_START="*i32", scale="fp32")
     # what a launch's JIT specialises on: the pointers and the strides of the caches, q, the block table and the
     # partials are multiples of 16 (without it the cases compiled to 255 registers where the launches take 64-216)
     paged_div = ("Q", "K", "V", "Out", "M", "L", "BT", "stride_qt", "stride_qh", "stride_kb", "stride_ks", "stride_kh",
-                 "stride_vb", "stride_vs", "stride_vh", "stride_bt", "stride_ob", "stride_oh", "stride_os", "stride_om",
-                 "FINAL", "GATE", "stride_t", "stride_h", "stride_gt", "stride_gh")
+                 "stride_vb", "stride_vs", "stride_vh", "stride_bt", "stride_ob", "stride_oh", "stride_os", "stride_om")
     for split_tiles in (0, 8):
         out.append((f"paged_attention SPLIT_TILES={split_tiles}", (pa._paged_attention_kernel, paged, dict(
             GROUP=8, HEAD_DIM=256, PAGE=16, BLOCK_M=16, BLOCK_N=64, CAUSAL=True, WINDOWED=False, HAS_Q_START=False,
@@ -323,18 +324,13 @@ def cases() -> list[tuple[str, tuple, dict]]:
             GROUP=8, HEAD_DIM=head_dim, PAGE=16, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=True, WINDOWED=False,
             HAS_Q_START=False, ROW_TILES=1, SPLIT_TILES=0)), dict(num_stages=2, num_warps=warps, div16=paged_div,
                                                                   no_spill=True)))
-    # decode rows merged in the attention launch (MERGE_IN_LAUNCH_ROWS): Qwen3-8B, GPT-OSS (sinks, window), Qwen3.5
-    # (head_dim 256, the output gate), as paged_attention launches them
-    for head_dim, group, sinks, gate in ((128, 4, False, False), (64, 8, True, False), (256, 4, False, True)):
-        block_n, warps = pa._decode_tile(group)
-        merge_rows = pa._next_pow2(group)
-        label = f"paged_attention merged head_dim={head_dim} GROUP={group}"
-        out.append((label, (pa._paged_attention_kernel, paged, dict(
-            GROUP=group, HEAD_DIM=head_dim, PAGE=16, BLOCK_M=16, BLOCK_N=block_n, CAUSAL=True, WINDOWED=sinks,
-            HAS_Q_START=False, ROW_TILES=1, SPLIT_TILES=0, PDL=True, MERGE=True, MERGE_ROWS=merge_rows,
-            CHUNK=pa.merge_chunk(merge_rows, head_dim), HAS_SINKS=sinks,
-            HAS_GATE=gate)), dict(num_stages=2, num_warps=warps, div16=paged_div, no_spill=True,
-                                  ptx_has=pdl_ptx + ("atom.",))))
+    # batch-1 decode rows as launched under PDL (`decode_releases_early`): Qwen3-8B (4 heads a KV head), Qwen3.6-27B
+    for head_dim, rows in ((128, 4), (256, 6)):
+        block_n, warps = pa._decode_tile(rows)
+        out.append((f"paged_attention decode rows head_dim={head_dim} PDL early", (pa._paged_attention_kernel, paged,
+                    dict(GROUP=rows, HEAD_DIM=head_dim, PAGE=16, BLOCK_M=16, BLOCK_N=block_n, CAUSAL=True,
+                         WINDOWED=False, HAS_Q_START=False, ROW_TILES=1, SPLIT_TILES=0, PDL=True, EARLY=True)),
+                    dict(num_stages=2, num_warps=warps, div16=paged_div, no_spill=True, ptx_has=pdl_ptx)))
     ragged = {n: "i32" for n in pa._ragged_attention_kernel.arg_names}
     ragged.update(Q="*bf16", K="*bf16", V="*bf16", Out="*bf16", SINKS="*bf16", QUERY_INDEX="*i32", QUERY_POS="*i32",
                   KV_SLOTS="*i32", scale="fp32")

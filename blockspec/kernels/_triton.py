@@ -75,6 +75,9 @@ if HAVE_TRITON:
     def release_dependents(PDL: tl.constexpr):
         """Under PDL: the next kernel's programs may start arriving once every program of this one got here.
         Called late (before the final stores), so that they are placed on the SMs this kernel is leaving: early
-        arrivals sit where there happened to be room and stay there, unbalancing the next kernel's wave."""
+        arrivals sit where there happened to be room and stay there, unbalancing the next kernel's wave. Three
+        small launches call it before their wait where that measured faster (rms_norm.releases_early,
+        paged_attention.decode_releases_early): the GEMM after them loads its first weights meanwhile
+        (tests/kernels/test_pdl.py says why the step's inputs stay safe to read before a wait)."""
         if PDL:
             gdc_launch_dependents()

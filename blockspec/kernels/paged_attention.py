@@ -28,7 +28,6 @@ import torch
 
 from blockspec.device import sm_count
 from blockspec.kernels._triton import HAVE_TRITON, pdl, use_triton
-from blockspec.kernels.arrivals import ARRIVALS, arrival_counters, can_split
 
 if HAVE_TRITON:  # CPU-only installs: the reference below is the implementation there
     import triton
@@ -152,26 +151,20 @@ if HAVE_TRITON:
 
     @triton.jit
     def _paged_attention_kernel(
-        Q, K, V, Out, M, L, BT, SEQ_LENS, KV_START, Q_START, FINAL, SINKS, GATE, CNT,
+        Q, K, V, Out, M, L, BT, SEQ_LENS, KV_START, Q_START,
         stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-        stride_bt, stride_ob, stride_oh, stride_os, stride_om, stride_t, stride_h, stride_gt, stride_gh,
+        stride_bt, stride_ob, stride_oh, stride_os, stride_om,
         scale, q_len, num_splits, window,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, HAS_Q_START: tl.constexpr,
-        ROW_TILES: tl.constexpr, SPLIT_TILES: tl.constexpr, PDL: tl.constexpr = False, MERGE: tl.constexpr = False,
-        MERGE_ROWS: tl.constexpr = 1, CHUNK: tl.constexpr = 1, HAS_SINKS: tl.constexpr = False,
-        HAS_GATE: tl.constexpr = False, EARLY: tl.constexpr = False,
+        ROW_TILES: tl.constexpr, SPLIT_TILES: tl.constexpr, PDL: tl.constexpr = False, EARLY: tl.constexpr = False,
     ):
         """One (sequence, KV head, tile of BLOCK_M query rows, split of the key range): its rows are the
         (query, head of the group) pairs tile * BLOCK_M.. of that KV head, all queries' heads in one matrix.
         SPLIT_TILES = 0: the sequence's key range shared evenly among the splits (`_split_share`); a split without
         keys stores nothing (the merge reads the splits with keys only). > 0 (deterministic mode): split s holds
         the absolute key tiles [s * SPLIT_TILES, (s + 1) * SPLIT_TILES), tiles no row of the program can see are
-        skipped (exactly nothing for those rows), splits past the sequence store nothing.
-        MERGE (SPLIT_TILES = 0, one row tile of at most MERGE_ROWS real rows): each split with keys counts its
-        arrival on CNT after storing its partials; the last to arrive merges them (`_merge_rows`) into FINAL,
-        with the sinks and the gate as the merge kernel takes them, and resets its counter: one launch a decode
-        attention, not two."""
+        skipped (exactly nothing for those rows), splits past the sequence store nothing."""
         # The step's lengths are written before its first layer, never by the kernel just before this one: under
         # PDL they are read, and a split without keys returns, before waiting for that kernel (q, the new keys).
         if EARLY:  # `decode_releases_early`
@@ -200,8 +193,8 @@ if HAVE_TRITON:
             t1 = tl.minimum((split + 1) * SPLIT_TILES, tl.cdiv(hi, BLOCK_N))
             live = split * (SPLIT_TILES * BLOCK_N) < seq_len
         else:
-            first_tile, tiles, per_split, n_live = _split_share(seq_len, kv_start, q0, window, num_splits, BLOCK_N,
-                                                                WINDOWED)
+            first_tile, tiles, per_split, _ = _split_share(seq_len, kv_start, q0, window, num_splits, BLOCK_N,
+                                                           WINDOWED)
             t0 = first_tile + split * per_split
             t1 = tl.minimum(t0 + per_split, first_tile + tiles)
             if t1 <= t0:  # a split without keys (past a short context): the merge reads nothing of it
@@ -236,68 +229,14 @@ if HAVE_TRITON:
             release_dependents(PDL)
         base = b * stride_ob + kvh * stride_oh + split * stride_os
         TOTAL_M: tl.constexpr = ROW_TILES * BLOCK_M
-        ml_head = (b * (tl.num_programs(1) // ROW_TILES) + kvh) * num_splits * TOTAL_M
-        ml = ml_head + split * TOTAL_M + rows
+        ml = (b * (tl.num_programs(1) // ROW_TILES) + kvh) * num_splits * TOTAL_M + split * TOTAL_M + rows
         live_rows = rows < tl.where(live, TOTAL_M, 0)  # all rows, or none for a split past the sequence
         tl.store(Out + base + rows[:, None] * stride_om + d[None, :], acc, mask=live_rows[:, None])
         tl.store(M + ml, m_i, mask=live_rows)
         tl.store(L + ml, l_i, mask=live_rows)
-        if MERGE:
-            tl.debug_barrier()  # every thread's partials stored before the arrival is counted (release, gpu scope)
-            cnt = CNT + b * tl.num_programs(1) + tl.program_id(1)
-            if tl.atomic_add(cnt, 1, sem="acq_rel") == n_live - 1:
-                tl.atomic_xchg(cnt, 0)  # ready for the next launch
-                r = tl.arange(0, MERGE_ROWS)
-                r_ok = r < q_len * GROUP
-                heads = kvh * GROUP + r % GROUP
-                m_run, den = _merge_start(SINKS, heads, r_ok, HAS_SINKS)
-                num, den = _merge_rows(Out + b * stride_ob + kvh * stride_oh, M, L, ml_head, r, n_live, m_run, den,
-                                       stride_os, stride_om, TOTAL_M, HEAD_DIM, CHUNK)
-                tokens = b * q_len + r // GROUP
-                _merge_store(num, den, FINAL, tokens[:, None] * stride_t + heads[:, None] * stride_h + d[None, :],
-                             GATE, tokens[:, None] * stride_gt + heads[:, None] * stride_gh + d[None, :],
-                             r_ok[:, None], HAS_GATE)
 
 
 if HAVE_TRITON:
-
-    @triton.jit
-    def _merge_rows(part, M, L, ml, rows, n_live, m_run, den, stride_os, stride_om, ROWS_STRIDE: tl.constexpr,
-                    HEAD_DIM: tl.constexpr, CHUNK: tl.constexpr):
-        """Fold the splits 0 .. n_live - 1 of rows `rows` into (numerator [R, HEAD_DIM], normaliser [R]), CHUNK
-        splits at a time with a running maximum from m_run [R] (the sink's logit, or -inf) and den [R] (its
-        weight). Partial values at part + split * stride_os + row * stride_om, maxima and normalisers at
-        M / L + ml + split * ROWS_STRIDE + row. A chunk's three loads depend on nothing but the split count, so
-        they are in flight together: a row that saw no key of a split has m = -inf, l = 0 and zero values there,
-        which weigh nothing. Read past L1: other programs wrote them."""
-        d = tl.arange(0, HEAD_DIM)
-        c = tl.arange(0, CHUNK)
-        num = tl.zeros([rows.shape[0], HEAD_DIM], dtype=tl.float32)
-        for s0 in range(0, n_live, CHUNK):
-            s = s0 + c
-            ok = (s[:, None] < n_live) & (rows[None, :] >= 0)  # [CHUNK, R] (vector masks: the interpreter)
-            idx = ml + s[:, None] * ROWS_STRIDE + rows[None, :]
-            m = tl.load(M + idx, mask=ok, other=float("-inf"), cache_modifier=".cg")
-            ll = tl.load(L + idx, mask=ok, other=0.0, cache_modifier=".cg")
-            acc = tl.load(part + s[:, None, None] * stride_os + rows[None, :, None] * stride_om + d[None, None, :],
-                          mask=ok[:, :, None], other=0.0, cache_modifier=".cg")
-            m_new = tl.maximum(m_run, tl.max(m, 0))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp(m_run - m_safe)
-            w = tl.exp(m - m_safe[None, :])
-            num = num * alpha[:, None] + tl.sum(acc * w[:, :, None], 0)
-            den = den * alpha + tl.sum(ll * w, 0)
-            m_run = m_new
-        return num, den
-
-    @triton.jit
-    def _merge_start(SINKS, head, row_ok, HAS_SINKS: tl.constexpr):
-        """The running maximum and normaliser a merge starts from: the sink's logit and weight (it joins as one more
-        key with a zero value), or -inf and 0."""
-        m_run = tl.full(row_ok.shape, float("-inf"), tl.float32)
-        if HAS_SINKS:
-            m_run = tl.load(SINKS + head, mask=row_ok, other=0.0).to(tl.float32)
-        return m_run, tl.exp(m_run - tl.where(m_run == float("-inf"), 0.0, m_run))
 
     @triton.jit
     def _gated(y, g):
@@ -305,14 +244,6 @@ if HAVE_TRITON:
         would round it."""
         sg = (1.0 / (1.0 + tl.exp(-g))).to(y.dtype)
         return (y.to(tl.float32) * sg.to(tl.float32)).to(y.dtype)
-
-    @triton.jit
-    def _merge_store(num, den, Out, out_offs, GATE, gate_offs, mask, HAS_GATE: tl.constexpr):
-        """num / den to Out; with HAS_GATE times sigmoid(gate) (`_gated`)."""
-        y = (num / tl.maximum(den, 1e-30)[:, None]).to(Out.dtype.element_ty)
-        if HAS_GATE:
-            y = _gated(y, tl.load(GATE + gate_offs, mask=mask, other=0.0).to(tl.float32))
-        tl.store(Out + out_offs, y, mask=mask)
 
     @triton.jit
     def _merge_splits_kernel(Part, M, L, Out, SINKS, GATE, SEQ_LENS, KV_START, Q_START, stride_ob, stride_oh,
@@ -501,15 +432,12 @@ def _decode_tile(rows: int) -> tuple[int, int]:
 def _split_partials(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     seq_lens: torch.Tensor, kv_start: torch.Tensor, q_start: torch.Tensor | None, q_len: int,
                     scale: float, causal: bool, window: int | None, num_splits: int, block_m: int,
-                    split_tiles: int, block_n: int = _KEY_TILE, num_warps: int = 4,
-                    merged: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
-                    gate: torch.Tensor | None = None, early: bool = False
+                    split_tiles: int, block_n: int = _KEY_TILE, num_warps: int = 4, early: bool = False
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """The partial softmaxes of every (sequence, KV head, row tile, split): (o, m, l, rows per KV head) for a merge
     kernel. split_tiles 0: each sequence's key range shared evenly among num_splits; > 0: fixed absolute splits
-    of that many 64-key tiles (--deterministic). `merged` (q's shape; split_tiles 0, one row tile): the attention
-    output, merged inside this launch by each KV head's last split to finish (with `sinks` and `gate` as the merge
-    kernel takes them). `early`: the dependents may launch before this launch's wait (`decode_releases_early`)."""
+    of that many 64-key tiles (--deterministic). `early`: the dependents may launch before this launch's wait
+    (`decode_releases_early`)."""
     b_count, head_dim = seq_lens.shape[0], q.shape[2]
     num_kv = k_cache.shape[2]
     group = q.shape[1] // num_kv
@@ -518,23 +446,16 @@ def _split_partials(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     o = torch.empty(b_count, num_kv, num_splits, total_m, head_dim, device=q.device, dtype=torch.float32)
     m = torch.empty(b_count, num_kv, num_splits, total_m, device=q.device, dtype=torch.float32)
     ll = torch.empty_like(m)
-    final = q if merged is None else merged
-    gate_t = q if gate is None else gate
-    merge_rows = _next_pow2(q_len * group)
     on = pdl(q)
     _paged_attention_kernel[(b_count, num_kv * row_tiles, num_splits)](
         q, k_cache, v_cache, o, m, ll, block_tables, seq_lens, kv_start, seq_lens if q_start is None else q_start,
-        final, q if sinks is None else sinks, gate_t, seq_lens if merged is None else arrival_counters(q.device),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0), o.stride(0), o.stride(1), o.stride(2), o.stride(3),
-        final.stride(0), final.stride(1), gate_t.stride(0), gate_t.stride(1),
         scale, q_len, num_splits, window or 0,
         GROUP=group, HEAD_DIM=head_dim, PAGE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal,
         WINDOWED=window is not None, HAS_Q_START=q_start is not None, ROW_TILES=row_tiles, SPLIT_TILES=split_tiles,
-        PDL=on, MERGE=merged is not None, MERGE_ROWS=merge_rows,
-        CHUNK=merge_chunk(merge_rows, head_dim), HAS_SINKS=sinks is not None,
-        HAS_GATE=gate is not None, EARLY=early, num_warps=num_warps, num_stages=2, launch_pdl=on,
+        PDL=on, EARLY=early, num_warps=num_warps, num_stages=2, launch_pdl=on,
     )
     return o, m, ll, total_m
 
@@ -601,10 +522,6 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     num_splits = num_splits or splits
     block_n, num_warps = tile or _decode_tile(q_len * group)
     out = torch.empty_like(q)
-    if merge_in_launch(q, b_count * num_kv, q_len * group, block_m):
-        _split_partials(q, k_cache, v_cache, block_tables, seq_lens, kv_start, q_start, q_len, scale, causal, window,
-                        num_splits, block_m, 0, block_n, num_warps, out, sinks, gate)
-        return out
     early = decode_releases_early(b_count, q_len)
     o, m, ll, total_m = _split_partials(q, k_cache, v_cache, block_tables, seq_lens, kv_start, q_start, q_len, scale,
                                         causal, window, num_splits, block_m, 0, block_n, num_warps, early=early)
@@ -621,26 +538,6 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 
 _MERGE_CHUNK = 16  # splits a merge program reads at once: every split with keys of a 1,024-key context
-_MERGE_ELEMENTS = 8192  # float32 partial values an in-launch merge reads at once (32 registers a thread at 8 warps)
-
-
-def merge_chunk(rows: int, head_dim: int) -> int:
-    """Splits an in-launch merge of `rows` rows reads at once: up to _MERGE_CHUNK, _MERGE_ELEMENTS values."""
-    return max(1, min(_MERGE_CHUNK, _MERGE_ELEMENTS // (rows * head_dim)))
-
-
-# Decode rows (a KV head's query heads, one row tile) up to which the split merge runs inside the attention launch
-# (`merge_in_launch`). 0 until measured: the merge launch cost 0.19 ms of the Qwen3-8B NVFP4 AR step on an H100
-# (bench/launch_skip.py, NOTES session 33); session 24's in-launch merge, which read the partials in dependent round
-# trips, measured slower than the merge launch.
-MERGE_IN_LAUNCH_ROWS = 0
-
-
-def merge_in_launch(q: torch.Tensor, tiles: int, rows: int, block_m: int) -> bool:
-    """Whether a decode attention call of `tiles` (sequence, KV head) row tiles of `rows` rows merges its splits in
-    its own launch: rows in one tile, up to MERGE_IN_LAUNCH_ROWS, an arrival counter for every tile, and the counters
-    allocated (never from inside a graph capture's pool: kernels/arrivals.py)."""
-    return 0 < rows <= min(MERGE_IN_LAUNCH_ROWS, block_m) and tiles <= ARRIVALS and can_split(q)
 
 
 def _merge_warps(head_dim: int) -> int:

@@ -128,51 +128,6 @@ def test_many_splits_match_reference(splits):
 
 
 @pytest.mark.skipif(DEVICE is None, reason="Triton kernel needs a CUDA GPU (or TRITON_INTERPRET=1)")
-@pytest.mark.parametrize("q_len,heads,kv_heads,sinks_window,gated", [
-    (1, 8, 2, False, False), (1, 8, 2, True, False), (1, 8, 2, False, True), (2, 16, 2, False, False)])
-def test_merge_in_launch_matches_merge_kernel(monkeypatch, q_len, heads, kv_heads, sinks_window, gated):
-    """Decode rows merged by each KV head's last split to arrive (MERGE_IN_LAUNCH_ROWS) give the merge kernel's output
-    within float32 rounding of the sums, with one split or many, a few keys or several tiles, sinks and a window
-    (GPT-OSS), the output gate (Qwen3.5), a 16-row tile (two queries of eight heads); a second call gets the same
-    output (each last arrival reset its counter)."""
-    dtype = torch.float32 if DEVICE == "cpu" else torch.bfloat16
-    d = 64
-    for max_len, splits, seed in ((5, 1, 0), (70, 8, 1), (300, 64, 2)):
-        q, kc, vc, tables, seq_lens, kv_start = random_case(DEVICE, dtype, 2, q_len, heads, kv_heads, d,
-                                                             max_len=max_len, seed=seed)
-        kv_start.zero_()
-        sinks = torch.randn(heads, device=q.device) if sinks_window else None
-        window = 40 if sinks_window else None
-        gate = torch.randn_like(q) if gated else None
-        args = (q, kc, vc, tables, seq_lens, kv_start, q_len, d**-0.5, True)
-        kwargs = dict(num_splits=splits, sinks=sinks, window=window, gate=gate)
-        with torch.no_grad():
-            monkeypatch.setattr(pa, "MERGE_IN_LAUNCH_ROWS", 0)
-            apart = paged_attention(*args, **kwargs)
-            monkeypatch.setattr(pa, "MERGE_IN_LAUNCH_ROWS", 16)
-            assert pa.merge_in_launch(q, 2 * kv_heads, q_len * heads // kv_heads, 16)
-            fused = paged_attention(*args, **kwargs)
-            again = paged_attention(*args, **kwargs)
-        torch.testing.assert_close(fused, apart, rtol=1e-5 if dtype == torch.float32 else 1e-2, atol=1e-5)
-        assert torch.equal(fused, again)
-        ref = paged_attention_ref(q, kc, vc, tables, seq_lens, kv_start, q_len, d**-0.5, True, sinks, window)
-        ref = ref if gate is None else ref * torch.sigmoid(gate)
-        assert float((fused.float() - ref.float()).norm() / ref.float().norm()) < 1e-2
-
-
-def test_merge_in_launch_only_for_one_row_tile_with_counters(monkeypatch):
-    """The in-launch merge needs one row tile of at most MERGE_IN_LAUNCH_ROWS rows and a counter a tile."""
-    monkeypatch.setattr(pa, "MERGE_IN_LAUNCH_ROWS", 16)
-    q = torch.zeros(1, 8, 64)
-    assert pa.merge_in_launch(q, 8, 4, 16)
-    assert not pa.merge_in_launch(q, 8, 64, 64)  # a verify block: more rows than the limit
-    assert not pa.merge_in_launch(q, 8, 16, 8)  # two row tiles
-    assert not pa.merge_in_launch(q, pa.ARRIVALS + 1, 4, 16)  # more tiles than counters
-    monkeypatch.setattr(pa, "MERGE_IN_LAUNCH_ROWS", 0)
-    assert not pa.merge_in_launch(q, 8, 4, 16)
-
-
-@pytest.mark.skipif(DEVICE is None, reason="Triton kernel needs a CUDA GPU (or TRITON_INTERPRET=1)")
 @pytest.mark.parametrize("causal", [True, False])
 def test_row_tiles_match_reference(causal):
     """Rows of one KV head beyond one tile (6 queries x 6 heads of head_dim 256: tiles of 32 rows, the second

@@ -16,9 +16,14 @@ pytest.importorskip("triton")
 MODULES = ["activation", "gated_deltanet", "moe_grouped", "paged_attention", "quant_gemv", "quant_linear", "rms_norm",
            "rotary", "skinny_linear"]
 # The step's own inputs, written before its first layer and never by the kernel just before another: a kernel may
-# read these before its wait (every kernel releases its dependents only after its own wait, so at a kernel's start
-# all but the one before it have finished). Anything else read or written before the wait could be stale.
+# read these before its wait. Anything else read or written before the wait could be stale. Safe because a kernel
+# starts only once the one before it released its dependents, and a kernel that finished has waited: so where every
+# kernel releases after its own wait, all but the one before a starting kernel have finished. EARLY_RELEASERS release
+# before their wait (a measured speed rule): what follows them may start while up to three kernels before it run
+# (rope, batch-1 decode attention, its merge, before o_proj), never the step's first, whose inputs stay safe; the
+# kernels after them read only the step's inputs and weights before their own wait, as this test checks of all.
 STEP_INPUTS = ("SEQ_LENS", "KV_START", "Q_START")
+EARLY_RELEASERS = ("_rms_norm_kernel", "_paged_attention_kernel", "_merge_splits_kernel")
 # Helpers that load a layer's weights and scales only (no kernel of a step writes them): a kernel may call them, or
 # helpers that call only them, before its wait, so that its weights are in flight while the kernel before it runs
 # (quant_gemv's streamed launches).
@@ -61,6 +66,9 @@ def test_every_pdl_kernel_waits_and_every_launch_passes_both_switches(name):
         body = inspect.getsource(kernel.fn)
         assert "wait_for_inputs(PDL)" in body, f"{kernel.fn.__name__} takes PDL but never waits"
         wait = body.index("wait_for_inputs(PDL)")
+        if "release_dependents(PDL)" in body[:wait]:
+            assert kernel.fn.__name__ in EARLY_RELEASERS, \
+                f"{kernel.fn.__name__} releases its dependents before its wait: see STEP_INPUTS' note first"
         early = re.findall(r"tl\.load\(\s*(\w+)", body[:wait])
         assert all(ptr in STEP_INPUTS for ptr in early) and "tl.store" not in body[:wait], \
             f"{kernel.fn.__name__} touches memory other than the step's inputs before its PDL wait: {early}"
