@@ -495,9 +495,11 @@ def default_launch(device: torch.device, b_count: int, num_kv: int, q_len: int, 
 def decode_releases_early(b_count: int, q_len: int) -> bool:
     """Whether the split attention and its merge let their dependents launch before their own PDL wait: then the
     merge is in flight for the whole attention, and the output projection after it loads its first weights during
-    both. Batch-1 decode rows only, as measured (Qwen3-8B NVFP4, H100, batch-1 graph replays): the AR graph 3.145 ->
-    3.049 ms, while verify and drafter blocks lost (k = 15 target graph 4.165 -> 4.212, drafter 0.718 -> 0.766;
-    bench/results/early_release_8b_nvfp4_h100_1e3f9ff.json)."""
+    both. Batch-1 decode rows only (Qwen3-8B NVFP4, H100, batch-1 graph replays): the AR graph 3.145 -> 3.049 ms,
+    while verify and drafter blocks lost (k = 15 target graph 4.165 -> 4.212, drafter 0.718 -> 0.766;
+    bench/results/early_release_8b_nvfp4_h100_1e3f9ff.json); int4 alike. Measured where o_proj loads its weights
+    before its own wait (the streamed 4-bit GEMVs); a bf16 o_proj (skinny_linear) does not, and the dense path has
+    not been measured with it yet (bench/NOTES.md, session 34)."""
     return b_count == 1 and q_len == 1
 
 
