@@ -54,8 +54,17 @@ def export_tree(commit: str, dest: Path) -> str:
     return short
 
 
-def run(root: Path, label: str, args: list[str], out: Path) -> dict[str, Any]:
-    env = dict(os.environ, COMMIT=label, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
+def this_tree() -> str:
+    """This tree's label: its commit, marked when blockspec/ or bench/ differ from it."""
+    dirty = bool(git("status", "--porcelain", "--untracked-files=no", "--", "blockspec", "bench"))
+    return git("rev-parse", "--short", "HEAD") + ("+working-tree" if dirty else "")
+
+
+def run(root: Path, label: str, args: list[str], out: Path, extra_env: dict[str, str] | None = None
+        ) -> dict[str, Any]:
+    """hybrid_gpu.py of the tree at `root` in a process of its own (`extra_env` on top of this environment)."""
+    env = dict(os.environ, **(extra_env or {}), COMMIT=label,
+               PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
     cmd = [sys.executable, str(root / "bench" / "hybrid_gpu.py"), *args, "--out", str(out)]
     print(f"== {label}: {' '.join(cmd[1:])}", flush=True)
     subprocess.run(cmd, cwd=root, env=env, check=False)
@@ -149,8 +158,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--same-harness", action="store_true", help="the base's blockspec/ under this tree's bench/")
     args = ap.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
     out = Path(args.out)
-    dirty = bool(git("status", "--porcelain", "--untracked-files=no", "--", "blockspec", "bench"))
-    new_label = git("rev-parse", "--short", "HEAD") + ("+working-tree" if dirty else "")
+    new_label = this_tree()
     with tempfile.TemporaryDirectory(prefix="ab_base_") as tmp:
         base_label = export_tree(args.base, Path(tmp))
         if args.same_harness:

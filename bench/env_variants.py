@@ -55,18 +55,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if len({name for name, _ in variants}) != len(variants):
         raise SystemExit("--variant names must differ")
     out = Path(args.out)
-    label = ab_engine.git("rev-parse", "--short", "HEAD")
+    label = ab_engine.this_tree()
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name, _ in variants}
-    saved = dict(os.environ)
-    try:
-        for i in range(args.rounds):
-            for name, env in variants:
-                os.environ.clear()
-                os.environ.update(saved, **env)
-                runs[name].append(ab_engine.run(ab_engine.REPO, f"{label} {name}", rest, out / f"{name}{i}"))
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
+    for i in range(args.rounds):
+        for name, env in variants:
+            runs[name].append(ab_engine.run(ab_engine.REPO, f"{label} {name}", rest, out / f"{name}{i}", env))
     medians = {name: ab_engine.median_of_rounds(r) for name, r in runs.items()}
     base_name = variants[0][0]
     tables, results = [], {}
