@@ -497,9 +497,10 @@ def decode_releases_early(b_count: int, q_len: int) -> bool:
     merge is in flight for the whole attention, and the output projection after it loads its first weights during
     both. Batch-1 decode rows only (Qwen3-8B NVFP4, H100, batch-1 graph replays): the AR graph 3.145 -> 3.049 ms,
     while verify and drafter blocks lost (k = 15 target graph 4.165 -> 4.212, drafter 0.718 -> 0.766;
-    bench/results/early_release_8b_nvfp4_h100_1e3f9ff.json); int4 alike. Measured where o_proj loads its weights
-    before its own wait (the streamed 4-bit GEMVs); a bf16 o_proj (skinny_linear) does not, and the dense path has
-    not been measured with it yet (bench/NOTES.md, session 34)."""
+    bench/results/early_release_8b_nvfp4_h100_1e3f9ff.json); int4 alike. Gained most where o_proj loads its weights
+    before its own wait (the streamed 4-bit GEMVs); elsewhere neutral or a little faster, AR graph: dense bf16 Qwen3-8B
+    (skinny_linear's o_proj) 5.750 -> 5.703 ms, Qwen3.6-27B / 35B-A3B NVFP4 10.350 -> 10.383 / 2.356 -> 2.347
+    (bench/results/ab_engine_{8b_bf16,27b_35b_nvfp4}_early_release_h100_330860a.json)."""
     return b_count == 1 and q_len == 1
 
 

@@ -44,10 +44,15 @@ if HAVE_TRITON:
 
 
 def releases_early(rows: int) -> bool:
-    """Whether the norm of `rows` rows lets the next launch start before its own wait (`_rms_norm_kernel`'s EARLY):
-    the GEMM after it then loads its first weights during the launch before the norm. Only 2 to 16 rows (verify and
-    drafter blocks): Qwen3-8B NVFP4 on an H100, batch-1 graph replays, the k = 15 target graph 4.165 -> 4.107 ms but
-    the one-row AR graph 3.145 -> 3.220 (bench/results/early_release_8b_nvfp4_h100_1e3f9ff.json)."""
+    """Whether a norm of `rows` rows before a quantized projection (layers/linear.folded_linear) lets that GEMM
+    start before the norm's own wait (`_rms_norm_kernel`'s EARLY): its programs are then resident early, and the
+    streamed ones load their first weights during the launch before the norm. Only 2 to 16 rows (verify and drafter
+    blocks). Qwen3-8B NVFP4 on an H100, batch-1 graph replays: the k = 15 target graph
+    4.165 -> 4.107 ms, the one-row AR graph 3.145 -> 3.220 (bench/results/early_release_8b_nvfp4_h100_1e3f9ff.json).
+    Before other consumers it lost, so rms_norm leaves it to its caller: the k = 15 graphs of dense bf16 Qwen3-8B
+    7.532 -> 7.770 ms, of Qwen3.6-35B-A3B NVFP4 (its MoE and Gated DeltaNet norms) 5.883 -> 6.060
+    (bench/results/ab_engine_{8b_bf16,27b_35b_nvfp4}_early_release_h100_330860a.json; with this rule 7.952 -> 7.698
+    and 6.166 -> 5.973, ab_engine_{8b_bf16,35b_nvfp4}_norm_rule_h100_330860a.json)."""
     return 2 <= rows <= 16
 
 
@@ -66,8 +71,9 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: to
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
-             zero_centered: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`zero_centered`: scale by 1 + weight (ZeroCenteredRMSNorm's arithmetic), one program a row."""
+             zero_centered: bool = False, release_early: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`zero_centered`: scale by 1 + weight (ZeroCenteredRMSNorm's arithmetic), one program a row.
+    `release_early`: the caller's launch after this one loads its weights before its PDL wait (`releases_early`)."""
     if not use_triton(x) or x.dtype != weight.dtype:
         return rms_norm_ref(x, weight, eps, residual, zero_centered)
     n = x.shape[-1]
@@ -78,6 +84,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     on = pdl(x)
     _rms_norm_kernel[(x2.shape[0],)](x2, r2, weight, y, res_out if res_out is not None else y, n, eps,
                                      HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(n), PDL=on,
-                                     ZERO_CENTERED=zero_centered, EARLY=releases_early(x2.shape[0]), num_warps=4,
+                                     ZERO_CENTERED=zero_centered, EARLY=release_early, num_warps=4,
                                      launch_pdl=on)
     return y.view_as(x), (res_out.view_as(x) if res_out is not None else None)
