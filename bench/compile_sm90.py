@@ -19,6 +19,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -181,10 +182,14 @@ def cases() -> list[tuple[str, tuple, dict]]:
                  ptx_has=pdl_ptx + ("mma.sync.aligned.m16n8k16",))))
     gemv_int4 = {**gemv, "S": "*i32"}  # int4: the scale|zero words
     # int4 (G = 128 and 32) and SwiGLU folded (gate|up), both kernels
+    # (and the one-part kernel releasing its dependents right after its wait: gate|up's launches, EARLY)
     for int4, group, gated, k, cfg in ((True, 128, False, 4096, qv.WIDE), (True, 32, True, 4096, qv.WIDE),
                                        (True, 128, False, 12288, qv.NARROW), (False, 16, True, 4096, qv.WIDE),
-                                       (True, 128, True, 4096, qv.NARROW)):
-        kern, extra = (qv._wide_kernel, {}) if cfg.parts == 1 else (qv._parts_kernel, dict(P=cfg.parts))
+                                       (True, 128, True, 4096, qv.NARROW),
+                                       (False, 16, True, 4096, replace(qv.WIDE, early=True)),
+                                       (True, 128, True, 4096, replace(qv.INT4_WIDE, early=True))):
+        kern, extra = (qv._wide_kernel, dict(EARLY=cfg.early)) if cfg.parts == 1 else \
+            (qv._parts_kernel, dict(P=cfg.parts))
         out.append((f"quant_gemv int4={int4} G={group} GATED={gated} K={k} {cfg}", (
             kern, gemv_int4 if int4 else gemv, dict(K=k, HAS_GS=not int4, BN=cfg.block, SPANS=cfg.spans, PDL=True,
                                                     INT4=int4, G2=group // 2, GATED=gated, **extra)),

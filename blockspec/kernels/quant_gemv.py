@@ -65,7 +65,7 @@ class GemvConfig:
     spans: int  # 64-byte spans a loop step
     parts: int  # K parts a weight row is split over (P mma columns a row)
     stream: bool = False  # weights loaded a step ahead, the first step's before the PDL wait (`_stream_kernel`, rows)
-    early: bool = False  # (stream) dependents released right after the PDL wait, not before the stores
+    early: bool = False  # (stream, or one K part) dependents released right after the PDL wait, not before the stores
     rows: bool = False  # one row on the rows kernel too (weights as the mma's A operand: 2 bytes of x a weight byte)
     groups: int = 1  # (rows kernel) blocks of rows_block weight rows a program, each span's x loaded once for all
     splits: int = 1  # (rows kernel) programs a block's K is split over; the last to finish adds their float32 sums
@@ -415,10 +415,13 @@ if HAVE_TRITON:
     @triton.jit
     def _wide_kernel(X, QW, S, GS, Y, N, K: tl.constexpr, HAS_GS: tl.constexpr, BN: tl.constexpr,
                      SPANS: tl.constexpr, HAS_RES: tl.constexpr = False, PDL: tl.constexpr = False,
-                     INT4: tl.constexpr = False, G2: tl.constexpr = 8, GATED: tl.constexpr = False):
+                     INT4: tl.constexpr = False, G2: tl.constexpr = 8, GATED: tl.constexpr = False,
+                     EARLY: tl.constexpr = False):
         """One K part (wide layers). Kept as first measured: the parts kernel at P = 1 (its loads written the
         same) compiled to another schedule, ~20% slower on gate|up (bench/quant_gemv.py, H100). INT4: S holds the
-        scale|zero words, G2 bytes a group. GATED: SiLU(gate) * up to Y [1, N / 2] (`_tile_rows`)."""
+        scale|zero words, G2 bytes a group. GATED: SiLU(gate) * up to Y [1, N / 2] (`_tile_rows`). EARLY: dependents
+        released right after the wait (as `_stream_kernel`'s), so that the streamed down projection after a one-wave
+        gate|up loads its first weights during this launch's tail."""
         pid = tl.program_id(0)
         rows, n_mask = _tile_rows(pid, tl.arange(0, BN), N, BN, GATED)
         rows64 = rows.to(tl.int64)
@@ -428,11 +431,14 @@ if HAVE_TRITON:
         acc1 = tl.zeros([BN, 64], dtype=tl.float32)
         acc2 = tl.zeros([BN, 64], dtype=tl.float32)
         wait_for_inputs(PDL)
+        if EARLY:
+            release_dependents(PDL)
         for b0 in range(0, KB, 64 * SPANS):
             for u in tl.static_range(SPANS):
                 acc1, acc2 = _wide_span(acc1, acc2, QW, x32, S, rows64, n_mask, b0 + 64 * u, KB, NG, BN, INT4, G2)
         y = _sums_scaled(_c_sums(acc1, acc2, BN), GS, INT4, HAS_GS)  # [BN, t, c]: tile column 2 t + c of the 8
-        release_dependents(PDL)
+        if not EARLY:
+            release_dependents(PDL)
         if GATED:
             gate, up = _gated_halves(y, BN)  # [BN / 2, t, c]: output 2 t + c of the 8-row block
             r = tl.arange(0, BN // 2)[:, None, None]
@@ -668,7 +674,7 @@ def gemv(x: torch.Tensor, layer, meta, cfg: GemvConfig, residual: torch.Tensor |
     if cfg.stream:
         _stream_kernel[grid](*args, P=cfg.parts, EARLY=cfg.early, **common)
     elif cfg.parts == 1:
-        _wide_kernel[grid](*args, **common)
+        _wide_kernel[grid](*args, EARLY=cfg.early, **common)
     else:
         _parts_kernel[grid](*args, P=cfg.parts, **common)
     return y

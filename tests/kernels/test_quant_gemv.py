@@ -21,9 +21,10 @@ from tests.kernels.test_quant_linear import make_layer
 
 gpu = pytest.mark.skipif(not (HAVE_TRITON and torch.cuda.is_available()), reason="needs a CUDA GPU")
 # the streamed one-row kernel: one K part and several, steps of 2-8 spans (the whole part in one step where K is
-# short), dependents released early or late; and one row on the rows kernel
+# short), dependents released early or late; the one-part kernel releasing early; and one row on the rows kernel
 STREAMED = (qg.GemvConfig(2, 4, 1, stream=True), qg.GemvConfig(8, 2, 4, stream=True, early=True),
             qg.GemvConfig(16, 8, 2, stream=True), qg.GemvConfig(4, 2, 2, stream=True, early=True),
+            qg.GemvConfig(2, 4, 1, early=True),
             # one row on the rows kernel (weights as the mma's A operand), plain and streamed
             qg.GemvConfig(4, 2, 1, rows=True), qg.GemvConfig(8, 2, 4, stream=True, rows=True))
 # the streamed 2-16-row kernel: one K part and several, a whole short part in one step, early and late
