@@ -250,18 +250,25 @@ def _gated_fit(cfg: GemvConfig | None, gated: bool) -> GemvConfig | None:
     return None if cfg is None or (gated and cfg.block // cfg.parts % 2) else cfg
 
 
-# the two mma steps of 4 decoded bytes t0..t3 into ($0..$3, from $8..$11) and ($4..$7, from $12..$15), A = $17..$20
+# The span asm's operands (pack = 4: four elements of each tensor a call): $0..$7 the accumulators out, $8..$15 in,
+# $16 the 32-bit word of 4 weight bytes ($17..$19: zeros, `_span_words`), A = the x pairs $20..$23, the scale pair
+# $24 (and int4's zero pair -(128 + z) $28). The weights arrive as words, not bytes: bytes carried through a loop
+# (the streamed kernels load a step ahead) were kept a register each and packed again every step, ~190 PRMT / LOP3
+# a step of 4 spans (bench/sass_loops.py: 635 instructions a loop against the unstreamed kernel's 453).
+# the two mma steps of 4 decoded bytes t0..t3 into ($0..$3, from $8..$11) and ($4..$7, from $12..$15)
 _MMA_PAIR = """\
 mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0, $1, $2, $3},
-    {$17, $18, $19, $20}, {t0, t2}, {$8, $9, $10, $11};
+    {$20, $21, $22, $23}, {t0, t2}, {$8, $9, $10, $11};
 mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$4, $5, $6, $7},
-    {$17, $18, $19, $20}, {t1, t3}, {$12, $13, $14, $15};
+    {$20, $21, $22, $23}, {t1, t3}, {$12, $13, $14, $15};
 }"""
-# quant_tiles' E2M1 decode of the 4 bytes in $16 into t0..t3, scaled by the pair $21 (pairs of bytes 0..3)
+# quant_tiles' E2M1 decode of the 4 bytes in $16 into t0..t3, scaled by the pair $24 (pairs of bytes 0..3)
 _E2M1_MMA = "{\n" + E2M1_REGS + e2m1_decode_ptx("$16") + "".join(
-    f"fma.rn.bf16x2 t{i}, t{i}, $21, nz;\n" for i in range(4)) + _MMA_PAIR
-# int4: the scale pair $21, the zero pair -(128 + z) $25
-_INT4_MMA = "{\n" + INT4_REGS + int4_decode_ptx("$16", "$25", "$21") + _MMA_PAIR
+    f"fma.rn.bf16x2 t{i}, t{i}, $24, nz;\n" for i in range(4)) + _MMA_PAIR
+_INT4_MMA = "{\n" + INT4_REGS + int4_decode_ptx("$16", "$28", "$24") + _MMA_PAIR
+_SPAN_CONSTRAINTS = ",".join(["=r"] * 8 + ["r"] * 20)  # + int4's zero pairs: 4 more
+# 4 bytes -> their 32-bit word, as the first of 4 int32 elements (`_span_words` zeroes the other three)
+_PACK_WORD = "mov.b32 $0, $4;\nmov.b32 $1, $4;\nmov.b32 $2, $4;\nmov.b32 $3, $4;"
 
 
 def layer_fits(layer, meta) -> bool:
@@ -290,6 +297,8 @@ if HAVE_TRITON:
 
     _E2M1_MMA_C = tl.constexpr(_E2M1_MMA)
     _INT4_MMA_C = tl.constexpr(_INT4_MMA)
+    _SPAN_CONSTRAINTS_C = tl.constexpr(_SPAN_CONSTRAINTS)
+    _PACK_WORD_C = tl.constexpr(_PACK_WORD)
     _FP4_BIAS = tl.constexpr(FP4_GLOBAL_BIAS)
 
     @triton.jit
@@ -324,16 +333,24 @@ if HAVE_TRITON:
         return s2, z2
 
     @triton.jit
+    def _span_words(w):
+        """A span's weight bytes [BN, 64] (uint8, as loaded) -> int32 [BN, 64]: element 4 j holds the word of bytes
+        4 j .. 4 j + 3, the other three are 0 (constants the compiler folds, so a loop carries one register a word)."""
+        words = tl.inline_asm_elementwise(_PACK_WORD_C, "=r,=r,=r,=r,r", [w], dtype=tl.int32, is_pure=True, pack=4)
+        return tl.where(tl.arange(0, 64)[None, :] % 4 == 0, words, 0)
+
+    @triton.jit
     def _span_mma(acc1, acc2, w, xp, sa, sb, BN: tl.constexpr, INT4: tl.constexpr = False):
-        """acc1, acc2 += the span's products (module docstring); INT4: sa holds the lanes' scale|zero words."""
+        """acc1, acc2 += the span's products (module docstring); w: the span's weight words (`_span_words`); INT4:
+        sa holds the lanes' scale|zero words."""
         if INT4:
             s2, z2 = _int4_pairs(sa, BN)
             acc1, acc2 = tl.inline_asm_elementwise(
-                _INT4_MMA_C, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r",
+                _INT4_MMA_C, _SPAN_CONSTRAINTS_C + ",r,r,r,r",
                 [acc1, acc2, w, xp, s2, z2], dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
         else:
             acc1, acc2 = tl.inline_asm_elementwise(
-                _E2M1_MMA_C, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r",
+                _E2M1_MMA_C, _SPAN_CONSTRAINTS_C,
                 [acc1, acc2, w, xp, _scale_pairs(sa, sb, BN)], dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
         return acc1, acc2
 
@@ -359,7 +376,7 @@ if HAVE_TRITON:
                    BN: tl.constexpr, INT4: tl.constexpr = False, G2: tl.constexpr = 8):
         """acc1, acc2 += one 64-byte span of the rows (bytes b0 ..) against x (see the module docstring)."""
         kb = tl.arange(0, 64)
-        w = tl.load(QW + rows64[:, None] * KB + b0 + kb[None, :], mask=n_mask[:, None], other=0)
+        w = _span_words(tl.load(QW + rows64[:, None] * KB + b0 + kb[None, :], mask=n_mask[:, None], other=0))
         xp = tl.load(x32 + b0 + kb)  # x as bf16 pairs, pair i beside weight byte i
         if INT4:
             sa = _int4_words(S, (rows64 * NG)[None, :], b0, n_mask[None, :], NG, G2)
@@ -461,14 +478,15 @@ if HAVE_TRITON:
 
     @triton.jit
     def _span_bytes(QW, wrow, part, n_mask, b0, KB: tl.constexpr, P: tl.constexpr, live=None):
-        """The weight bytes [BN, 64] of one 64-byte span (bytes b0 .. of each column's K part); none where not
-        `live` (a scalar: the span lies in the part)."""
+        """The weight bytes of one 64-byte span (bytes b0 .. of each column's K part) as words (`_span_words`); none
+        where not `live` (a scalar: the span lies in the part)."""
         kb = tl.arange(0, 64)
         KP: tl.constexpr = KB // P  # bytes a part
         mask = n_mask[:, None]
         if live is not None:
             mask = mask & live
-        return tl.load(QW + wrow[:, None] * KB + (part * KP)[:, None] + b0 + kb[None, :], mask=mask, other=0)
+        w = tl.load(QW + wrow[:, None] * KB + (part * KP)[:, None] + b0 + kb[None, :], mask=mask, other=0)
+        return _span_words(w)
 
     @triton.jit
     def _span_x(x32, b0, KB: tl.constexpr, BN: tl.constexpr, P: tl.constexpr, live=None):
@@ -687,12 +705,12 @@ def gemv(x: torch.Tensor, layer, meta, cfg: GemvConfig, residual: torch.Tensor |
 def _rows_mma_ptx(blocks: int, int4: bool = False) -> str:
     """The rows kernel's asm for `blocks` blocks of 8 tokens: decode the 4 bytes of weight row g ($wl) and of row
     g + 8 ($wh), scale them, and two mmas a block into its C registers. Operands: C of block b $4b..$4b+3 (out),
-    then in: the C inputs (same order), wl and wh (4 bytes each), each block's 4 x pairs
-    (pair e beside byte e), the lo and hi scale pairs (4 registers each, the first read); int4: then the lo and
-    hi zero pairs -(128 + z) (likewise)."""
+    then in: the C inputs (same order), wl and wh (4 registers each, the first read: the word of 4 bytes,
+    `_span_words`), each block's 4 x pairs (pair e beside byte e), the lo and hi scale pairs (4 registers each,
+    the first read); int4: then the lo and hi zero pairs -(128 + z) (likewise)."""
     nacc = 4 * blocks
-    wl, wh = 2 * nacc, 2 * nacc + 1
-    xs = wh + 1
+    wl, wh = 2 * nacc, 2 * nacc + 4
+    xs = wh + 4
     sl = xs + 4 * blocks
     sh = sl + 4
     mma = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
@@ -717,7 +735,7 @@ def _rows_mma_ptx(blocks: int, int4: bool = False) -> str:
 
 
 def _rows_constraints(blocks: int, int4: bool = False) -> str:
-    return ",".join(["=r"] * (4 * blocks) + ["r"] * (4 * blocks + 2 + 4 * blocks + (16 if int4 else 8)))
+    return ",".join(["=r"] * (4 * blocks) + ["r"] * (4 * blocks + 8 + 4 * blocks + (16 if int4 else 8)))
 
 
 if HAVE_TRITON:
@@ -732,12 +750,13 @@ if HAVE_TRITON:
 
     @triton.jit
     def _rows_bytes(QW, lo_row, hi_row, part, b0, KB: tl.constexpr, P: tl.constexpr):
-        """The bytes of weight rows lo_row and hi_row [BN, 64] in one 64-byte span (bytes b0 .. of each tile row's
-        K part). No masks (a masked load zeroes its registers first: ~1 instruction a word): the caller clamps
-        rows past N to the last, whose results it does not store."""
+        """The bytes of weight rows lo_row and hi_row in one 64-byte span (bytes b0 .. of each tile row's K part), as
+        words (`_span_words`). No masks (a masked load zeroes its registers first: ~1 instruction a word): the
+        caller clamps rows past N to the last, whose results it does not store."""
         KP: tl.constexpr = KB // P  # bytes a part
         col = (part * KP + b0)[:, None] + tl.arange(0, 64)[None, :]
-        return tl.load(QW + lo_row[:, None] * KB + col), tl.load(QW + hi_row[:, None] * KB + col)
+        lo = tl.load(QW + lo_row[:, None] * KB + col)
+        return _span_words(lo), _span_words(tl.load(QW + hi_row[:, None] * KB + col))
 
     @triton.jit
     def _rows_x(x32, tok, tok_b, part, b0, KB: tl.constexpr, P: tl.constexpr, TWO: tl.constexpr):
