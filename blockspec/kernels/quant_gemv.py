@@ -272,10 +272,11 @@ _PACK_WORD = "mov.b32 $0, $4;\nmov.b32 $1, $4;\nmov.b32 $2, $4;\nmov.b32 $3, $4;
 
 
 def layer_fits(layer, meta) -> bool:
-    """A layout the kernels decode: NVFP4, or int4 with bf16 scales (their pairs are the mma's operands) and groups
-    of >= 32 weights (each lane's 16 bytes then lie in one group)."""
-    return meta.scheme == "nvfp4" or (meta.scheme == "int4" and meta.group >= 32
-                                      and layer.scales.dtype == torch.bfloat16)
+    """A layout the kernels decode: NVFP4 (its e4m3 scales at an even address: a lane reads its two groups' as one
+    16-bit load, `_scale_pair`), or int4 with bf16 scales (their pairs are the mma's operands) and groups of >= 32
+    weights (each lane's 16 bytes then lie in one group)."""
+    return (meta.scheme == "nvfp4" and layer.scales.data_ptr() % 2 == 0) or (
+        meta.scheme == "int4" and meta.group >= 32 and layer.scales.dtype == torch.bfloat16)
 
 
 def applies(x: torch.Tensor, layer, meta, residual, norm_weight, gated: bool) -> GemvConfig | None:
@@ -309,6 +310,14 @@ if HAVE_TRITON:
         top = (sf * 1.2676506002282294e30).to(tl.int32, bitcast=True) & -65536  # s * 2^100 as bf16, exact
         s2 = top | ((top >> 16) & 0xFFFF)
         return tl.reshape(tl.broadcast_to(s2[:, :, :, None], [BN, 4, 2, 8]), [BN, 64])
+
+    @triton.jit
+    def _scale_pair(sp, mask=None):
+        """The e4m3 scales at byte addresses sp and sp + 1 (sp even: a lane's two 8-byte groups): one 16-bit load
+        a pair, split into the two bytes [.., ..] uint8 each."""
+        sp16 = sp.to(tl.pointer_type(tl.uint16))
+        s16 = tl.load(sp16) if mask is None else tl.load(sp16, mask=mask, other=0)
+        return (s16 & 0xFF).to(tl.uint8), (s16 >> 8).to(tl.uint8)
 
     @triton.jit
     def _int4_words(S, row_off, col0, mask, NG: tl.constexpr, G2: tl.constexpr):
@@ -386,9 +395,8 @@ if HAVE_TRITON:
             # lane layout of the weight tile (a [row, t] load would be laid out across the lanes the other way
             # and converted through shared memory, a barrier a span)
             g = b0 // 8 + 2 * tl.arange(0, 4)
-            sp = S + rows64[None, :] * NG + g[:, None]
-            sa = tl.trans(tl.load(sp, mask=n_mask[None, :], other=0))
-            sb = tl.trans(tl.load(sp + 1, mask=n_mask[None, :], other=0))
+            sa, sb = _scale_pair(S + rows64[None, :] * NG + g[:, None], n_mask[None, :])
+            sa, sb = tl.trans(sa), tl.trans(sb)
         return _span_mma(acc1, acc2, w, tl.broadcast_to(xp[None, :], w.shape), sa, sb, BN, INT4)
 
     @triton.jit
@@ -519,8 +527,8 @@ if HAVE_TRITON:
             # the scales loaded [t, column] and transposed, which gives them the lane layout of the weight tile (a
             # [column, t] load would be laid out across the lanes the other way and converted through shared
             # memory, a barrier a span)
-            sa = tl.trans(tl.load(sp, mask=mask, other=0))
-            sb = tl.trans(tl.load(sp + 1, mask=mask, other=0))
+            sa, sb = _scale_pair(sp, mask)
+            sa, sb = tl.trans(sa), tl.trans(sb)
         return sa, sb
 
     @triton.jit
@@ -788,10 +796,9 @@ if HAVE_TRITON:
             g = b0 // 8 + 2 * tl.arange(0, 4)
             spl = S + (lo_row * NG + part * (NG // P))[None, :] + g[:, None]
             sph = S + (hi_row * NG + part * (NG // P))[None, :] + g[:, None]
-            sla = tl.trans(tl.load(spl))
-            slb = tl.trans(tl.load(spl + 1))
-            sha = tl.trans(tl.load(sph))
-            shb = tl.trans(tl.load(sph + 1))
+            sla, slb = _scale_pair(spl)
+            sha, shb = _scale_pair(sph)
+            sla, slb, sha, shb = tl.trans(sla), tl.trans(slb), tl.trans(sha), tl.trans(shb)
         return sla, slb, sha, shb
 
     @triton.jit
