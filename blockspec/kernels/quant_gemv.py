@@ -383,19 +383,27 @@ if HAVE_TRITON:
     @triton.jit
     def _wide_span(acc1, acc2, QW, x32, S, rows64, n_mask, b0, KB: tl.constexpr, NG: tl.constexpr,
                    BN: tl.constexpr, INT4: tl.constexpr = False, G2: tl.constexpr = 8):
-        """acc1, acc2 += one 64-byte span of the rows (bytes b0 ..) against x (see the module docstring)."""
+        """acc1, acc2 += one 64-byte span of the rows (bytes b0 ..) against x (see the module docstring). n_mask
+        None: every row is one to read (the caller points rows past N at a real one; a masked load zeroes its
+        registers first, ~1 instruction a word)."""
         kb = tl.arange(0, 64)
-        w = _span_words(tl.load(QW + rows64[:, None] * KB + b0 + kb[None, :], mask=n_mask[:, None], other=0))
+        wp = QW + rows64[:, None] * KB + b0 + kb[None, :]
+        if n_mask is None:
+            w = _span_words(tl.load(wp))
+            row_mask = None
+        else:
+            w = _span_words(tl.load(wp, mask=n_mask[:, None], other=0))
+            row_mask = n_mask[None, :]
         xp = tl.load(x32 + b0 + kb)  # x as bf16 pairs, pair i beside weight byte i
         if INT4:
-            sa = _int4_words(S, (rows64 * NG)[None, :], b0, n_mask[None, :], NG, G2)
+            sa = _int4_words(S, (rows64 * NG)[None, :], b0, row_mask, NG, G2)
             sb = sa
         else:
             # a lane's two groups (bytes 16 t + 8 h): loaded [t, row] and transposed, which gives the scales the
             # lane layout of the weight tile (a [row, t] load would be laid out across the lanes the other way
             # and converted through shared memory, a barrier a span)
             g = b0 // 8 + 2 * tl.arange(0, 4)
-            sa, sb = _scale_pair(S + rows64[None, :] * NG + g[:, None], n_mask[None, :])
+            sa, sb = _scale_pair(S + rows64[None, :] * NG + g[:, None], row_mask)
             sa, sb = tl.trans(sa), tl.trans(sb)
         return _span_mma(acc1, acc2, w, tl.broadcast_to(xp[None, :], w.shape), sa, sb, BN, INT4)
 
@@ -449,7 +457,7 @@ if HAVE_TRITON:
         gate|up loads its first weights during this launch's tail."""
         pid = tl.program_id(0)
         rows, n_mask = _tile_rows(pid, tl.arange(0, BN), N, BN, GATED)
-        rows64 = rows.to(tl.int64)
+        rows64 = tl.where(n_mask, rows, 0).to(tl.int64)  # rows past N read row 0; their sums are never stored
         KB: tl.constexpr = K // 2
         NG: tl.constexpr = K // (2 * G2)
         x32 = X.to(tl.pointer_type(tl.int32))
@@ -460,7 +468,7 @@ if HAVE_TRITON:
             release_dependents(PDL)
         for b0 in range(0, KB, 64 * SPANS):
             for u in tl.static_range(SPANS):
-                acc1, acc2 = _wide_span(acc1, acc2, QW, x32, S, rows64, n_mask, b0 + 64 * u, KB, NG, BN, INT4, G2)
+                acc1, acc2 = _wide_span(acc1, acc2, QW, x32, S, rows64, None, b0 + 64 * u, KB, NG, BN, INT4, G2)
         y = _sums_scaled(_c_sums(acc1, acc2, BN), GS, INT4, HAS_GS)  # [BN, t, c]: tile column 2 t + c of the 8
         if not EARLY:
             release_dependents(PDL)
