@@ -498,10 +498,14 @@ if HAVE_TRITON:
         where not `live` (a scalar: the span lies in the part)."""
         kb = tl.arange(0, 64)
         KP: tl.constexpr = KB // P  # bytes a part
-        mask = n_mask[:, None]
-        if live is not None:
-            mask = mask & live
-        w = tl.load(QW + wrow[:, None] * KB + (part * KP)[:, None] + b0 + kb[None, :], mask=mask, other=0)
+        ptrs = QW + wrow[:, None] * KB + (part * KP)[:, None] + b0 + kb[None, :]
+        if n_mask is None:  # every column's row is one to read, and the span lies in the part (`_stream_kernel`)
+            w = tl.load(ptrs)
+        else:
+            mask = n_mask[:, None]
+            if live is not None:
+                mask = mask & live
+            w = tl.load(ptrs, mask=mask, other=0)
         return _span_words(w)
 
     @triton.jit
@@ -523,9 +527,11 @@ if HAVE_TRITON:
         """The scales of each lane's 16 bytes of the span, two [BN, 4] tensors: NVFP4 the e4m3 scales of its two
         8-byte groups (bytes 16 t + 8 h), int4 its scale|zero word (twice); none where not `live`."""
         KP: tl.constexpr = KB // P
-        mask = n_mask[None, :]
-        if live is not None:
-            mask = mask & live
+        mask = None  # n_mask None: as `_span_bytes`
+        if n_mask is not None:
+            mask = n_mask[None, :]
+            if live is not None:
+                mask = mask & live
         if INT4:
             sa = _int4_words(S, (wrow * NG)[None, :], (part * KP)[None, :] + b0, mask, NG, G2)
             sb = sa
@@ -634,11 +640,12 @@ if HAVE_TRITON:
         # one wave: theirs can then load their weights during this one) instead of before the stores.
         pid = tl.program_id(0)
         wrow, part, n_mask = _parts_columns(pid, N, BN, P, GATED)
+        wrow = tl.where(n_mask, wrow, 0)  # rows past N read row 0 without masks; their sums are never stored
         KB: tl.constexpr = K // 2
         NG: tl.constexpr = K // (2 * G2)
         STEP: tl.constexpr = 64 * SPANS
         LAST: tl.constexpr = KB // P - STEP  # the last step's first byte
-        ring = _span_ahead(QW, S, wrow, part, n_mask, 0, KB, NG, P, SPANS, INT4, G2)
+        ring = _span_ahead(QW, S, wrow, part, None, 0, KB, NG, P, SPANS, INT4, G2)
         wait_for_inputs(PDL)
         if EARLY:
             release_dependents(PDL)
@@ -648,7 +655,7 @@ if HAVE_TRITON:
         for b0 in range(0, LAST, STEP):
             ahead = ()  # each span's next-step load beside its mma (all first: more registers, unmeasured)
             for u in tl.static_range(SPANS):
-                ahead = ahead + (_span_weights(QW, S, wrow, part, n_mask, b0 + STEP + 64 * u, KB, NG, P, INT4, G2),)
+                ahead = ahead + (_span_weights(QW, S, wrow, part, None, b0 + STEP + 64 * u, KB, NG, P, INT4, G2),)
                 w, sa, sb = ring[u]
                 acc1, acc2 = _span_mma(acc1, acc2, w, _span_x(x32, b0 + 64 * u, KB, BN, P), sa, sb, BN, INT4)
             ring = ahead
