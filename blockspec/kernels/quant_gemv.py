@@ -313,8 +313,8 @@ if HAVE_TRITON:
 
     @triton.jit
     def _scale_pair(sp, mask=None):
-        """The e4m3 scales at byte addresses sp and sp + 1 (sp even: a lane's two 8-byte groups): one 16-bit load
-        a pair, split into the two bytes [.., ..] uint8 each."""
+        """The e4m3 scales at byte addresses sp and sp + 1 (sp even: a lane's two 8-byte groups) as two uint8
+        tensors of sp's shape, from one 16-bit load a pair instead of two byte loads."""
         sp16 = sp.to(tl.pointer_type(tl.uint16))
         s16 = tl.load(sp16) if mask is None else tl.load(sp16, mask=mask, other=0)
         return (s16 & 0xFF).to(tl.uint8), (s16 >> 8).to(tl.uint8)
