@@ -38,13 +38,23 @@ _LINE = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?);")
 _PREDICATE = re.compile(r"^@!?U?P[T\d]+\s+")
 
 
-def sass(fn, types: dict[str, str], consts: dict, opts: dict) -> list[tuple[int, str]]:
-    """(address, instruction) of the case's cubin, as compile_sm90.compile_case builds it."""
-    kernel = cs.build(fn, types, consts, opts.get("div16", ()), opts.get("num_warps", 4), opts.get("num_stages", 3))
-    text = cs.cuobjdump(kernel.asm["cubin"], "-sass")
+def cubin(fn, types: dict[str, str], consts: dict, opts: dict) -> bytes:
+    """The case's cubin, as compile_sm90.compile_case builds it."""
+    return cs.build(fn, types, consts, opts.get("div16", ()), opts.get("num_warps", 4),
+                    opts.get("num_stages", 3)).asm["cubin"]
+
+
+def instructions(binary: bytes) -> list[tuple[int, str]]:
+    """(address, instruction) of a cubin."""
+    text = cs.cuobjdump(binary, "-sass")
     if text is None:
         raise SystemExit("this Triton bundles no cuobjdump")
     return [(int(m.group(1), 16), m.group(2).strip()) for m in map(_LINE.match, text.splitlines()) if m]
+
+
+def sass(fn, types: dict[str, str], consts: dict, opts: dict) -> list[tuple[int, str]]:
+    """(address, instruction) of the case's cubin."""
+    return instructions(cubin(fn, types, consts, opts))
 
 
 def loops(code: list[tuple[int, str]]) -> list[list[str]]:
@@ -68,10 +78,9 @@ def picked(picks: list[str]) -> list[tuple[str, tuple, dict]]:
 
 def summary(fn, types: dict[str, str], consts: dict, opts: dict) -> dict:
     """What --against compares of one case: instructions, loop sizes, registers and a hash of the SASS text."""
-    kernel = cs.build(fn, types, consts, opts.get("div16", ()), opts.get("num_warps", 4), opts.get("num_stages", 3))
-    text = cs.cuobjdump(kernel.asm["cubin"], "-sass") or ""
-    code = [(int(m.group(1), 16), m.group(2).strip()) for m in map(_LINE.match, text.splitlines()) if m]
-    usage = cs.resources(kernel.asm["cubin"])
+    binary = cubin(fn, types, consts, opts)
+    code = instructions(binary)
+    usage = cs.resources(binary)
     return {"instructions": len(code), "loops": [len(body) for body in loops(code)],
             "registers": usage[0] if usage else None, "stack": usage[1] if usage else None,
             "sass": hashlib.sha256("\n".join(ins for _, ins in code).encode()).hexdigest()[:16]}

@@ -273,7 +273,7 @@ _PACK_WORD = "mov.b32 $0, $4;\nmov.b32 $1, $4;\nmov.b32 $2, $4;\nmov.b32 $3, $4;
 
 def layer_fits(layer, meta) -> bool:
     """A layout the kernels decode: NVFP4 (its e4m3 scales at an even address: a lane reads its two groups' as one
-    16-bit load, `_scale_pair`), or int4 with bf16 scales (their pairs are the mma's operands) and groups of >= 32
+    16-bit load, `_fp4_scales`), or int4 with bf16 scales (their pairs are the mma's operands) and groups of >= 32
     weights (each lane's 16 bytes then lie in one group)."""
     return (meta.scheme == "nvfp4" and layer.scales.data_ptr() % 2 == 0) or (
         meta.scheme == "int4" and meta.group >= 32 and layer.scales.dtype == torch.bfloat16)
@@ -312,12 +312,15 @@ if HAVE_TRITON:
         return tl.reshape(tl.broadcast_to(s2[:, :, :, None], [BN, 4, 2, 8]), [BN, 64])
 
     @triton.jit
-    def _scale_pair(sp, mask=None):
-        """The e4m3 scales at byte addresses sp and sp + 1 (sp even: a lane's two 8-byte groups) as two uint8
-        tensors of sp's shape, from one 16-bit load a pair instead of two byte loads."""
-        sp16 = sp.to(tl.pointer_type(tl.uint16))
+    def _fp4_scales(S, row_off, b0, mask=None):
+        """NVFP4: the e4m3 scales of each lane's two 8-byte groups (bytes b0 + 16 t + 8 h of its row), two [BN, 4]
+        uint8 tensors; row_off [1, BN] is the rows' first scale. One 16-bit load a pair (the groups are adjacent,
+        at an even index: `layer_fits`), loaded [t, row] and transposed, which gives the scales the lane layout of
+        the weight tile (a [row, t] load would be laid out across the lanes the other way and converted through
+        shared memory, a barrier a span)."""
+        sp16 = (S + row_off + (b0 // 8 + 2 * tl.arange(0, 4))[:, None]).to(tl.pointer_type(tl.uint16))
         s16 = tl.load(sp16) if mask is None else tl.load(sp16, mask=mask, other=0)
-        return (s16 & 0xFF).to(tl.uint8), (s16 >> 8).to(tl.uint8)
+        return tl.trans((s16 & 0xFF).to(tl.uint8)), tl.trans((s16 >> 8).to(tl.uint8))
 
     @triton.jit
     def _int4_words(S, row_off, col0, mask, NG: tl.constexpr, G2: tl.constexpr):
@@ -399,12 +402,7 @@ if HAVE_TRITON:
             sa = _int4_words(S, (rows64 * NG)[None, :], b0, row_mask, NG, G2)
             sb = sa
         else:
-            # a lane's two groups (bytes 16 t + 8 h): loaded [t, row] and transposed, which gives the scales the
-            # lane layout of the weight tile (a [row, t] load would be laid out across the lanes the other way
-            # and converted through shared memory, a barrier a span)
-            g = b0 // 8 + 2 * tl.arange(0, 4)
-            sa, sb = _scale_pair(S + rows64[None, :] * NG + g[:, None], row_mask)
-            sa, sb = tl.trans(sa), tl.trans(sb)
+            sa, sb = _fp4_scales(S, (rows64 * NG)[None, :], b0, row_mask)
         return _span_mma(acc1, acc2, w, tl.broadcast_to(xp[None, :], w.shape), sa, sb, BN, INT4)
 
     @triton.jit
@@ -536,13 +534,7 @@ if HAVE_TRITON:
             sa = _int4_words(S, (wrow * NG)[None, :], (part * KP)[None, :] + b0, mask, NG, G2)
             sb = sa
         else:
-            g = b0 // 8 + 2 * tl.arange(0, 4)
-            sp = S + (wrow * NG + part * (NG // P))[None, :] + g[:, None]
-            # the scales loaded [t, column] and transposed, which gives them the lane layout of the weight tile (a
-            # [column, t] load would be laid out across the lanes the other way and converted through shared
-            # memory, a barrier a span)
-            sa, sb = _scale_pair(sp, mask)
-            sa, sb = tl.trans(sa), tl.trans(sb)
+            sa, sb = _fp4_scales(S, (wrow * NG + part * (NG // P))[None, :], b0, mask)
         return sa, sb
 
     @triton.jit
@@ -808,12 +800,8 @@ if HAVE_TRITON:
             slb = sla
             shb = sha
         else:
-            g = b0 // 8 + 2 * tl.arange(0, 4)
-            spl = S + (lo_row * NG + part * (NG // P))[None, :] + g[:, None]
-            sph = S + (hi_row * NG + part * (NG // P))[None, :] + g[:, None]
-            sla, slb = _scale_pair(spl)
-            sha, shb = _scale_pair(sph)
-            sla, slb, sha, shb = tl.trans(sla), tl.trans(slb), tl.trans(sha), tl.trans(shb)
+            sla, slb = _fp4_scales(S, (lo_row * NG + part * (NG // P))[None, :], b0)
+            sha, shb = _fp4_scales(S, (hi_row * NG + part * (NG // P))[None, :], b0)
         return sla, slb, sha, shb
 
     @triton.jit

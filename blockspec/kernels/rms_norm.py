@@ -73,7 +73,8 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: to
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
              zero_centered: bool = False, release_early: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`zero_centered`: scale by 1 + weight (ZeroCenteredRMSNorm's arithmetic), one program a row.
-    `release_early`: the caller's launch after this one loads its weights before its PDL wait (`releases_early`)."""
+    `release_early`: let the caller's next launch start before this one's PDL wait (where `releases_early` says
+    that measured faster for that launch)."""
     if not use_triton(x) or x.dtype != weight.dtype:
         return rms_norm_ref(x, weight, eps, residual, zero_centered)
     n = x.shape[-1]

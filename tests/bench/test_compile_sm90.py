@@ -13,11 +13,15 @@ pytest.importorskip("triton.backends.nvidia", reason="Triton's CUDA backend is n
 SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "compile_sm90.py"
 
 
-def test_kernels_compile_for_sm90():
+def compile_sm90():
     spec = importlib.util.spec_from_file_location("compile_sm90", SCRIPT)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    assert module.main() == 0
+    return module
+
+
+def test_kernels_compile_for_sm90():
+    assert compile_sm90().main() == 0
 
 
 def test_quant_gemv_weight_words_meet_their_bytes_x_and_scales_in_one_layout():
@@ -27,9 +31,7 @@ def test_quant_gemv_weight_words_meet_their_bytes_x_and_scales_in_one_layout():
     the layout the words were packed in. Checked on the compiled kernels, whose layouts Triton chooses."""
     import re
 
-    spec = importlib.util.spec_from_file_location("compile_sm90", SCRIPT)
-    cs = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cs)
+    cs = compile_sm90()
     picked = [c for c in cs.cases() if c[0].startswith("quant_gemv") and ("stream" in c[0] or "K=12288" in c[0]
                                                                            or "moe" in c[0])]
     assert len(picked) >= 8

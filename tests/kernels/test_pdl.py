@@ -27,7 +27,7 @@ EARLY_RELEASERS = ("_rms_norm_kernel", "_paged_attention_kernel", "_merge_splits
 # Helpers that load a layer's weights and scales only (no kernel of a step writes them): a kernel may call them, or
 # helpers that call only them, before its wait, so that its weights are in flight while the kernel before it runs
 # (quant_gemv's streamed launches).
-WEIGHT_LOADERS = ("_span_bytes", "_span_scales", "_scale_pair", "_rows_bytes", "_rows_scales", "_int4_words")
+WEIGHT_LOADERS = ("_span_bytes", "_span_scales", "_fp4_scales", "_rows_bytes", "_rows_scales", "_int4_words")
 
 
 def loaders_called(names: dict, source: str, seen: set[str]) -> list[str]:
