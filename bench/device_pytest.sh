@@ -10,13 +10,13 @@ python -m pytest -q --collect-only "$@" 2>/dev/null | grep "::" > "$ids"
 echo "$(wc -l < "$ids") tests in $n shards"
 split -n "r/$n" -d "$ids" "$ids.shard"
 pids=()
-for shard in "$ids".shard*; do
+for shard in "$ids".shard[0-9][0-9]; do
     python -m pytest -q -p no:cacheprovider $(cat "$shard") > "$shard.log" 2>&1 &
     pids+=($!)
 done
 rc=0
 for pid in "${pids[@]}"; do wait "$pid" || rc=1; done
-for shard in "$ids".shard*; do
+for shard in "$ids".shard[0-9][0-9]; do
     grep -E "FAILED|ERROR" "$shard.log" | head -20
     tail -1 "$shard.log"
 done

@@ -251,22 +251,22 @@ def _gated_fit(cfg: GemvConfig | None, gated: bool) -> GemvConfig | None:
 
 
 # The span asm's operands (pack = 4: four elements of each tensor a call): $0..$7 the accumulators out, $8..$15 in,
-# $16 the 32-bit word of 4 weight bytes ($17..$19: zeros, `_span_words`), A = the x pairs $20..$23, the scale pair
-# $24 (and int4's zero pair -(128 + z) $28). The weights arrive as words, not bytes: bytes carried through a loop
-# (the streamed kernels load a step ahead) were kept a register each and packed again every step, ~190 PRMT / LOP3
-# a step of 4 spans (bench/sass_loops.py: 635 instructions a loop against the unstreamed kernel's 453).
+# $16 the 4 weight bytes (one register), A = the x pairs $17..$20, the scale pair $21 (and int4's zero pair
+# -(128 + z) $25). The one-row kernels pass bytes, not the rows kernel's words (`_span_words`): words cut the
+# streamed loops' SASS by a quarter (bench/sass_loops.py) but made the streamed one-row down projection slower,
+# 15.7 -> 17.5 us (bench/quant_gemv.py, H100, session 36), while the rows kernel gained from them.
 # the two mma steps of 4 decoded bytes t0..t3 into ($0..$3, from $8..$11) and ($4..$7, from $12..$15)
 _MMA_PAIR = """\
 mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0, $1, $2, $3},
-    {$20, $21, $22, $23}, {t0, t2}, {$8, $9, $10, $11};
+    {$17, $18, $19, $20}, {t0, t2}, {$8, $9, $10, $11};
 mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$4, $5, $6, $7},
-    {$20, $21, $22, $23}, {t1, t3}, {$12, $13, $14, $15};
+    {$17, $18, $19, $20}, {t1, t3}, {$12, $13, $14, $15};
 }"""
-# quant_tiles' E2M1 decode of the 4 bytes in $16 into t0..t3, scaled by the pair $24 (pairs of bytes 0..3)
+# quant_tiles' E2M1 decode of the 4 bytes in $16 into t0..t3, scaled by the pair $21 (pairs of bytes 0..3)
 _E2M1_MMA = "{\n" + E2M1_REGS + e2m1_decode_ptx("$16") + "".join(
-    f"fma.rn.bf16x2 t{i}, t{i}, $24, nz;\n" for i in range(4)) + _MMA_PAIR
-_INT4_MMA = "{\n" + INT4_REGS + int4_decode_ptx("$16", "$28", "$24") + _MMA_PAIR
-_SPAN_CONSTRAINTS = ",".join(["=r"] * 8 + ["r"] * 20)  # + int4's zero pairs: 4 more
+    f"fma.rn.bf16x2 t{i}, t{i}, $21, nz;\n" for i in range(4)) + _MMA_PAIR
+_INT4_MMA = "{\n" + INT4_REGS + int4_decode_ptx("$16", "$25", "$21") + _MMA_PAIR
+_SPAN_CONSTRAINTS = ",".join(["=r"] * 8 + ["r"] * 17)  # + int4's zero pairs: 4 more
 # 4 bytes -> their 32-bit word, as the first of 4 int32 elements (`_span_words` zeroes the other three)
 _PACK_WORD = "mov.b32 $0, $4;\nmov.b32 $1, $4;\nmov.b32 $2, $4;\nmov.b32 $3, $4;"
 
@@ -312,15 +312,26 @@ if HAVE_TRITON:
         return tl.reshape(tl.broadcast_to(s2[:, :, :, None], [BN, 4, 2, 8]), [BN, 64])
 
     @triton.jit
-    def _fp4_scales(S, row_off, b0, mask=None):
+    def _fp4_scales(S, row_off, b0, mask=None, ONE_LOAD: tl.constexpr = False):
         """NVFP4: the e4m3 scales of each lane's two 8-byte groups (bytes b0 + 16 t + 8 h of its row), two [BN, 4]
-        uint8 tensors; row_off [1, BN] is the rows' first scale. One 16-bit load a pair (the groups are adjacent,
-        at an even index: `layer_fits`), loaded [t, row] and transposed, which gives the scales the lane layout of
-        the weight tile (a [row, t] load would be laid out across the lanes the other way and converted through
-        shared memory, a barrier a span)."""
-        sp16 = (S + row_off + (b0 // 8 + 2 * tl.arange(0, 4))[:, None]).to(tl.pointer_type(tl.uint16))
-        s16 = tl.load(sp16) if mask is None else tl.load(sp16, mask=mask, other=0)
-        return tl.trans((s16 & 0xFF).to(tl.uint8)), tl.trans((s16 >> 8).to(tl.uint8))
+        uint8 tensors; row_off [1, BN] is the rows' first scale. Loaded [t, row] and transposed, which gives the
+        scales the lane layout of the weight tile (a [row, t] load would be laid out across the lanes the other way
+        and converted through shared memory, a barrier a span). ONE_LOAD: one 16-bit load a pair (the groups are
+        adjacent, at an even index: `layer_fits`; rows clamped by the caller, no mask), the rows kernel's: it made
+        the 16-row qkv / gate|up 3% faster but the one-row o and gate|up 4-17% slower than two byte loads
+        (bench/quant_gemv.py, H100, session 36)."""
+        sp = S + row_off + (b0 // 8 + 2 * tl.arange(0, 4))[:, None]
+        if ONE_LOAD:
+            s16 = tl.load(sp.to(tl.pointer_type(tl.uint16)))
+            sa = (s16 & 0xFF).to(tl.uint8)
+            sb = (s16 >> 8).to(tl.uint8)
+        elif mask is None:
+            sa = tl.load(sp)
+            sb = tl.load(sp + 1)
+        else:
+            sa = tl.load(sp, mask=mask, other=0)
+            sb = tl.load(sp + 1, mask=mask, other=0)
+        return tl.trans(sa), tl.trans(sb)
 
     @triton.jit
     def _int4_words(S, row_off, col0, mask, NG: tl.constexpr, G2: tl.constexpr):
@@ -353,7 +364,7 @@ if HAVE_TRITON:
 
     @triton.jit
     def _span_mma(acc1, acc2, w, xp, sa, sb, BN: tl.constexpr, INT4: tl.constexpr = False):
-        """acc1, acc2 += the span's products (module docstring); w: the span's weight words (`_span_words`); INT4:
+        """acc1, acc2 += the span's products (module docstring); w: the span's weight bytes [BN, 64] uint8; INT4:
         sa holds the lanes' scale|zero words."""
         if INT4:
             s2, z2 = _int4_pairs(sa, BN)
@@ -392,10 +403,10 @@ if HAVE_TRITON:
         kb = tl.arange(0, 64)
         wp = QW + rows64[:, None] * KB + b0 + kb[None, :]
         if n_mask is None:
-            w = _span_words(tl.load(wp))
+            w = tl.load(wp)
             row_mask = None
         else:
-            w = _span_words(tl.load(wp, mask=n_mask[:, None], other=0))
+            w = tl.load(wp, mask=n_mask[:, None], other=0)
             row_mask = n_mask[None, :]
         xp = tl.load(x32 + b0 + kb)  # x as bf16 pairs, pair i beside weight byte i
         if INT4:
@@ -492,8 +503,8 @@ if HAVE_TRITON:
 
     @triton.jit
     def _span_bytes(QW, wrow, part, n_mask, b0, KB: tl.constexpr, P: tl.constexpr, live=None):
-        """The weight bytes of one 64-byte span (bytes b0 .. of each column's K part) as words (`_span_words`); none
-        where not `live` (a scalar: the span lies in the part)."""
+        """The weight bytes [BN, 64] of one 64-byte span (bytes b0 .. of each column's K part); none where not
+        `live` (a scalar: the span lies in the part)."""
         kb = tl.arange(0, 64)
         KP: tl.constexpr = KB // P  # bytes a part
         ptrs = QW + wrow[:, None] * KB + (part * KP)[:, None] + b0 + kb[None, :]
@@ -504,7 +515,7 @@ if HAVE_TRITON:
             if live is not None:
                 mask = mask & live
             w = tl.load(ptrs, mask=mask, other=0)
-        return _span_words(w)
+        return w
 
     @triton.jit
     def _span_x(x32, b0, KB: tl.constexpr, BN: tl.constexpr, P: tl.constexpr, live=None):
@@ -800,8 +811,8 @@ if HAVE_TRITON:
             slb = sla
             shb = sha
         else:
-            sla, slb = _fp4_scales(S, (lo_row * NG + part * (NG // P))[None, :], b0)
-            sha, shb = _fp4_scales(S, (hi_row * NG + part * (NG // P))[None, :], b0)
+            sla, slb = _fp4_scales(S, (lo_row * NG + part * (NG // P))[None, :], b0, ONE_LOAD=True)
+            sha, shb = _fp4_scales(S, (hi_row * NG + part * (NG // P))[None, :], b0, ONE_LOAD=True)
         return sla, slb, sha, shb
 
     @triton.jit
