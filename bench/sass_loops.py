@@ -4,8 +4,9 @@ sessions 29 and 31). Cases are bench/compile_sm90.py's, picked by a substring of
 
     PYTHONPATH=/tmp/t36site:. python bench/sass_loops.py "quant_gemv rows K=4096 TWO=True HAS_RES=True"
 
-Prints, per case, each backward branch's loop: its static instruction count by opcode and its loads by width
-(LDG from global memory, LDS from shared memory). Triton's bundled cuobjdump disassembles the cubin.
+Prints, per case, each backward branch's loop: its static instruction count by opcode, its loads by width
+(LDG from global memory, LDS from shared memory) and the order of its loads, barriers and mmas (`order`).
+Triton's bundled cuobjdump disassembles the cubin.
 
 `--against REV` compares instead: each picked case compiled from this tree and from REV's blockspec/ (under this
 tree's bench/, so the cases are the same), a line each with the instruction count, the largest loop and the
@@ -70,6 +71,17 @@ def loops(code: list[tuple[int, str]]) -> list[list[str]]:
 
 def opcode(ins: str) -> str:
     return _PREDICATE.sub("", ins).split()[0]
+
+
+def order(body: list[str]) -> str:
+    """A loop's memory and mma instructions in issue order, a letter each: L a global load, S a shared-memory load
+    or barrier, M an mma. Where a step's loads sit against its mmas is what hides their latency (session 36: the
+    streamed down projection's next-step loads moved from the loop's top to its middle and it lost 12%, with fewer
+    instructions), and an S in a GEMV loop is a barrier or a trip through shared memory a step."""
+    def letter(op: str) -> str:
+        return "L" if op.startswith("LDG") else "S" if op.startswith(("LDS", "BAR")) else \
+            "M" if op.startswith("HMMA") else ""
+    return "".join(letter(opcode(t)) for t in body)
 
 
 def picked(picks: list[str]) -> list[tuple[str, tuple, dict]]:
@@ -145,7 +157,8 @@ def main(argv: list[str] | None = None) -> int:
         for body in loops(code):
             ops = Counter(opcode(t).split(".")[0] for t in body)
             loads = Counter(opcode(t) for t in body if opcode(t).startswith(("LDG", "LDS", "LDSM")))
-            print(f"  loop of {len(body)}: {dict(ops.most_common(12))}\n    loads {dict(loads)}")
+            print(f"  loop of {len(body)}: {dict(ops.most_common(12))}\n    loads {dict(loads)}\n"
+                  f"    order {order(body)}")
     return 0
 
 
