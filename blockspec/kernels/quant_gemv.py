@@ -279,9 +279,10 @@ _PACK_WORD = "mov.b32 $0, $4;\nmov.b32 $1, $4;\nmov.b32 $2, $4;\nmov.b32 $3, $4;
 
 
 def layer_fits(layer, meta) -> bool:
-    """A layout the kernels decode: NVFP4 (its e4m3 scales at an even address: a lane reads its two groups' as one
-    16-bit load, `_fp4_scales`), or int4 with bf16 scales (their pairs are the mma's operands) and groups of >= 32
-    weights (each lane's 16 bytes then lie in one group)."""
+    """A layout the kernels decode: NVFP4 (its e4m3 scales at an even address: the rows kernel reads a lane's two
+    groups' as one 16-bit load, `_fp4_scales(ONE_LOAD)`; the one-row kernels would not need it, but one rule keeps
+    a layer on one family of kernels), or int4 with bf16 scales (their pairs are the mma's operands) and groups of
+    >= 32 weights (each lane's 16 bytes then lie in one group)."""
     return (meta.scheme == "nvfp4" and layer.scales.data_ptr() % 2 == 0) or (
         meta.scheme == "int4" and meta.group >= 32 and layer.scales.dtype == torch.bfloat16)
 
@@ -425,7 +426,7 @@ if HAVE_TRITON:
             sb = sa
         else:
             sa, sb = _fp4_scales(S, (rows64 * NG)[None, :], b0, row_mask)
-        if not X_TILE:
+        if not X_TILE:  # broadcast here, after the scale loads: the order the launches were timed with
             xp = tl.broadcast_to(xp[None, :], w.shape)
         return _span_mma(acc1, acc2, w, xp, sa, sb, BN, INT4)
 

@@ -27,9 +27,9 @@ def test_kernels_compile_for_sm90():
 def test_quant_gemv_weight_words_meet_their_bytes_x_and_scales_in_one_layout():
     """quant_gemv's asm reads a span's weights as bytes packed 4 a register (one-row kernels) or as 32-bit words
     (the rows kernel, `_span_words`: the word in the first of each 4 elements) beside the x pairs and scales of the
-    same 4 elements: right only where each thread's 4 packed
-    elements are 4 consecutive columns from a multiple of 4, in the one layout every operand of the asm shares, and
-    the layout the words were packed in. Checked on the compiled kernels, whose layouts Triton chooses."""
+    same 4 elements: right only where each thread's 4 packed elements are 4 consecutive columns from a multiple of
+    4, in the one layout every operand of the asm shares, and the layout the words were packed in. Checked on the
+    compiled kernels, whose layouts Triton chooses."""
     import re
 
     cs = compile_sm90()
