@@ -276,15 +276,6 @@ def cases() -> list[tuple[str, tuple, dict]]:
             GATED=gated, X_PER_SLOT=not gated, BN=8 * qv.WIDE.warps, SPANS=qv._moe_spans(k), PDL=True)),
             dict(div16=("X", "QW", "S", "OUT"), num_warps=qv.WIDE.warps, num_stages=1, no_spill=True,
                  ptx_has=pdl_ptx + ("mma.sync.aligned.m16n8k16",))))
-    # the one-row kernels with x loaded in the weight tile's lane layout (quant_gemv.X_TILED): one case a kernel,
-    # scheme and SwiGLU fold
-    seen = set()
-    for label, (fn, types, consts), opts in list(out):
-        key = (fn, consts.get("INT4", False), consts.get("GATED", False))
-        if label.startswith("quant_gemv") and fn in (qv._wide_kernel, qv._parts_kernel, qv._stream_kernel,
-                                                     qv._moe_kernel) and key not in seen:
-            seen.add(key)
-            out.append((f"{label} X_TILE", (fn, types, {**consts, "X_TILE": True}), opts))
     moe_rows = {"X": "*bf16", "QW": "*u8", "S": "*u8", "GS": "*fp32", "SQW_OFF16": "i64", "SS_OFF16": "i64",
                 "SGS_OFF": "i64", "OUT": "*bf16", "SORTED": "*i32",
                 "ITEM_EXPERT": "*i32", "ITEM_START": "*i32", "ITEM_COUNT": "*i32", "NUM_ITEMS": "*i32"}

@@ -97,8 +97,7 @@ if torch.cuda.is_available():
     import triton.language as tl
 
     @triton.jit
-    def _x_free(x32, part, b0, KB: tl.constexpr, BN: tl.constexpr, P: tl.constexpr, live=None,
-                X_TILE: tl.constexpr = False):
+    def _x_free(x32, b0, KB: tl.constexpr, BN: tl.constexpr, P: tl.constexpr, live=None):
         """--no-x: the pairs (1, 1) in place of x beside a span's bytes, no load (the results are wrong)."""
         return tl.full([BN, 64], 0x3F803F80, tl.int32)
 
@@ -149,8 +148,6 @@ def main() -> None:
     ap.add_argument("--groups", action="store_true", help="+ the rows kernel running 2-4 blocks of weight rows a "
                     "program, each span's x loaded once for all (GemvConfig.groups; NOTES sessions 29-30), at one "
                     "row with rows=True")
-    ap.add_argument("--x-tile", action="store_true", help="one row: + the dispatched launch with x loaded in the "
-                    "weight tile's lane layout (quant_gemv.X_TILED: no shared-memory broadcast, no barriers)")
     ap.add_argument("--splits", action="store_true", help="2-16 rows: + the rows kernel with K split over 2-4 "
                     "programs (GemvConfig.splits; NOTES session 30)")
     args = ap.parse_args()
@@ -179,8 +176,6 @@ def main() -> None:
                                      gemv_us=gemv, rel_err=err, dot_pct=qgm.pct(nbytes, dot, bw),
                                      gemv_pct=qgm.pct(nbytes, gemv, bw),
                                      dispatched=quant_gemv.launch_config(meta, m, gated) is not None))
-                    if args.x_tile and m == 1:
-                        rows[-1]["x_tile_us"], rows[-1]["x_tile_err"] = x_tiled(x, layer, layers, ref, gated)
                     if args.sweep:
                         rows[-1]["best"] = sweep(x, layer, layers, ref, k, gated)
                     if args.stream:
@@ -203,20 +198,8 @@ def main() -> None:
         print(f"{r['scheme']:6} {r['shape']:12} {r['n']:6} {r['k']:6} {r['m']:3} {'yes' if r['gated'] else '':>6} "
               f"{r['dot_us']:7.1f} {r['dot_pct']:6.1f} {r['gemv_us']:8.1f} {r['gemv_pct']:6.1f} {r['rel_err']:7.1e}  "
               f"{'mma' if r['dispatched'] else 'dot'}"
-              + (f"  x-tile {r['x_tile_us']:.1f} us ({qgm.pct(r['bytes'], r['x_tile_us'], bw):.1f}%, err "
-                 f"{r['x_tile_err']:.1e})" if "x_tile_us" in r else "")
               + "".join(swept(key, r[key], r["bytes"], bw) for key in ("best", "stream", "groups", "splits")
                         if r.get(key)))
-
-
-def x_tiled(x, layer, layers, ref, gated: bool) -> tuple[float, float]:
-    """The dispatched one-row launch with quant_gemv.X_TILED on (us, rel err); the flag is read at launch, so it is
-    on while the replayed graph is captured."""
-    quant_gemv.X_TILED = True
-    try:
-        return qgm.bench(gemv_fn(x, layers, gated=gated)), qgm.rel_err(gemv_fn(x, [layer], gated=gated)(), ref)
-    finally:
-        quant_gemv.X_TILED = False
 
 
 def swept(key: str, c: dict, nbytes: int, bw: float) -> str:

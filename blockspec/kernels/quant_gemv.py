@@ -86,13 +86,6 @@ WIDE_ROWS = 16384  # from here one K part: many programs already (gate|up, LM he
 # on the dot path, its q|gate|k|v 9216 x 2048 9.3 against 10.6 (H100, bench/quant_gemv.py, weights streamed from
 # HBM); Qwen3-8B's q|k|v 6144 x 4096 keeps the dot path (11.6 against 15.2)
 GEMV_WIDE_ROWS = 8192
-# The one-row kernels (`_wide_kernel`, `_parts_kernel`, `_stream_kernel`, `_moe_kernel`) load x in the weight tile's
-# lane layout (each lane its 16 pairs beside its bytes, L1 hits shared by the 8 lanes of a column group) instead of
-# once a span and broadcast through shared memory: that broadcast put 2 barriers a span in every one-row loop
-# (bench/sass_loops.py: WIDE's loop 8 BAR.SYNC + 16 LDS, none with it; 3-10% fewer instructions, 64 registers
-# against 71). Off until timed on a GPU (bench/quant_gemv.py --x-tile; session 36 found SASS counts no guide to
-# one-row time).
-X_TILED = False
 WIDE = GemvConfig(warps=2, spans=4, parts=1)
 # narrow layers (Qwen3-8B o_proj / down, 4096 rows): K in 4 parts over 8 warps, two spans a step. One-row NVFP4, us
 # (c75ff26, H100 / H200): o 8.55 / 8.4 -> 7.46 / 7.4, down 20.2 / 20.1 -> 19.0 / 18.3 against the 16-warp, 4-span
@@ -405,7 +398,7 @@ if HAVE_TRITON:
 
     @triton.jit
     def _wide_span(acc1, acc2, QW, x32, S, rows64, n_mask, b0, KB: tl.constexpr, NG: tl.constexpr,
-                   BN: tl.constexpr, INT4: tl.constexpr = False, G2: tl.constexpr = 8, X_TILE: tl.constexpr = False):
+                   BN: tl.constexpr, INT4: tl.constexpr = False, G2: tl.constexpr = 8):
         """acc1, acc2 += one 64-byte span of the rows (bytes b0 ..) against x (see the module docstring). n_mask
         None: every row is one to read (the caller points rows past N at a real one; a masked load zeroes its
         registers first, ~1 instruction a word)."""
@@ -417,18 +410,13 @@ if HAVE_TRITON:
         else:
             w = tl.load(wp, mask=n_mask[:, None], other=0)
             row_mask = n_mask[None, :]
-        if X_TILE:  # x as bf16 pairs, pair i beside weight byte i (`X_TILED`)
-            xp = tl.load(tl.broadcast_to(x32 + b0 + kb[None, :], [BN, 64]))
-        else:
-            xp = tl.load(x32 + b0 + kb)
+        xp = tl.load(x32 + b0 + kb)  # x as bf16 pairs, pair i beside weight byte i
         if INT4:
             sa = _int4_words(S, (rows64 * NG)[None, :], b0, row_mask, NG, G2)
             sb = sa
         else:
             sa, sb = _fp4_scales(S, (rows64 * NG)[None, :], b0, row_mask)
-        if not X_TILE:  # broadcast here, after the scale loads: the order the launches were timed with
-            xp = tl.broadcast_to(xp[None, :], w.shape)
-        return _span_mma(acc1, acc2, w, xp, sa, sb, BN, INT4)
+        return _span_mma(acc1, acc2, w, tl.broadcast_to(xp[None, :], w.shape), sa, sb, BN, INT4)
 
     @triton.jit
     def _tile_rows(pid, j, N, B: tl.constexpr, GATED: tl.constexpr):
@@ -472,7 +460,7 @@ if HAVE_TRITON:
     def _wide_kernel(X, QW, S, GS, Y, N, K: tl.constexpr, HAS_GS: tl.constexpr, BN: tl.constexpr,
                      SPANS: tl.constexpr, HAS_RES: tl.constexpr = False, PDL: tl.constexpr = False,
                      INT4: tl.constexpr = False, G2: tl.constexpr = 8, GATED: tl.constexpr = False,
-                     EARLY: tl.constexpr = False, X_TILE: tl.constexpr = False):
+                     EARLY: tl.constexpr = False):
         """One K part (wide layers). Kept as first measured: the parts kernel at P = 1 (its loads written the
         same) compiled to another schedule, ~20% slower on gate|up (bench/quant_gemv.py, H100). INT4: S holds the
         scale|zero words, G2 bytes a group. GATED: SiLU(gate) * up to Y [1, N / 2] (`_tile_rows`). EARLY: dependents
@@ -491,8 +479,7 @@ if HAVE_TRITON:
             release_dependents(PDL)
         for b0 in range(0, KB, 64 * SPANS):
             for u in tl.static_range(SPANS):
-                acc1, acc2 = _wide_span(acc1, acc2, QW, x32, S, rows64, None, b0 + 64 * u, KB, NG, BN, INT4, G2,
-                                         X_TILE)
+                acc1, acc2 = _wide_span(acc1, acc2, QW, x32, S, rows64, None, b0 + 64 * u, KB, NG, BN, INT4, G2)
         y = _sums_scaled(_c_sums(acc1, acc2, BN), GS, INT4, HAS_GS)  # [BN, t, c]: tile column 2 t + c of the 8
         if not EARLY:
             release_dependents(PDL)
@@ -533,22 +520,18 @@ if HAVE_TRITON:
         return w
 
     @triton.jit
-    def _span_x(x32, part, b0, KB: tl.constexpr, BN: tl.constexpr, P: tl.constexpr, live=None,
-                X_TILE: tl.constexpr = False):
-        """x as bf16 pairs beside the span's weight bytes [BN, 64] (pair i of its column's K part beside byte i),
-        none where not `live`. X_TILE: loaded straight in the weight tile's lane layout (`X_TILED`); else loaded
-        [P, 64] and broadcast over the rows of each part."""
-        if X_TILE:
-            ptrs = x32 + (part * (KB // P))[:, None] + b0 + tl.arange(0, 64)[None, :]
-        else:
-            ptrs = x32 + (tl.arange(0, P) * (KB // P))[:, None] + b0 + tl.arange(0, 64)[None, :]
+    def _span_x(x32, b0, KB: tl.constexpr, BN: tl.constexpr, P: tl.constexpr, live=None):
+        """x as bf16 pairs beside the span's weight bytes [BN, 64] (pair i beside byte i), none where not `live`:
+        loaded [P, 64] once and broadcast over the rows of each part. Triton moves that broadcast through shared
+        memory (2 barriers a span); loading x straight in the tile's lane layout instead (each lane its own 16
+        pairs, no barrier) measured 10-90% slower in every one-row kernel (bench/NOTES.md session 37)."""
+        kb = tl.arange(0, 64)
+        ptrs = x32 + (tl.arange(0, P) * (KB // P))[:, None] + b0 + kb[None, :]
         if live is None:
             xp = tl.load(ptrs)
         else:
             xp = tl.load(ptrs, mask=live, other=0)
-        if not X_TILE:
-            xp = tl.reshape(tl.broadcast_to(xp[None, :, :], [BN // P, P, 64]), [BN, 64])
-        return xp
+        return tl.reshape(tl.broadcast_to(xp[None, :, :], [BN // P, P, 64]), [BN, 64])
 
     @triton.jit
     def _span_scales(S, wrow, part, n_mask, b0, KB: tl.constexpr, NG: tl.constexpr, P: tl.constexpr,
@@ -570,13 +553,13 @@ if HAVE_TRITON:
 
     @triton.jit
     def _span_loads(QW, x32, S, wrow, part, n_mask, b0, KB: tl.constexpr, NG: tl.constexpr, BN: tl.constexpr,
-                    P: tl.constexpr, INT4: tl.constexpr = False, G2: tl.constexpr = 8, X_TILE: tl.constexpr = False):
+                    P: tl.constexpr, INT4: tl.constexpr = False, G2: tl.constexpr = 8):
         """What one 64-byte span (bytes b0 .. of each column's K part) reads: the weight bytes, x beside them and
         the scales, in that order (the parts kernel's launches were timed so). Nothing past the part's end is
         read (b0 may be one span beyond)."""
         live = b0 < KB // P
         w = _span_bytes(QW, wrow, part, n_mask, b0, KB, P, live)
-        xp = _span_x(x32, part, b0, KB, BN, P, live, X_TILE)
+        xp = _span_x(x32, b0, KB, BN, P, live)
         sa, sb = _span_scales(S, wrow, part, n_mask, b0, KB, NG, P, INT4, G2, live)
         return w, xp, sa, sb
 
@@ -601,8 +584,7 @@ if HAVE_TRITON:
     @triton.jit
     def _parts_kernel(X, QW, S, GS, Y, N, K: tl.constexpr, HAS_GS: tl.constexpr, BN: tl.constexpr,
                       SPANS: tl.constexpr, P: tl.constexpr, HAS_RES: tl.constexpr = False, PDL: tl.constexpr = False,
-                      INT4: tl.constexpr = False, G2: tl.constexpr = 8, GATED: tl.constexpr = False,
-                      X_TILE: tl.constexpr = False):
+                      INT4: tl.constexpr = False, G2: tl.constexpr = 8, GATED: tl.constexpr = False):
         # BN tile columns = BN / P tile rows x P parts of K (column c: tile row c // P, part c % P); P divides 8,
         # so the 8 columns of a warp's mma hold whole rows and part(g) = g % P. `_tile_rows` maps tile rows to
         # weight rows (GATED: gate rows, then the up rows)
@@ -615,11 +597,11 @@ if HAVE_TRITON:
         acc2 = tl.zeros([BN, 64], dtype=tl.float32)
         wait_for_inputs(PDL)
         # software-pipelined by one span: the next span's loads are issued before this one's mma
-        w, xp, sa, sb = _span_loads(QW, x32, S, wrow, part, n_mask, 0, KB, NG, BN, P, INT4, G2, X_TILE)
+        w, xp, sa, sb = _span_loads(QW, x32, S, wrow, part, n_mask, 0, KB, NG, BN, P, INT4, G2)
         for b0 in range(0, KB // P, 64 * SPANS):
             for u in tl.static_range(SPANS):
                 nw, nxp, nsa, nsb = _span_loads(QW, x32, S, wrow, part, n_mask, b0 + 64 * (u + 1), KB, NG, BN, P,
-                                                INT4, G2, X_TILE)
+                                                INT4, G2)
                 acc1, acc2 = _span_mma(acc1, acc2, w, xp, sa, sb, BN, INT4)
                 w, xp, sa, sb = nw, nxp, nsa, nsb
         y = _parts_sums(acc1, acc2, GS, BN, P, INT4, HAS_GS)
@@ -655,7 +637,7 @@ if HAVE_TRITON:
     def _stream_kernel(X, QW, S, GS, Y, N, K: tl.constexpr, HAS_GS: tl.constexpr, BN: tl.constexpr,
                        SPANS: tl.constexpr, P: tl.constexpr, HAS_RES: tl.constexpr = False, PDL: tl.constexpr = False,
                        INT4: tl.constexpr = False, G2: tl.constexpr = 8, GATED: tl.constexpr = False,
-                       EARLY: tl.constexpr = False, X_TILE: tl.constexpr = False):
+                       EARLY: tl.constexpr = False):
         # The parts kernel's tiles and sums, its weights streamed a step of SPANS spans ahead: each step issues the
         # next step's weight loads before its own mmas (SPANS x 16 bytes a lane in flight, x read from L1 beside
         # each span), and the first step's are issued before the PDL wait, while the kernel before this one still
@@ -681,13 +663,11 @@ if HAVE_TRITON:
             for u in tl.static_range(SPANS):
                 ahead = ahead + (_span_weights(QW, S, wrow, part, None, b0 + STEP + 64 * u, KB, NG, P, INT4, G2),)
                 w, sa, sb = ring[u]
-                xp = _span_x(x32, part, b0 + 64 * u, KB, BN, P, None, X_TILE)
-                acc1, acc2 = _span_mma(acc1, acc2, w, xp, sa, sb, BN, INT4)
+                acc1, acc2 = _span_mma(acc1, acc2, w, _span_x(x32, b0 + 64 * u, KB, BN, P), sa, sb, BN, INT4)
             ring = ahead
         for u in tl.static_range(SPANS):
             w, sa, sb = ring[u]
-            xp = _span_x(x32, part, LAST + 64 * u, KB, BN, P, None, X_TILE)
-            acc1, acc2 = _span_mma(acc1, acc2, w, xp, sa, sb, BN, INT4)
+            acc1, acc2 = _span_mma(acc1, acc2, w, _span_x(x32, LAST + 64 * u, KB, BN, P), sa, sb, BN, INT4)
         y = _parts_sums(acc1, acc2, GS, BN, P, INT4, HAS_GS)
         if not EARLY:
             release_dependents(PDL)
@@ -739,11 +719,11 @@ def gemv(x: torch.Tensor, layer, meta, cfg: GemvConfig, residual: torch.Tensor |
     args = (x, layer.qweight, scales, gs, y, meta.n)
     grid = (triton.cdiv(meta.n * cfg.parts, cfg.block),)
     if cfg.stream:
-        _stream_kernel[grid](*args, P=cfg.parts, EARLY=cfg.early, X_TILE=X_TILED, **common)
+        _stream_kernel[grid](*args, P=cfg.parts, EARLY=cfg.early, **common)
     elif cfg.parts == 1:
-        _wide_kernel[grid](*args, EARLY=cfg.early, X_TILE=X_TILED, **common)
+        _wide_kernel[grid](*args, EARLY=cfg.early, **common)
     else:
-        _parts_kernel[grid](*args, P=cfg.parts, X_TILE=X_TILED, **common)
+        _parts_kernel[grid](*args, P=cfg.parts, **common)
     return y
 
 
@@ -1194,7 +1174,7 @@ if HAVE_TRITON:
     def _moe_kernel(X, IDS, QW, S, GS, SQW_OFF16, SS_OFF16, SGS_OFF, OUT, N_W: tl.constexpr, K: tl.constexpr,
                     W_STRIDE: tl.constexpr, S_STRIDE: tl.constexpr, TOP_K: tl.constexpr, E: tl.constexpr,
                     SHARED: tl.constexpr, HAS_GS: tl.constexpr, GATED: tl.constexpr, X_PER_SLOT: tl.constexpr,
-                    BN: tl.constexpr, SPANS: tl.constexpr, PDL: tl.constexpr = False, X_TILE: tl.constexpr = False):
+                    BN: tl.constexpr, SPANS: tl.constexpr, PDL: tl.constexpr = False):
         """Program (slot, block): BN rows of the slot's expert (IDS[slot]; SHARED: slot TOP_K is the shared
         expert, id E, see `_expert_offsets`) against x (X, or row `slot` of X with X_PER_SLOT). GATED (gate|up,
         N_W = 2I rows): tile column c reads gate row c // 2 (c even) or up row I + c // 2 (c odd), so a lane's
@@ -1228,8 +1208,7 @@ if HAVE_TRITON:
         acc2 = tl.zeros([BN, 64], dtype=tl.float32)
         for b0 in range(0, KB, 64 * SPANS):
             for u in tl.static_range(SPANS):
-                acc1, acc2 = _wide_span(acc1, acc2, qw, x32, s, rows64, n_mask, b0 + 64 * u, KB, NG, BN,
-                                         X_TILE=X_TILE)
+                acc1, acc2 = _wide_span(acc1, acc2, qw, x32, s, rows64, n_mask, b0 + 64 * u, KB, NG, BN)
         y = _c_sums(acc1, acc2, BN) * _FP4_BIAS  # [BN, t, c]: tile column 2 t + c of the 8 (every lane right)
         if HAS_GS:
             y = y * tl.load(GS + gs_off)
@@ -1265,7 +1244,7 @@ def nvfp4_moe(x: torch.Tensor, ids: torch.Tensor, w, gated: bool, shared: Nvfp4S
         w.global_scale if w.global_scale is not None else w.scales, *offsets, out, N_W=w.n, K=w.k,
         W_STRIDE=w.strides[0], S_STRIDE=w.strides[1], TOP_K=top_k, E=w.experts, SHARED=shared is not None,
         HAS_GS=w.global_scale is not None, GATED=gated, X_PER_SLOT=not gated, BN=WIDE.block,
-        SPANS=_moe_spans(w.k), PDL=on, X_TILE=X_TILED, num_warps=WIDE.warps, num_stages=1, launch_pdl=on)
+        SPANS=_moe_spans(w.k), PDL=on, num_warps=WIDE.warps, num_stages=1, launch_pdl=on)
     return out
 
 

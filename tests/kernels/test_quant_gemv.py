@@ -333,45 +333,6 @@ def test_swiglu_is_folded_into_the_epilogue(scheme: str, m: int, n: int, k: int)
 
 
 @gpu
-@pytest.mark.parametrize("scheme", ["nvfp4", "int4"])
-@pytest.mark.parametrize("n,k,gated,res", [(4096 - 24, 2048, False, True), (24576, 4096, True, False),
-                                           (4096, 12288, False, True), (qg.WIDE_ROWS + 24, 512, False, False)])
-def test_x_in_the_tile_layout_gives_the_same_sums(scheme: str, n: int, k: int, gated: bool, res: bool,
-                                                  monkeypatch) -> None:
-    """`X_TILED`: each lane loads its own x pairs instead of x broadcast through shared memory. The same values
-    reach the same asm in the same order, so every one-row kernel (one part, K parts, streamed) and the one-token
-    MoE must give bit-identical outputs either way."""
-    layer = int4_layer(n, k, 128, n + k) if scheme == "int4" else \
-        make_layer("nvfp4", n, k, torch.bfloat16, seed=n + k).to("cuda")
-    meta = ql.quant_meta(layer)
-    x = torch.randn(1, k, dtype=torch.bfloat16, device="cuda")
-    residual = torch.randn(1, n, dtype=torch.bfloat16, device="cuda") if res else None
-    cfgs = [c for c in (qg.WIDE, qg.NARROW, qg.NARROWEST, qg.GemvConfig(8, 2, 2), *STREAMED) if not c.rows]
-    taken = 0
-    for cfg in cfgs:
-        if k % (128 * cfg.spans * cfg.parts) or (gated and cfg.block // cfg.parts % 2):
-            continue
-        outs = []
-        for tiled in (False, True):
-            monkeypatch.setattr(qg, "X_TILED", tiled)
-            outs.append(qg.gemv(x, layer, meta, cfg, None if residual is None else residual.clone(), gated=gated))
-        torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=0, msg=str(cfg))
-        taken += 1
-    assert taken >= 3
-    if scheme == "nvfp4" and not res:
-        experts = nvfp4_experts(16, 512, 256, "cuda")
-        weights, ids = random_routing(1, 16, 4, torch.bfloat16, seed=n)
-        xe = torch.randn(1, 512, dtype=torch.bfloat16, device="cuda")
-        calls = count_calls(monkeypatch, "nvfp4_moe")
-        outs = []
-        for tiled in (False, True):
-            monkeypatch.setattr(qg, "X_TILED", tiled)
-            outs.append(moe_experts(xe, experts.gate_up_proj, experts.down_proj, weights, ids))
-        assert len(calls) == 4  # gate|up and down on the one-token MoE GEMV, twice
-        torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=0)
-
-
-@gpu
 @pytest.mark.parametrize("scheme,folds", [("nvfp4", (1, 16)), ("int4", (1,))])
 def test_quantized_gate_up_folds_swiglu_where_the_mma_kernels_take_it(monkeypatch, scheme: str, folds) -> None:
     """A decoder's quantized gate|up (QuantLinear.forward_gated, as folded_linear calls it): one launch where
