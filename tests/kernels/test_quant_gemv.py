@@ -26,7 +26,8 @@ STREAMED = (qg.GemvConfig(2, 4, 1, stream=True), qg.GemvConfig(8, 2, 4, stream=T
             qg.GemvConfig(16, 8, 2, stream=True), qg.GemvConfig(4, 2, 2, stream=True, early=True),
             qg.GemvConfig(2, 4, 1, early=True),
             # one row on the rows kernel (weights as the mma's A operand), plain and streamed
-            qg.GemvConfig(4, 2, 1, rows=True), qg.GemvConfig(8, 2, 4, stream=True, rows=True))
+            qg.GemvConfig(4, 2, 1, rows=True), qg.GemvConfig(8, 2, 4, stream=True, rows=True),
+            qg.GemvConfig(4, 1, 2, groups=2, splits=4, rows=True))  # K split over programs too
 # the streamed 2-16-row kernel: one K part and several, a whole short part in one step, early and late
 STREAMED_ROWS = (qg.STREAM_ROWS_WIDE, qg.STREAM_ROWS_MID, qg.STREAM_ROWS_NARROW, qg.GemvConfig(8, 2, 8, stream=True),
                  qg.GemvConfig(16, 4, 8, stream=True, early=True), qg.GemvConfig(8, 1, 2, stream=True))
@@ -127,7 +128,7 @@ def test_gemv_matches_the_reference(n: int, k: int, global_scale: bool) -> None:
     got = qg.gemv(x, layer, meta, qg.launch_config(meta))
     want = exact(x, layer)
     for cfg in (qg.WIDE, qg.NARROW, qg.NARROWEST, qg.GemvConfig(8, 2, 2), *STREAMED):  # every K split and kernel
-        if k % (128 * cfg.spans * cfg.parts) == 0:
+        if qg._tiles_k(cfg, k):
             assert rel_err(qg.gemv(x, layer, meta, cfg), want) < 3e-3, cfg
     assert got.shape == (1, n)
     assert rel_err(got, want) < 3e-3  # bf16 outputs of float32 sums in another order
@@ -275,7 +276,7 @@ def test_int4_gemv_matches_the_reference(n: int, k: int, group: int, symmetric: 
     x = torch.randn(1, k, dtype=torch.bfloat16, device="cuda")
     want = ql.quant_linear_ref(x, layer)
     for cfg in (qg.WIDE, qg.NARROW, qg.GemvConfig(8, 2, 2), qg.GemvConfig(16, 2, 8), *STREAMED):
-        if k % (128 * cfg.spans * cfg.parts) == 0:
+        if qg._tiles_k(cfg, k):
             got = qg.gemv(x, layer, meta, cfg)
             assert got.shape == (1, n)
             assert rel_err(got, want) < 3e-3, cfg
