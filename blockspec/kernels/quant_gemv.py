@@ -110,6 +110,15 @@ STREAM_MID = GemvConfig(warps=4, spans=8, parts=2, stream=True, early=True)
 STREAM_NARROW = GemvConfig(warps=8, spans=4, parts=4, stream=True, early=True)
 STREAM_LONG_K = GemvConfig(warps=8, spans=2, parts=4, stream=True, early=True)  # K >= 2 N (a down projection)
 STREAM_MID_MAX_K = 4096
+# One row of a layer of more than NARROWEST_ROWS and fewer than GEMV_WIDE_ROWS outputs with K > STREAM_MID_MAX_K:
+# the rows kernel (weights as the mma's A operand: 2 bytes of x a weight byte against the GEMV's 4), streamed, K
+# split over two programs where it tiles K (`_fit_split`). The GEMVs' launches of those layers fill the SMs about
+# 1.2 times (Qwen3.6-27B's down: 320 programs of 8 warps at 103 registers, 2 resident an SM). H200, bench/quant_gemv.py
+# --splits / --stream (quant_gemv_one_row_splits_h200_7525233.json), us: Qwen3-8B down 4096 x 12288 13.9 against
+# STREAM_LONG_K's 15.9; Qwen3.6-27B out_proj / o_proj 5120 x 6144 10.8 against the dot path's 14.5, its down 5120 x
+# 17408 (no split tiles its 136 spans) 26.7 against the dot path's 37.5. int4 keeps the dot path (27B down 26.5
+# against 25.4).
+SPLIT_ONE = GemvConfig(warps=8, spans=2, parts=4, stream=True, early=True, rows=True, splits=2)
 
 
 MAX_ROWS = 16  # two blocks of 8 tokens: a k = 15 verify block
@@ -197,8 +206,8 @@ def launch_config(meta, m: int = 1, gated: bool = False) -> GemvConfig | None:
     """The launch for m rows of the layer, or None where quant_linear's dot path measured faster (H100 / H200,
     bench/quant_gemv.py --sweep / --stream / --groups). int4, one row: a gate|up with SwiGLU (INT4_WIDE) and an o
     projection (STREAM_NARROW). NVFP4, one row: one K part for >= GEMV_WIDE_ROWS outputs; up to 2048 outputs 8 parts
-    over 16 warps (NARROWEST: 32 warps spilled); between the two the streamed kernel (STREAM_*; past NARROW_MAX_ROWS
-    outputs only up to STREAM_MID_MAX_K, the dot path beyond). 2 to MAX_ROWS rows: the rows kernel (above), with
+    over 16 warps (NARROWEST: 32 warps spilled); between the two, K > STREAM_MID_MAX_K on the rows kernel (SPLIT_ONE),
+    else the streamed kernel (STREAM_*). 2 to MAX_ROWS rows: the rows kernel (above), with
     launches of its own for the measured Qwen3.6-27B shapes (ROWS_TUNED), streamed or grouped at 9-16 rows
     (`_rows_streamed_or_grouped`, GROUPED_MID), K split over programs past STREAM_MID_MAX_K (SPLIT_ROWS, int4 too)."""
     if 8 < m <= MAX_ROWS and NARROW_MAX_ROWS < meta.n < GEMV_WIDE_ROWS and meta.k > STREAM_MID_MAX_K \
@@ -227,6 +236,8 @@ def launch_config(meta, m: int = 1, gated: bool = False) -> GemvConfig | None:
         return NARROWEST
     if meta.n >= GEMV_WIDE_ROWS:
         return _gated_fit(WIDE if _tiles_k(WIDE, meta.k) else None, gated)
+    if meta.k > STREAM_MID_MAX_K and (cfg := _gated_fit(_fit_split(SPLIT_ONE, meta.k), gated)) is not None:
+        return cfg
     if meta.n > NARROW_MAX_ROWS:
         return _gated_fit(_fit_k(STREAM_MID, meta.k), gated) if meta.k <= STREAM_MID_MAX_K else None
     return _gated_fit(_fit_k(STREAM_LONG_K if meta.k >= 2 * meta.n else STREAM_NARROW, meta.k), gated)
@@ -243,6 +254,15 @@ def _rows_streamed_or_grouped(n: int, k: int) -> GemvConfig | None:
     if k > STREAM_MID_MAX_K:
         return None
     return STREAM_ROWS_MID if n > NARROW_MAX_ROWS else STREAM_ROWS_NARROW
+
+
+def _fit_split(cfg: GemvConfig, k: int) -> GemvConfig | None:
+    """cfg where it tiles K, else cfg without its K split (a split halves each program's work; parts and spans
+    measured for the layer keep more of the launch than a split does), else None."""
+    for fitted in (cfg, replace(cfg, splits=1)):
+        if _tiles_k(fitted, k):
+            return fitted
+    return None
 
 
 def _gated_fit(cfg: GemvConfig | None, gated: bool) -> GemvConfig | None:
@@ -288,7 +308,10 @@ def applies(x: torch.Tensor, layer, meta, residual, norm_weight, gated: bool) ->
             and layer_fits(layer, meta) and layer.bias is None and norm_weight is None
             and (residual is None or (residual.is_contiguous() and not gated))):
         return None
-    return launch_config(meta, x.shape[0], gated)
+    cfg = launch_config(meta, x.shape[0], gated)
+    if cfg is not None and cfg.splits > 1 and not can_split(x):  # the counters come from an eager launch first
+        cfg = _fit_k(replace(cfg, splits=1), meta.k)
+    return cfg
 
 
 if HAVE_TRITON:

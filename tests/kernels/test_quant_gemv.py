@@ -4,6 +4,8 @@ kernels are PTX (mma.sync) that only a GPU runs; on CPU only the dispatch rules 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -71,10 +73,14 @@ def test_dispatch_rule_keeps_cpu_narrow_and_folded_layers_off_the_gemv() -> None
         return qg.launch_config(ql.quant_meta(layer), 1, gated)
 
     assert cfg("nvfp4", 4096, 4096) == qg.STREAM_NARROW  # o
-    assert cfg("nvfp4", 4096, 12288) == qg.STREAM_LONG_K  # down
     assert cfg("nvfp4", 6144, 4096) == cfg("nvfp4", qg.NARROW_MAX_ROWS + 64, 4096) == qg.STREAM_MID  # qkv
     assert cfg("nvfp4", 9216, 2048) == qg.WIDE  # 35B q|g|k|v
-    assert cfg("nvfp4", 5120, 6144) is None and cfg("nvfp4", 5120, 17408) is None  # 27B out_proj / down: dot path
+    # K > 4096 between NARROWEST_ROWS and GEMV_WIDE_ROWS outputs: the rows kernel, K split over two programs where
+    # that tiles K (Qwen3-8B down, Qwen3.6-27B out_proj), else unsplit (27B down: 136 spans)
+    assert cfg("nvfp4", 4096, 12288) == cfg("nvfp4", 5120, 6144) == cfg("nvfp4", 3072, 8192) == qg.SPLIT_ONE
+    assert cfg("nvfp4", 5120, 17408) == replace(qg.SPLIT_ONE, splits=1)
+    assert cfg("nvfp4", 4096, 12288, True) == qg.SPLIT_ONE  # SwiGLU: a 16-row group's lo and hi rows
+    assert cfg("nvfp4", 4096, 4096 + 128) == qg._fit_k(qg.STREAM_NARROW, 4096 + 128)  # it does not tile K at all
     assert cfg("nvfp4", 2048, 4096) == qg.NARROWEST  # 35B out_proj
     assert cfg("nvfp4", 2048, 2048) == qg.STREAM_NARROW  # K short of NARROWEST's step
     # K short of the streamed launch's step: its spans, then its parts cut until whole steps tile K
