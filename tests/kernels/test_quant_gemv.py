@@ -261,6 +261,31 @@ def test_split_rows_replay_in_a_cuda_graph(monkeypatch) -> None:
     torch.testing.assert_close(out, qg.gemv(x, layer, meta, cfg), rtol=0, atol=0)
 
 
+@gpu
+def test_one_row_split_runs_unsplit_when_captured_before_the_counters(monkeypatch) -> None:
+    """SPLIT_ONE (one row, K over two programs) needs the arrival counters, which an eager launch allocates: a graph
+    captured before any such launch gets the same launch without the split (and the same sums within bf16)."""
+    import blockspec.kernels.arrivals as arrivals
+
+    monkeypatch.setattr(arrivals, "_counters", {})
+    n, k = 4096, 12288  # Qwen3-8B's down
+    layer = make_layer("nvfp4", n, k, torch.bfloat16, seed=11).to("cuda")
+    meta = ql.quant_meta(layer)
+    x = torch.randn(1, k, dtype=torch.bfloat16, device="cuda")
+    unsplit = replace(qg.SPLIT_ONE, splits=1)
+    assert qg.applies(x, layer, meta, None, None, False) == qg.SPLIT_ONE
+    eager = qg.gemv(x, layer, meta, unsplit)  # compiled before the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        taken = qg.applies(x, layer, meta, None, None, False)
+        out = ql.quant_linear(x, layer)
+    assert taken == unsplit and not arrivals._counters
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, eager, rtol=0, atol=0)
+    assert rel_err(qg.gemv(x, layer, meta, qg.SPLIT_ONE), exact(x, layer)) < 3e-3  # eager: allocates them
+    assert arrivals._counters and qg.applies(x, layer, meta, None, None, False) == qg.SPLIT_ONE
+
 def int4_layer(n: int, k: int, group: int, seed: int, *, symmetric: bool = False):
     """An int4 layer on the GPU; asymmetric ones also hold GPTQ v1's zero 16 (the format's off-by-one kept)."""
     layer = make_layer("int4", n, k, torch.bfloat16, group=group, zeros=not symmetric, seed=seed)
