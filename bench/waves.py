@@ -82,7 +82,8 @@ def main() -> None:
                     print(f"{head} {'dot':44}")
                     continue
                 fn, consts, programs = launch(cfg, m, n, k, int4, gated, res)
-                kernel = build(fn, TYPES, consts, div16=("X", "QW", "S", "Y"), num_warps=cfg.warps, num_stages=1)
+                types = {**TYPES, "S": "*i32"} if int4 else TYPES  # int4: the scale|zero words
+                kernel = build(fn, types, consts, div16=("X", "QW", "S", "Y"), num_warps=cfg.warps, num_stages=1)
                 usage = resources(kernel.asm["cubin"])
                 regs = usage[0] if usage else kernel.n_regs
                 shared = kernel.metadata.shared
