@@ -697,6 +697,14 @@ if HAVE_TRITON:
         _parts_store(y, Y, pid, N, BN, P, HAS_RES, GATED)
 
 
+def launch_grid(cfg: GemvConfig, m: int, n: int) -> tuple[int, ...]:
+    """The grid `gemv` launches for m rows of n outputs: the rows kernel's (row blocks, K splits), else the GEMV's
+    (tiles over K parts,). bench/waves.py counts the programs from it."""
+    if m > 1 or cfg.rows:
+        return -(-n // (cfg.rows_block * cfg.groups)), cfg.splits
+    return (-(-n * cfg.parts // cfg.block),)
+
+
 def gemv(x: torch.Tensor, layer, meta, cfg: GemvConfig, residual: torch.Tensor | None = None, gated: bool = False
          ) -> torch.Tensor:
     """x [M, K] (bf16, contiguous, M <= MAX_ROWS) @ dequantize(layer).T -> [M, N] for an NVFP4 or int4 layer
@@ -725,8 +733,9 @@ def gemv(x: torch.Tensor, layer, meta, cfg: GemvConfig, residual: torch.Tensor |
     common = dict(K=meta.k, HAS_GS=meta.has_gs, BN=cfg.block, SPANS=cfg.spans, HAS_RES=residual is not None, PDL=on,
                   INT4=int4, G2=meta.group // 2 if int4 else 8, GATED=gated, num_warps=cfg.warps, num_stages=1,
                   launch_pdl=on)
+    grid = launch_grid(cfg, m, meta.n)
     if m > 1 or cfg.rows:
-        programs = triton.cdiv(meta.n, cfg.rows_block * cfg.groups)
+        programs = grid[0]
         ws, cnt, slots = y, y, 0  # (not read without a split)
         if cfg.splits > 1:
             if programs > ARRIVALS or not can_split(x):
@@ -735,12 +744,11 @@ def gemv(x: torch.Tensor, layer, meta, cfg: GemvConfig, residual: torch.Tensor |
             slots = programs * cfg.groups * cfg.rows_block
             ws = torch.empty(cfg.splits * 16 * slots, dtype=torch.float32, device=x.device)
             cnt = arrival_counters(x.device)
-        _rows_kernel[(programs, cfg.splits)](x, layer.qweight, scales, gs, y, m, meta.n, ws, cnt, slots, P=cfg.parts,
+        _rows_kernel[grid](x, layer.qweight, scales, gs, y, m, meta.n, ws, cnt, slots, P=cfg.parts,
                                              TWO=m > 8, STREAM=cfg.stream, EARLY=cfg.early, R=cfg.groups,
                                              SPLITS=cfg.splits, **common)
         return y
     args = (x, layer.qweight, scales, gs, y, meta.n)
-    grid = (triton.cdiv(meta.n * cfg.parts, cfg.block),)
     if cfg.stream:
         _stream_kernel[grid](*args, P=cfg.parts, EARLY=cfg.early, **common)
     elif cfg.parts == 1:

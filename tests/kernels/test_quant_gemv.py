@@ -286,6 +286,7 @@ def test_one_row_split_runs_unsplit_when_captured_before_the_counters(monkeypatc
     assert rel_err(qg.gemv(x, layer, meta, qg.SPLIT_ONE), exact(x, layer)) < 3e-3  # eager: allocates them
     assert arrivals._counters and qg.applies(x, layer, meta, None, None, False) == qg.SPLIT_ONE
 
+
 def int4_layer(n: int, k: int, group: int, seed: int, *, symmetric: bool = False):
     """An int4 layer on the GPU; asymmetric ones also hold GPTQ v1's zero 16 (the format's off-by-one kept)."""
     layer = make_layer("int4", n, k, torch.bfloat16, group=group, zeros=not symmetric, seed=seed)
