@@ -13,6 +13,7 @@ the decoder ran before. Prints a table last; JSON to $OUT (else bench/results/).
 from __future__ import annotations
 
 import argparse
+import importlib
 import itertools
 import json
 import os
@@ -26,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import quant_gemm as qgm  # noqa: E402
 from first_gpu import copy_bandwidth  # noqa: E402
 
-from blockspec.kernels import quant_gemv  # noqa: E402
+from blockspec.kernels import quant_gemv, quant_tiles  # noqa: E402
 from blockspec.kernels import quant_linear as ql  # noqa: E402
 from blockspec.kernels.activation import silu_mul  # noqa: E402
 
@@ -102,6 +103,26 @@ if torch.cuda.is_available():
         return tl.full([BN, 64], 0x3F803F80, tl.int32)
 
 
+def _decode_shifts(src: str) -> str:
+    """--decode shifts: the E2M1 decode of a load-time bit order in which each pair of codes is one shift and a
+    mask away (4 pairs: a mask, two shift + mask, three shifts + three masks), run on today's order: the right
+    instruction count and dependences, the wrong values."""
+    m = "0x81C081C0"
+    return (f"mov.b32 nz, 0x80008000;\nand.b32 t0, {src}, {m};\nshl.b32 t1, {src}, 3;\nand.b32 t1, t1, {m};\n"
+            f"shl.b32 t2, {src}, 6;\nand.b32 t2, t2, {m};\nshr.b32 lo, {src}, 4;\nand.b32 lo, lo, 0x00C000C0;\n"
+            f"shr.b32 hi, {src}, 5;\nand.b32 hi, hi, 0x01000100;\nor.b32 t3, lo, hi;\nshl.b32 hi, {src}, 1;\n"
+            f"and.b32 hi, hi, 0x80008000;\nor.b32 t3, t3, hi;\n")
+
+
+def _decode_none(src: str) -> str:
+    """--decode none: no decode at all (the bytes go to the scaling fma as they are): the bound on what any decode
+    could save."""
+    return "mov.b32 nz, 0x80008000;\n" + "".join(f"mov.b32 t{i}, {src};\n" for i in range(4))
+
+
+DECODES = {"shifts": _decode_shifts, "none": _decode_none}
+
+
 def sweep(x, layer, layers, ref, k, gated: bool, stream: bool = False, check: bool = True,
           groups: bool = False, splits: bool = False) -> dict | None:
     """The fastest correct launch of the sweep (us and its GemvConfig's fields), or None."""
@@ -151,7 +172,12 @@ def main() -> None:
     ap.add_argument("--splits", action="store_true", help="+ the rows kernel with K split over 2-4 programs "
                     "(GemvConfig.splits; NOTES session 30), at one row with rows=True: more, shorter programs where a "
                     "layer's launch fills the SMs 1.2 times (Qwen3.6-27B's down: 320 programs, 2 resident an SM)")
+    ap.add_argument("--decode", choices=("ptx", *DECODES), default="ptx", help="timing only (wrong results): the "
+                    "mma kernels' E2M1 decode replaced by a cheaper one (NOTES session 38)")
     args = ap.parse_args()
+    if args.decode != "ptx":  # before any kernel compiles: the asm strings are built at import
+        quant_tiles.e2m1_decode_ptx = DECODES[args.decode]
+        importlib.reload(quant_gemv)
     if args.no_x:  # before any kernel that reads it compiles
         quant_gemv._span_x = _x_free
     torch.manual_seed(0)
@@ -190,7 +216,8 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "quant_gemv.json").write_text(json.dumps(dict(
         device=torch.cuda.get_device_name(), commit=os.environ.get("COMMIT", "?"), copy_gbs=bw / 1e9,
-        dtype="bfloat16", schemes=args.schemes, int4=qgm.SCHEME_VARIANTS["int4"], rows=rows), indent=1))
+        dtype="bfloat16", decode=args.decode, schemes=args.schemes, int4=qgm.SCHEME_VARIANTS["int4"], rows=rows),
+        indent=1))
     print(f"{'scheme':6} {'shape':12} {'N':>6} {'K':>6} {'M':>3} {'swiglu':>6} {'dot us':>7} {'%copy':>6} "
           f"{'mma us':>8} {'%copy':>6} {'err':>7}  taken")
     for r in rows:
