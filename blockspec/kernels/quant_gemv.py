@@ -119,6 +119,12 @@ STREAM_MID_MAX_K = 4096
 # 17408 (no split tiles its 136 spans) 26.7 against the dot path's 37.5. int4 keeps the dot path (27B down 26.5
 # against 25.4).
 SPLIT_ONE = GemvConfig(warps=8, spans=2, parts=4, stream=True, early=True, rows=True, splits=2)
+# One row of a wide layer (>= WIDE_ROWS outputs: gate|up) on the rows kernel, streamed, releasing early. H200,
+# bench/quant_gemv.py --stream (quant_gemv_one_row_wide_rows_h200_9e8ce7c.json), us against WIDE: Qwen3.6-27B gate|up
+# 34816 x 5120 with SwiGLU 38.7 against 50.8 (4 warps, one K part: 544 programs of 64 rows, all resident), Qwen3-8B
+# gate|up 24576 x 4096 with SwiGLU 23.8 against 25.6 (8 warps, K in 4 parts).
+ROWS_ONE_WIDE = GemvConfig(warps=8, spans=2, parts=4, stream=True, early=True, rows=True)
+ROWS_ONE_WIDE_LONG_K = GemvConfig(warps=4, spans=2, parts=1, stream=True, early=True, rows=True)  # K > 4096
 
 
 MAX_ROWS = 16  # two blocks of 8 tokens: a k = 15 verify block
@@ -205,7 +211,8 @@ def _fit_k(cfg: GemvConfig, k: int) -> GemvConfig | None:
 def launch_config(meta, m: int = 1, gated: bool = False) -> GemvConfig | None:
     """The launch for m rows of the layer, or None where quant_linear's dot path measured faster (H100 / H200,
     bench/quant_gemv.py --sweep / --stream / --groups). int4, one row: a gate|up with SwiGLU (INT4_WIDE) and an o
-    projection (STREAM_NARROW). NVFP4, one row: one K part for >= GEMV_WIDE_ROWS outputs; up to 2048 outputs 8 parts
+    projection (STREAM_NARROW). NVFP4, one row: from WIDE_ROWS outputs the rows kernel (ROWS_ONE_WIDE*), below that
+    one K part for >= GEMV_WIDE_ROWS outputs; up to 2048 outputs 8 parts
     over 16 warps (NARROWEST: 32 warps spilled); between the two, K > STREAM_MID_MAX_K on the rows kernel (SPLIT_ONE),
     else the streamed kernel (STREAM_*). 2 to MAX_ROWS rows: the rows kernel (above), with
     launches of its own for the measured Qwen3.6-27B shapes (ROWS_TUNED), streamed or grouped at 9-16 rows
@@ -234,6 +241,9 @@ def launch_config(meta, m: int = 1, gated: bool = False) -> GemvConfig | None:
         return None if cfg is None else _fit_k(cfg, meta.k)
     if meta.n <= NARROWEST_ROWS and _tiles_k(NARROWEST, meta.k):
         return NARROWEST
+    if meta.n >= WIDE_ROWS and (cfg := _gated_fit(_fit_k(
+            ROWS_ONE_WIDE_LONG_K if meta.k > STREAM_MID_MAX_K else ROWS_ONE_WIDE, meta.k), gated)) is not None:
+        return cfg
     if meta.n >= GEMV_WIDE_ROWS:
         return _gated_fit(WIDE if _tiles_k(WIDE, meta.k) else None, gated)
     if meta.k > STREAM_MID_MAX_K and (cfg := _gated_fit(_fit_split(SPLIT_ONE, meta.k), gated)) is not None:

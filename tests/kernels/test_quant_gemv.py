@@ -29,6 +29,7 @@ STREAMED = (qg.GemvConfig(2, 4, 1, stream=True), qg.GemvConfig(8, 2, 4, stream=T
             qg.GemvConfig(2, 4, 1, early=True),
             # one row on the rows kernel (weights as the mma's A operand), plain and streamed
             qg.GemvConfig(4, 2, 1, rows=True), qg.GemvConfig(8, 2, 4, stream=True, rows=True),
+            qg.ROWS_ONE_WIDE, qg.ROWS_ONE_WIDE_LONG_K,
             qg.GemvConfig(4, 1, 2, groups=2, splits=4, rows=True))  # K split over programs too
 # the streamed 2-16-row kernel: one K part and several, a whole short part in one step, early and late
 STREAMED_ROWS = (qg.STREAM_ROWS_WIDE, qg.STREAM_ROWS_MID, qg.STREAM_ROWS_NARROW, qg.GemvConfig(8, 2, 8, stream=True),
@@ -65,7 +66,7 @@ def test_dispatch_rule_keeps_cpu_narrow_and_folded_layers_off_the_gemv() -> None
     wide = make_layer("nvfp4", qg.WIDE_ROWS, 512, torch.bfloat16)
     meta = ql.quant_meta(wide)
     x = torch.randn(1, 512, dtype=torch.bfloat16)
-    assert qg.launch_config(meta) == qg.WIDE
+    assert qg.launch_config(meta) == qg._fit_k(qg.ROWS_ONE_WIDE, 512)  # one row of a wide layer: the rows kernel
     assert not qg.applies(x, wide, meta, None, None, False)  # CPU tensors: the reference / interpreter path
     def cfg(scheme: str, n: int, k: int, gated: bool = False) -> qg.GemvConfig | None:
         layer = make_layer(scheme, n, k, torch.bfloat16, group=128) if scheme == "int4" else \
@@ -75,6 +76,9 @@ def test_dispatch_rule_keeps_cpu_narrow_and_folded_layers_off_the_gemv() -> None
     assert cfg("nvfp4", 4096, 4096) == qg.STREAM_NARROW  # o
     assert cfg("nvfp4", 6144, 4096) == cfg("nvfp4", qg.NARROW_MAX_ROWS + 64, 4096) == qg.STREAM_MID  # qkv
     assert cfg("nvfp4", 9216, 2048) == qg.WIDE  # 35B q|g|k|v
+    # from WIDE_ROWS outputs (gate|up) the rows kernel, one K part past K = 4096 (Qwen3.6-27B), else four
+    assert cfg("nvfp4", 24576, 4096, True) == cfg("nvfp4", 24576, 4096) == qg.ROWS_ONE_WIDE
+    assert cfg("nvfp4", 34816, 5120, True) == qg.ROWS_ONE_WIDE_LONG_K
     # K > 4096 between NARROWEST_ROWS and GEMV_WIDE_ROWS outputs: the rows kernel, K split over two programs where
     # that tiles K (Qwen3-8B down, Qwen3.6-27B out_proj), else unsplit (27B down: 136 spans)
     assert cfg("nvfp4", 4096, 12288) == cfg("nvfp4", 5120, 6144) == cfg("nvfp4", 3072, 8192) == qg.SPLIT_ONE
