@@ -54,6 +54,7 @@ if __name__ == "__main__" and "--dry-run" in sys.argv:
 import torch  # noqa: E402
 
 from blockspec.kernels import moe_grouped as mg  # noqa: E402
+from blockspec.kernels import quant_gemv  # noqa: E402
 from blockspec.kernels._triton import INTERPRET  # noqa: E402
 from blockspec.models.layers.moe import FUSED_MAX_TOKENS, SparseMoeBlock  # noqa: E402
 from blockspec.models.layers.quant_linear import QuantExperts, QuantLinear, quantized_tensor_bytes  # noqa: E402
@@ -354,6 +355,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--no-scan", action="store_true",
                     help="group every step's pairs with the align kernel (moe_grouped.SCAN_MAX_PAIRS = 0), as "
                          "before the grouped GEMMs scanned a small step's ids themselves")
+    ap.add_argument("--one-token-rows", action="store_true",
+                    help="NVFP4 experts: one token on quant_gemv's rows kernel (MOE_ROWS_MIN_TOKENS = 1) instead of "
+                         "its one-token GEMV")
     ap.add_argument("--dry-run", action="store_true", help="CPU under TRITON_INTERPRET=1, a tiny shape")
     ap.add_argument("--out", default=None, help="directory for the JSON (else $OUT, else bench/results/)")
     args = ap.parse_args(argv)
@@ -361,6 +365,8 @@ def main(argv: list[str] | None = None) -> None:
     PROFILE = args.profile
     if args.no_scan:
         mg.SCAN_MAX_PAIRS = 0
+    if args.one_token_rows:
+        quant_gemv.MOE_ROWS_MIN_TOKENS = 1
     if args.dry_run:
         if not INTERPRET:
             raise SystemExit("--dry-run runs the kernels in Triton's interpreter: set TRITON_INTERPRET=1 (the "
@@ -400,12 +406,12 @@ def main(argv: list[str] | None = None) -> None:
     out = {"device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu",
            "commit": os.environ.get("COMMIT", "?"), "torch": torch.__version__, "experts": quant or "bf16",
            "copy_bandwidth_GBs": round(bw / 1e9, 1) if bw else None, "calls_per_graph": CALLS, "pool": args.pool,
-           "scan_max_pairs": mg.SCAN_MAX_PAIRS,
+           "scan_max_pairs": mg.SCAN_MAX_PAIRS, "moe_rows_min_tokens": quant_gemv.MOE_ROWS_MIN_TOKENS,
            "results": results}
     out_dir = Path(args.out or os.environ.get("OUT") or Path(__file__).resolve().parent / "results")
     out_dir.mkdir(parents=True, exist_ok=True)
     name = ("moe_kernels" + (f"_{quant}" if quant else "") + (f"_pool{args.pool}" if args.pool else "")
-            + ("_noscan" if args.no_scan else ""))
+            + ("_noscan" if args.no_scan else "") + ("_onerows" if args.one_token_rows else ""))
     (out_dir / f"{name}.json").write_text(json.dumps(out, indent=1))
 
     cols = [p for p in paths if p != "fused_eager"] + (["fused_eager"] if "fused_eager" in paths else [])

@@ -1199,7 +1199,7 @@ def moe_applies(x: torch.Tensor, gate_up, down, shared, biases: bool, clamped: b
     unpacker) whose widths fill whole spans, with no biases or clamped activation, and no shared expert folded in
     or an `Nvfp4Shared` that `shared_fits` (the grouped kernels keep the rest)."""
     return (HAVE_TRITON and not INTERPRET and x.is_cuda and x.dtype == torch.bfloat16 and x.shape[0] == 1
-            and not (biases or clamped)
+            and MOE_ROWS_MIN_TOKENS > 1 and not (biases or clamped)
             and all(getattr(w, "meta", None) is not None and w.meta.scheme == "nvfp4" and w.fast
                     and w.k % (2 * SPAN_BYTES) == 0 for w in (gate_up, down))
             and _shared_ok(shared, gate_up, down))
@@ -1297,12 +1297,18 @@ MOE_ROWS_MAX_TOKENS = 64  # a step of up to this many tokens (k + 1 = 16 at batc
 # 40 (35B-A3B, ~3 tokens an expert): 16 tokens a pass (two mma blocks) 92.5 us a block, 8 a pass 79.4 (the grouped
 # dot path 130.7); 2-16 warps, 1-4 spans a step and 2 K parts for either projection within +-5%
 MOE_ROWS = GemvConfig(warps=4, spans=2, parts=1)
+# One token takes the GEMV (`_moe_kernel`) unless this is 1: then the rows kernel over the one-token layout the
+# routing launch writes (work item j = slot j). Dense one-row layers of 16384+ outputs measured faster on the rows
+# kernel (ROWS_ONE_WIDE); the experts' one-token launches have not been timed so (bench/moe_kernels.py
+# --one-token-rows), so the GEMV keeps them.
+MOE_ROWS_MIN_TOKENS = 2
 
 
 def moe_rows_step(x: torch.Tensor) -> bool:
-    """Whether x's step is one the rows kernel takes: 2 to MOE_ROWS_MAX_TOKENS bf16 tokens on a CUDA GPU."""
+    """Whether x's step is one the rows kernel takes: MOE_ROWS_MIN_TOKENS to MOE_ROWS_MAX_TOKENS bf16 tokens on a
+    CUDA GPU."""
     return (HAVE_TRITON and not INTERPRET and x.is_cuda and x.dtype == torch.bfloat16
-            and 2 <= x.shape[0] <= MOE_ROWS_MAX_TOKENS)
+            and MOE_ROWS_MIN_TOKENS <= x.shape[0] <= MOE_ROWS_MAX_TOKENS)
 
 
 def moe_rows_applies(x: torch.Tensor, gate_up, down, shared, biases: bool, clamped: bool) -> bool:
@@ -1318,7 +1324,7 @@ def moe_rows_applies(x: torch.Tensor, gate_up, down, shared, biases: bool, clamp
 def moe_step_applies(x: torch.Tensor, gate_up, down, shared, biases: bool, clamped: bool) -> bool:
     """Whether one of these MoE kernels takes x's step: the one-token GEMV (`moe_applies`) or the rows kernel
     (`moe_rows_applies`)."""
-    applies = moe_applies if x.shape[0] == 1 else moe_rows_applies
+    applies = moe_rows_applies if moe_rows_step(x) else moe_applies
     return applies(x, gate_up, down, shared, biases, clamped)
 
 

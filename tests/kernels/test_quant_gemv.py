@@ -594,6 +594,34 @@ def shared_ref(x: torch.Tensor, gate_up: QuantLinear, down: QuantLinear) -> torc
 
 
 @gpu
+@pytest.mark.parametrize("routed", [False, True])
+def test_moe_one_token_on_the_rows_kernel(routed: bool, monkeypatch) -> None:
+    """MOE_ROWS_MIN_TOKENS = 1: one token's experts (and a folded shared expert) on the rows kernel over the
+    one-token layout -- the routing launch's (item j = slot j, routed) or moe_align's -- not on the GEMV."""
+    from blockspec.kernels.moe_grouped import moe_route_align
+
+    monkeypatch.setattr(qg, "MOE_ROWS_MIN_TOKENS", 1)
+    e, h, i, k = 64, 2048, 512, 8
+    experts = nvfp4_experts(e, h, i, "cuda")
+    shared = qg.Nvfp4Shared(nvfp4_linear(2 * i, h, 3, [i, i]), nvfp4_linear(h, i, 4))
+    x = torch.randn(1, h, dtype=torch.bfloat16, device="cuda")
+    sw = torch.rand(1, dtype=x.dtype, device="cuda")
+    layout = None
+    if routed:
+        weights, ids, _, layout = moe_route_align(torch.randn(1, e, dtype=x.dtype, device="cuda"), k, True)
+    else:
+        weights, ids = random_routing(1, e, k, torch.bfloat16, seed=5)
+    rows, gemv = count_calls(monkeypatch, "nvfp4_moe_rows"), count_calls(monkeypatch, "nvfp4_moe")
+    got = moe_experts(x, experts.gate_up_proj, experts.down_proj, weights, ids, layout=layout)
+    assert len(rows) == 2 and not gemv
+    assert rel_err(got, reference(experts, x, weights, ids)) < 1e-2
+    if not routed:  # the shared expert as expert E: the layout gets its slot
+        got = moe_experts(x, experts.gate_up_proj, experts.down_proj, weights, ids, shared, sw)
+        want = reference(experts, x, weights, ids) + sw[:, None] * shared_ref(x, shared.gate_up, shared.down)
+        assert rel_err(got, want) < 1e-2
+
+
+@gpu
 @pytest.mark.parametrize("t", [1, 2, 16])
 def test_moe_fold_the_shared_expert(t: int, monkeypatch) -> None:
     """A quantized shared expert as expert E of the one-token (t = 1) or the rows launches (every token's last
