@@ -75,9 +75,11 @@ SWEEP_STREAM = [quant_gemv.GemvConfig(w, s, p, stream=True) for w in (2, 4, 8, 1
 SWEEP_STREAM_ROWS = [quant_gemv.GemvConfig(w, s, p, stream=True) for w in (4, 8, 16) for s in (1, 2, 4)
                      for p in (1, 2, 4, 8) if p <= w and s * p <= 16]
 # one row on the rows kernel (weights as the mma's A operand: 2 bytes of x a weight byte against the GEMV's 4),
-# plain and streamed
+# plain and streamed; 2-warp and one-span launches for more programs an SM (Qwen3.6-27B gate|up: (2, 2, 1) 86
+# registers, 11 an SM, 0.75 waves; (4, 1, 1) 60 registers, 8 an SM, 0.52; bench/waves.py's arithmetic, Triton 3.6)
 SWEEP_ROWS_AT_ONE = [quant_gemv.GemvConfig(w, s, p, stream=st, rows=True) for w, s, p in
-                     ((4, 2, 1), (8, 2, 2), (8, 2, 4), (16, 4, 8)) for st in (False, True)]
+                     ((2, 2, 1), (4, 1, 1), (4, 2, 1), (4, 2, 2), (8, 2, 2), (8, 2, 4), (16, 4, 8))
+                     for st in (False, True)]
 # 2-16 rows, R blocks of weight rows a program sharing each span's x loads (GemvConfig.groups): the launches that
 # compile without spills for sm_90 (bench/compile_sm90.py: R = 2 plain up to 2 spans a step, streamed 1; R = 4 plain
 # 1), 192-248 registers; the best streamed one is timed again releasing early
