@@ -248,21 +248,17 @@ def cases() -> list[tuple[str, tuple, dict]]:
             dict(div16=("X", "QW", "S", "Y"), num_warps=cfg.warps, num_stages=1, no_spill=cfg.groups <= 2,
                  ptx_has=pdl_ptx + ("mma.sync.aligned.m16n8k16",)
                  + (("atom.global.gpu.acq_rel.add",) if cfg.splits > 1 else ()))))
-    # one row on the rows kernel as dispatched (SPLIT_ONE): Qwen3-8B's down, Qwen3.6-27B's out_proj and down
-    for k, cfg in ((12288, qv.SPLIT_ONE), (6144, qv.SPLIT_ONE), (17408, qv._fit_split(qv.SPLIT_ONE, 17408))):
-        out.append((f"quant_gemv rows one row K={k} {cfg}", (qv._rows_kernel, rows, dict(
-            K=k, HAS_GS=True, BN=cfg.block, SPANS=cfg.spans, P=cfg.parts, TWO=False, HAS_RES=True, PDL=True,
-            STREAM=cfg.stream, EARLY=cfg.early, R=cfg.groups, SPLITS=cfg.splits)),
+    # one row on the rows kernel as dispatched: SPLIT_ONE (Qwen3-8B's down, Qwen3.6-27B's out_proj and down; the
+    # residual added) and ROWS_ONE_WIDE* (the 8B's and the 27B's gate|up with SwiGLU)
+    for k, cfg, gated in ((12288, qv.SPLIT_ONE, False), (6144, qv.SPLIT_ONE, False),
+                          (17408, qv._fit_split(qv.SPLIT_ONE, 17408), False), (4096, qv.ROWS_ONE_WIDE, True),
+                          (5120, qv.ROWS_ONE_WIDE_LONG_K, True)):
+        out.append((f"quant_gemv rows one row{' gated' if gated else ''} K={k} {cfg}", (qv._rows_kernel, rows, dict(
+            K=k, HAS_GS=True, BN=cfg.block, SPANS=cfg.spans, P=cfg.parts, TWO=False, HAS_RES=not gated, PDL=True,
+            GATED=gated, STREAM=cfg.stream, EARLY=cfg.early, R=cfg.groups, SPLITS=cfg.splits)),
             dict(div16=("X", "QW", "S", "Y"), num_warps=cfg.warps, num_stages=1, no_spill=True,
                  ptx_has=pdl_ptx + ("mma.sync.aligned.m16n8k16",)
                  + (("atom.global.gpu.acq_rel.add",) if cfg.splits > 1 else ()))))
-    # one row of a gate|up with SwiGLU on the rows kernel as dispatched (ROWS_ONE_WIDE*): Qwen3-8B's, Qwen3.6-27B's
-    for k, cfg in ((4096, qv.ROWS_ONE_WIDE), (5120, qv.ROWS_ONE_WIDE_LONG_K)):
-        out.append((f"quant_gemv rows one row gated K={k} {cfg}", (qv._rows_kernel, rows, dict(
-            K=k, HAS_GS=True, BN=cfg.block, SPANS=cfg.spans, P=cfg.parts, TWO=False, PDL=True, GATED=True,
-            STREAM=cfg.stream, EARLY=cfg.early, R=cfg.groups, SPLITS=cfg.splits)),
-            dict(div16=("X", "QW", "S", "Y"), num_warps=cfg.warps, num_stages=1, no_spill=True,
-                 ptx_has=pdl_ptx + ("mma.sync.aligned.m16n8k16",))))
     tuned = [(k, True, cfg, n < k) for (n, k), cfg in qv.ROWS_TUNED.items()]  # Qwen3.6-27B; down adds the residual
     for k, two, cfg, res in ((4096, False, qv.ROWS_FEW, False), (12288, True, qv.ROWS_LONG_K, True),
                              (4096, True, qv.ROWS_WIDE, True), (5120, False, qv._fit_k(qv.ROWS_FEW, 5120), False),

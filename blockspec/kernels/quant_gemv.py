@@ -214,11 +214,11 @@ def launch_config(meta, m: int = 1, gated: bool = False) -> GemvConfig | None:
     """The launch for m rows of the layer, or None where quant_linear's dot path measured faster (H100 / H200,
     bench/quant_gemv.py --sweep / --stream / --groups). int4, one row: a gate|up with SwiGLU (INT4_WIDE) and an o
     projection (STREAM_NARROW). NVFP4, one row: from WIDE_ROWS outputs the rows kernel (ROWS_ONE_WIDE*), below that
-    one K part for >= GEMV_WIDE_ROWS outputs; up to 2048 outputs 8 parts
-    over 16 warps (NARROWEST: 32 warps spilled); between the two, K > STREAM_MID_MAX_K on the rows kernel (SPLIT_ONE),
-    else the streamed kernel (STREAM_*). 2 to MAX_ROWS rows: the rows kernel (above), with
-    launches of its own for the measured Qwen3.6-27B shapes (ROWS_TUNED), streamed or grouped at 9-16 rows
-    (`_rows_streamed_or_grouped`, GROUPED_MID), K split over programs past STREAM_MID_MAX_K (SPLIT_ROWS, int4 too)."""
+    one K part for >= GEMV_WIDE_ROWS outputs; up to 2048 outputs 8 parts over 16 warps (NARROWEST: 32 warps
+    spilled); between the two, K > STREAM_MID_MAX_K on the rows kernel (SPLIT_ONE), else the streamed kernel
+    (STREAM_*). 2 to MAX_ROWS rows: the rows kernel (above), with launches of its own for the measured Qwen3.6-27B
+    shapes (ROWS_TUNED), streamed or grouped at 9-16 rows (`_rows_streamed_or_grouped`, GROUPED_MID), K split over
+    programs past STREAM_MID_MAX_K (SPLIT_ROWS, int4 too)."""
     if 8 < m <= MAX_ROWS and NARROW_MAX_ROWS < meta.n < GEMV_WIDE_ROWS and meta.k > STREAM_MID_MAX_K \
             and _tiles_k(SPLIT_ROWS, meta.k) and _gated_fit(SPLIT_ROWS, gated):
         return SPLIT_ROWS
