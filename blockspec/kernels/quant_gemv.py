@@ -126,7 +126,17 @@ SPLIT_ONE = GemvConfig(warps=8, spans=2, parts=4, stream=True, early=True, rows=
 # 34816 x 5120 with SwiGLU 38.7 against 50.8 (4 warps, one K part: 544 programs of 64 rows, all resident), Qwen3-8B
 # gate|up 24576 x 4096 with SwiGLU 23.8 against 25.6 (8 warps, K in 4 parts).
 ROWS_ONE_WIDE = GemvConfig(warps=8, spans=2, parts=4, stream=True, early=True, rows=True)
-ROWS_ONE_WIDE_LONG_K = GemvConfig(warps=4, spans=2, parts=1, stream=True, early=True, rows=True)  # K > 4096
+ROWS_ONE_WIDE_LONG_K = GemvConfig(warps=4, spans=2, parts=1, stream=True, early=True, rows=True)  # K > 4096, SwiGLU
+# One row of every other layer of >= GEMV_WIDE_ROWS outputs, NVFP4 and int4: the rows kernel, K in two parts,
+# streamed, dependents released after the stores (early lost 1-2 us on most of these). H200, bench/quant_gemv.py
+# --stream (quant_gemv_one_row_rows_h200_30279a5.json), us against the dispatch before: NVFP4 Qwen3.6-27B Gated
+# DeltaNet in_proj 16384 x 5120 18.8 against ROWS_ONE_WIDE_LONG_K's 29.6, its q|gate|k|v 14336 x 5120 17.6 against
+# WIDE's 23.7, Qwen3.6-35B-A3B in_proj 12288 x 2048 7.5 against 9.4 and q|gate|k|v 9216 x 2048 6.9 against 9.0,
+# Qwen3.5-4B in_proj 12288 x 2560 8.5 against 12.0; int4 g128 Qwen3-8B gate|up with SwiGLU 19.4 against INT4_WIDE's
+# 24.0 (unfolded 19.3 against the dot path's 22.7), Qwen3.6-27B gate|up with SwiGLU 35.3 against the dot path's 46.9,
+# 27B q|gate|k|v 16.8 against 20.8, 35B in_proj / q|gate|k|v 7.3 / 6.9 against 8.7 / 7.9. Qwen3-8B's q|k|v 6144 x
+# 4096 keeps its GEMV / dot path (int4 10.4 here against 8.5).
+ROWS_ONE = GemvConfig(warps=4, spans=2, parts=2, stream=True, rows=True)
 
 
 MAX_ROWS = 16  # two blocks of 8 tokens: a k = 15 verify block
@@ -140,9 +150,9 @@ ROWS_WIDE = GemvConfig(warps=4, spans=2, parts=1)
 # decodes int4 cheaply and stays faster on the Qwen3-8B qkv / o / down at 1 and 16 rows (8.6 / 7.0 / 15.0 us against
 # the best mma configs' 13.0 / 7.5 / 18.4) and on gate|up at 16 rows (with SwiGLU 37.4 against 39.3). One row of
 # gate|up with SwiGLU folded takes the mma GEMV, two spans a step: Qwen3-8B 25.6 us against the dot path and a SwiGLU
-# launch's 30.1 (unfolded 25.1 against 25.7: left to the dot path); not from K = 5120 (Qwen3.6-27B: 51.2 against 48.6)
+# launch's 30.1 (unfolded 25.1 against 25.7: left to the dot path); not from K = 5120 (Qwen3.6-27B: 51.2 against 48.6).
+# Since replaced by the rows kernel (ROWS_ONE); a tested launch still.
 INT4_WIDE = GemvConfig(warps=2, spans=2, parts=1)
-INT4_MAX_K = 4096
 ROWS_FEW = GemvConfig(warps=16, spans=4, parts=8)  # 2-8 rows
 ROWS_LONG_K = GemvConfig(warps=8, spans=2, parts=8)  # 9-16 rows, K >= 2 N
 # 9-16 rows of Qwen3.6-27B's layers (H100, bench/quant_gemv.py --rows 16 --sweep, quant_gemv_rows16_27b_sweep_h100_
@@ -212,9 +222,9 @@ def _fit_k(cfg: GemvConfig, k: int) -> GemvConfig | None:
 
 def launch_config(meta, m: int = 1, gated: bool = False) -> GemvConfig | None:
     """The launch for m rows of the layer, or None where quant_linear's dot path measured faster (H100 / H200,
-    bench/quant_gemv.py --sweep / --stream / --groups). int4, one row: a gate|up with SwiGLU (INT4_WIDE) and an o
-    projection (STREAM_NARROW). NVFP4, one row: from WIDE_ROWS outputs the rows kernel (ROWS_ONE_WIDE*), below that
-    one K part for >= GEMV_WIDE_ROWS outputs; up to 2048 outputs 8 parts over 16 warps (NARROWEST: 32 warps
+    bench/quant_gemv.py --sweep / --stream / --groups). int4, one row: from GEMV_WIDE_ROWS outputs the rows kernel
+    (ROWS_ONE) and an o projection (STREAM_NARROW). NVFP4, one row: the rows kernel from GEMV_WIDE_ROWS outputs
+    (ROWS_ONE_WIDE* for gate|up, else ROWS_ONE); up to 2048 outputs 8 parts over 16 warps (NARROWEST: 32 warps
     spilled); between the two, K > STREAM_MID_MAX_K on the rows kernel (SPLIT_ONE), else the streamed kernel
     (STREAM_*). 2 to MAX_ROWS rows: the rows kernel (above), with launches of its own for the measured Qwen3.6-27B
     shapes (ROWS_TUNED), streamed or grouped at 9-16 rows (`_rows_streamed_or_grouped`, GROUPED_MID), K split over
@@ -223,8 +233,8 @@ def launch_config(meta, m: int = 1, gated: bool = False) -> GemvConfig | None:
             and _tiles_k(SPLIT_ROWS, meta.k) and _gated_fit(SPLIT_ROWS, gated):
         return SPLIT_ROWS
     if meta.scheme == "int4":
-        if m == 1 and gated and meta.n >= WIDE_ROWS and meta.k <= INT4_MAX_K and _tiles_k(INT4_WIDE, meta.k):
-            return INT4_WIDE
+        if m == 1 and meta.n >= GEMV_WIDE_ROWS:
+            return _gated_fit(_fit_k(ROWS_ONE, meta.k), gated)
         if m == 1 and NARROWEST_ROWS < meta.n <= NARROW_MAX_ROWS and meta.k < 2 * meta.n:  # an o projection
             return _gated_fit(_fit_k(STREAM_NARROW, meta.k), gated)
         return None
@@ -243,11 +253,12 @@ def launch_config(meta, m: int = 1, gated: bool = False) -> GemvConfig | None:
         return None if cfg is None else _fit_k(cfg, meta.k)
     if meta.n <= NARROWEST_ROWS and _tiles_k(NARROWEST, meta.k):
         return NARROWEST
-    if meta.n >= WIDE_ROWS and (cfg := _gated_fit(_fit_k(
+    if meta.n >= WIDE_ROWS and (meta.k <= STREAM_MID_MAX_K or gated) and (cfg := _gated_fit(_fit_k(
             ROWS_ONE_WIDE_LONG_K if meta.k > STREAM_MID_MAX_K else ROWS_ONE_WIDE, meta.k), gated)) is not None:
         return cfg
     if meta.n >= GEMV_WIDE_ROWS:
-        return _gated_fit(WIDE if _tiles_k(WIDE, meta.k) else None, gated)
+        return _gated_fit(_fit_k(ROWS_ONE, meta.k), gated) or _gated_fit(WIDE if _tiles_k(WIDE, meta.k) else None,
+                                                                          gated)
     if meta.k > STREAM_MID_MAX_K and (cfg := _gated_fit(_fit_split(SPLIT_ONE, meta.k), gated)) is not None:
         return cfg
     if meta.n > NARROW_MAX_ROWS:

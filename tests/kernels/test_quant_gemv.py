@@ -29,7 +29,7 @@ STREAMED = (qg.GemvConfig(2, 4, 1, stream=True), qg.GemvConfig(8, 2, 4, stream=T
             qg.GemvConfig(2, 4, 1, early=True),
             # one row on the rows kernel (weights as the mma's A operand), plain and streamed
             qg.GemvConfig(4, 2, 1, rows=True), qg.GemvConfig(8, 2, 4, stream=True, rows=True),
-            qg.ROWS_ONE_WIDE, qg.ROWS_ONE_WIDE_LONG_K,
+            qg.ROWS_ONE_WIDE, qg.ROWS_ONE_WIDE_LONG_K, qg.ROWS_ONE,
             qg.GemvConfig(4, 1, 2, groups=2, splits=4, rows=True))  # K split over programs too
 # the streamed 2-16-row kernel: one K part and several, a whole short part in one step, early and late
 STREAMED_ROWS = (qg.STREAM_ROWS_WIDE, qg.STREAM_ROWS_MID, qg.STREAM_ROWS_NARROW, qg.GemvConfig(8, 2, 8, stream=True),
@@ -75,10 +75,11 @@ def test_dispatch_rule_keeps_cpu_narrow_and_folded_layers_off_the_gemv() -> None
 
     assert cfg("nvfp4", 4096, 4096) == qg.STREAM_NARROW  # o
     assert cfg("nvfp4", 6144, 4096) == cfg("nvfp4", qg.NARROW_MAX_ROWS + 64, 4096) == qg.STREAM_MID  # qkv
-    assert cfg("nvfp4", 9216, 2048) == qg.WIDE  # 35B q|g|k|v
-    # from WIDE_ROWS outputs (gate|up) the rows kernel, one K part past K = 4096 (Qwen3.6-27B), else four
+    # from GEMV_WIDE_ROWS outputs the rows kernel: 35B q|g|k|v, 27B in_proj / q|g|k|v
+    assert cfg("nvfp4", 9216, 2048) == cfg("nvfp4", 16384, 5120) == cfg("nvfp4", 14336, 5120) == qg.ROWS_ONE
+    # gate|up from WIDE_ROWS outputs: one K part past K = 4096 (Qwen3.6-27B, with SwiGLU), else four
     assert cfg("nvfp4", 24576, 4096, True) == cfg("nvfp4", 24576, 4096) == qg.ROWS_ONE_WIDE
-    assert cfg("nvfp4", 34816, 5120, True) == qg.ROWS_ONE_WIDE_LONG_K
+    assert cfg("nvfp4", 34816, 5120, True) == qg.ROWS_ONE_WIDE_LONG_K and cfg("nvfp4", 34816, 5120) == qg.ROWS_ONE
     # K > 4096 between NARROWEST_ROWS and GEMV_WIDE_ROWS outputs: the rows kernel, K split over two programs where
     # that tiles K (Qwen3-8B down, Qwen3.6-27B out_proj), else unsplit (27B down: 136 spans)
     assert cfg("nvfp4", 4096, 12288) == cfg("nvfp4", 5120, 6144) == cfg("nvfp4", 3072, 8192) == qg.SPLIT_ONE
@@ -91,9 +92,11 @@ def test_dispatch_rule_keeps_cpu_narrow_and_folded_layers_off_the_gemv() -> None
     assert cfg("nvfp4", 4096, 1024) == qg.GemvConfig(8, 2, 4, stream=True, early=True)
     assert cfg("nvfp4", 4096, 512) == qg.GemvConfig(8, 1, 4, stream=True, early=True)
     assert cfg("nvfp4", 4096, 256) == qg.GemvConfig(8, 1, 2, stream=True, early=True)
-    # int4: an o projection streamed, a gate|up with SwiGLU on INT4_WIDE, the rest on the dot path
-    assert cfg("int4", 4096, 4096) == qg.STREAM_NARROW and cfg("int4", 24576, 4096, True) == qg.INT4_WIDE
-    assert cfg("int4", 6144, 4096) is None and cfg("int4", 4096, 12288) is None and cfg("int4", 24576, 4096) is None
+    # int4: an o projection streamed, from GEMV_WIDE_ROWS outputs the rows kernel, the rest on the dot path
+    assert cfg("int4", 4096, 4096) == qg.STREAM_NARROW
+    assert cfg("int4", 24576, 4096, True) == cfg("int4", 24576, 4096) == cfg("int4", 34816, 5120, True) == \
+        cfg("int4", 9216, 2048) == qg.ROWS_ONE
+    assert cfg("int4", 6144, 4096) is None and cfg("int4", 4096, 12288) is None
 
 
 def test_rows_dispatch_rule() -> None:
@@ -402,10 +405,9 @@ def test_int4_dispatch_rule() -> None:
         meta = ql.quant_meta(layer)
         return qg.launch_config(meta, 1, gated) if qg.layer_fits(layer, meta) else None
 
-    assert cfg(128, gated=True) == cfg(32, gated=True) == qg.INT4_WIDE
-    assert cfg(128) is None  # without SwiGLU the dot path is as fast (bench/quant_gemv.py --schemes int4)
+    assert cfg(128, gated=True) == cfg(32, gated=True) == cfg(128) == qg._fit_k(qg.ROWS_ONE, 512)
     assert cfg(16, gated=True) is None and cfg(128, torch.float16, gated=True) is None
-    assert cfg(128, n=qg.WIDE_ROWS - 8, gated=True) is None  # narrower: the dot path
+    assert cfg(128, n=qg.GEMV_WIDE_ROWS - 8, gated=True) is None  # narrower: the dot path
     rows = make_layer("int4", qg.WIDE_ROWS, 512, torch.bfloat16, group=128)
     assert qg.launch_config(ql.quant_meta(rows), 16) is None
     # 9-16 rows of a gate|up: the dot path, then the SwiGLU launch (two blocks of rows a program lost there)
