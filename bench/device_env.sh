@@ -10,6 +10,9 @@ if [ -d .whl ] && [ ! -f /tmp/site/.whl-$(ls .whl | md5sum | cut -c1-8) ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
         && touch /tmp/site/.whl-$(ls .whl | md5sum | cut -c1-8)  # again whenever the set of wheels changes
 fi
+# every bench that builds an Engine imports xgrammar: wheels of another Python version install nothing (session 39)
+python3 -c "import xgrammar" 2> /dev/null || echo "device_env: xgrammar does not import: carry .whl built for" \
+    "$(python3 -c 'import sys; print(f"cp{sys.version_info.major}{sys.version_info.minor}")') (bench/NOTES.md session 39)" >&2
 for part in .stage/q*/part0*; do [ -f "$part" ] && cp "$part" /root/stage/; done
 if [ -f /root/stage/part00 ] && [ -f /root/stage/part01 ] && [ -f /root/stage/part02 ] && [ -f /root/stage/part03 ] \
         && [ ! -f /root/stage/smollm2.gguf ]; then
