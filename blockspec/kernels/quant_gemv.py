@@ -253,17 +253,29 @@ def launch_config(meta, m: int = 1, gated: bool = False) -> GemvConfig | None:
         return None if cfg is None else _fit_k(cfg, meta.k)
     if meta.n <= NARROWEST_ROWS and _tiles_k(NARROWEST, meta.k):
         return NARROWEST
-    if meta.n >= WIDE_ROWS and (meta.k <= STREAM_MID_MAX_K or gated) and (cfg := _gated_fit(_fit_k(
-            ROWS_ONE_WIDE_LONG_K if meta.k > STREAM_MID_MAX_K else ROWS_ONE_WIDE, meta.k), gated)) is not None:
-        return cfg
     if meta.n >= GEMV_WIDE_ROWS:
-        return _gated_fit(_fit_k(ROWS_ONE, meta.k), gated) or _gated_fit(WIDE if _tiles_k(WIDE, meta.k) else None,
-                                                                          gated)
+        return _one_row_wide(meta.n, meta.k, gated)
     if meta.k > STREAM_MID_MAX_K and (cfg := _gated_fit(_fit_split(SPLIT_ONE, meta.k), gated)) is not None:
         return cfg
     if meta.n > NARROW_MAX_ROWS:
         return _gated_fit(_fit_k(STREAM_MID, meta.k), gated) if meta.k <= STREAM_MID_MAX_K else None
     return _gated_fit(_fit_k(STREAM_LONG_K if meta.k >= 2 * meta.n else STREAM_NARROW, meta.k), gated)
+
+
+def _one_row_wide(n: int, k: int, gated: bool) -> GemvConfig | None:
+    """The launch for one row of an NVFP4 layer of >= GEMV_WIDE_ROWS outputs: a gate|up-wide one (>= WIDE_ROWS) on
+    ROWS_ONE_WIDE up to K = STREAM_MID_MAX_K, with SwiGLU past it on ROWS_ONE_WIDE_LONG_K (the launches measured
+    for the 8B's and the 27B's gate|up), every other on ROWS_ONE; the next of those (then WIDE) where one does not
+    tile K or pair up SwiGLU's rows."""
+    first = ROWS_ONE
+    if n >= WIDE_ROWS and k <= STREAM_MID_MAX_K:
+        first = ROWS_ONE_WIDE
+    elif n >= WIDE_ROWS and gated:
+        first = ROWS_ONE_WIDE_LONG_K
+    for cfg in (_fit_k(first, k), _fit_k(ROWS_ONE, k), WIDE if _tiles_k(WIDE, k) else None):
+        if (fitted := _gated_fit(cfg, gated)) is not None:
+            return fitted
+    return None
 
 
 def _rows_streamed_or_grouped(n: int, k: int) -> GemvConfig | None:
