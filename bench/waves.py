@@ -38,15 +38,8 @@ def launch(cfg: qv.GemvConfig, m: int, n: int, k: int, int4: bool, gated: bool, 
     """(kernel, constexprs, programs) as quant_gemv.gemv launches cfg."""
     common = dict(K=k, HAS_GS=not int4, BN=cfg.block, SPANS=cfg.spans, HAS_RES=res, PDL=True, INT4=int4,
                   G2=64 if int4 else 8, GATED=gated)
-    programs = math.prod(qv.launch_grid(cfg, m, n))
-    if m > 1 or cfg.rows:
-        return qv._rows_kernel, dict(common, P=cfg.parts, TWO=m > 8, STREAM=cfg.stream, EARLY=cfg.early,
-                                     R=cfg.groups, SPLITS=cfg.splits), programs
-    if cfg.stream:
-        return qv._stream_kernel, dict(common, P=cfg.parts, EARLY=cfg.early), programs
-    if cfg.parts == 1:
-        return qv._wide_kernel, dict(common, EARLY=cfg.early), programs
-    return qv._parts_kernel, dict(common, P=cfg.parts), programs
+    kernel, own = qv.launch_kernel(cfg, m)
+    return kernel, {**common, **own}, math.prod(qv.launch_grid(cfg, m, n))
 
 
 def resident(warps: int, regs: int, shared: int) -> int:

@@ -740,6 +740,19 @@ def launch_grid(cfg: GemvConfig, m: int, n: int) -> tuple[int, ...]:
     return (-(-n * cfg.parts // cfg.block),)
 
 
+def launch_kernel(cfg: GemvConfig, m: int) -> tuple:
+    """The kernel `gemv` launches for cfg at m rows and the constexprs of its own beside the common ones: the rows
+    kernel's (2-16 rows, or cfg.rows), else the streamed, one-part or parts GEMV. bench/waves.py compiles from it."""
+    if m > 1 or cfg.rows:
+        return _rows_kernel, dict(P=cfg.parts, TWO=m > 8, STREAM=cfg.stream, EARLY=cfg.early, R=cfg.groups,
+                                  SPLITS=cfg.splits)
+    if cfg.stream:
+        return _stream_kernel, dict(P=cfg.parts, EARLY=cfg.early)
+    if cfg.parts == 1:
+        return _wide_kernel, dict(EARLY=cfg.early)
+    return _parts_kernel, dict(P=cfg.parts)
+
+
 def gemv(x: torch.Tensor, layer, meta, cfg: GemvConfig, residual: torch.Tensor | None = None, gated: bool = False
          ) -> torch.Tensor:
     """x [M, K] (bf16, contiguous, M <= MAX_ROWS) @ dequantize(layer).T -> [M, N] for an NVFP4 or int4 layer
@@ -769,7 +782,8 @@ def gemv(x: torch.Tensor, layer, meta, cfg: GemvConfig, residual: torch.Tensor |
                   INT4=int4, G2=meta.group // 2 if int4 else 8, GATED=gated, num_warps=cfg.warps, num_stages=1,
                   launch_pdl=on)
     grid = launch_grid(cfg, m, meta.n)
-    if m > 1 or cfg.rows:
+    kernel, own = launch_kernel(cfg, m)
+    if kernel is _rows_kernel:
         programs = grid[0]
         ws, cnt, slots = y, y, 0  # (not read without a split)
         if cfg.splits > 1:
@@ -779,17 +793,9 @@ def gemv(x: torch.Tensor, layer, meta, cfg: GemvConfig, residual: torch.Tensor |
             slots = programs * cfg.groups * cfg.rows_block
             ws = torch.empty(cfg.splits * 16 * slots, dtype=torch.float32, device=x.device)
             cnt = arrival_counters(x.device)
-        _rows_kernel[grid](x, layer.qweight, scales, gs, y, m, meta.n, ws, cnt, slots, P=cfg.parts,
-                                             TWO=m > 8, STREAM=cfg.stream, EARLY=cfg.early, R=cfg.groups,
-                                             SPLITS=cfg.splits, **common)
-        return y
-    args = (x, layer.qweight, scales, gs, y, meta.n)
-    if cfg.stream:
-        _stream_kernel[grid](*args, P=cfg.parts, EARLY=cfg.early, **common)
-    elif cfg.parts == 1:
-        _wide_kernel[grid](*args, EARLY=cfg.early, **common)
+        kernel[grid](x, layer.qweight, scales, gs, y, m, meta.n, ws, cnt, slots, **own, **common)
     else:
-        _parts_kernel[grid](*args, P=cfg.parts, **common)
+        kernel[grid](x, layer.qweight, scales, gs, y, meta.n, **own, **common)
     return y
 
 
