@@ -137,6 +137,13 @@ ROWS_ONE_WIDE_LONG_K = GemvConfig(warps=4, spans=2, parts=1, stream=True, early=
 # 27B q|gate|k|v 16.8 against 20.8, 35B in_proj / q|gate|k|v 7.3 / 6.9 against 8.7 / 7.9. Qwen3-8B's q|k|v 6144 x
 # 4096 keeps its GEMV / dot path (int4 10.4 here against 8.5).
 ROWS_ONE = GemvConfig(warps=4, spans=2, parts=2, stream=True, rows=True)
+# One row of a down projection (K >= 2 N) of ROWS_ONE_LONG_K_MIN_ROWS to NARROW_MAX_ROWS outputs, NVFP4 and int4: the
+# rows kernel, 16 warps, K in 8 parts, streamed, no K split (128 programs of 32 rows for 4096 outputs: one an SM).
+# H200, bench/quant_gemv.py --stream --splits (quant_gemv_narrow_one_row_splits_h200_ac74e50.json), us: Qwen3-8B down
+# 4096 x 12288 NVFP4 12.9 against SPLIT_ONE's 13.8, int4 g128 13.0 against the dot path's 14.9. Narrower layers
+# (Qwen3.5-4B's down, 2560 x 9216: 80 such programs) keep SPLIT_ONE's K split, which fills more SMs.
+ROWS_ONE_LONG_K = GemvConfig(warps=16, spans=4, parts=8, stream=True, rows=True)
+ROWS_ONE_LONG_K_MIN_ROWS = 4096
 
 
 MAX_ROWS = 16  # two blocks of 8 tokens: a k = 15 verify block
@@ -223,20 +230,27 @@ def _fit_k(cfg: GemvConfig, k: int) -> GemvConfig | None:
 def launch_config(meta, m: int = 1, gated: bool = False) -> GemvConfig | None:
     """The launch for m rows of the layer, or None where quant_linear's dot path measured faster (H100 / H200,
     bench/quant_gemv.py --sweep / --stream / --groups). int4, one row: from GEMV_WIDE_ROWS outputs the rows kernel
-    (ROWS_ONE) and an o projection (STREAM_NARROW). NVFP4, one row: the rows kernel from GEMV_WIDE_ROWS outputs
-    (ROWS_ONE_WIDE* for gate|up, else ROWS_ONE); up to 2048 outputs 8 parts over 16 warps (NARROWEST: 32 warps
-    spilled); between the two, K > STREAM_MID_MAX_K on the rows kernel (SPLIT_ONE), else the streamed kernel
-    (STREAM_*). 2 to MAX_ROWS rows: the rows kernel (above), with launches of its own for the measured Qwen3.6-27B
-    shapes (ROWS_TUNED), streamed or grouped at 9-16 rows (`_rows_streamed_or_grouped`, GROUPED_MID), K split over
-    programs past STREAM_MID_MAX_K (SPLIT_ROWS, int4 too)."""
+    (ROWS_ONE), a down projection on the rows kernel too (ROWS_ONE_LONG_K), an o projection and a q|k|v streamed
+    (STREAM_NARROW, STREAM_MID). NVFP4, one row: the rows kernel from GEMV_WIDE_ROWS outputs (ROWS_ONE_WIDE* for
+    gate|up, else ROWS_ONE); up to 2048 outputs 8 parts over 16 warps (NARROWEST: 32 warps spilled); between the two,
+    K > STREAM_MID_MAX_K on the rows kernel (ROWS_ONE_LONG_K for a down projection, else SPLIT_ONE), else the
+    streamed kernel (STREAM_*). 2 to MAX_ROWS rows: the rows kernel (above), with launches of its own for the
+    measured Qwen3.6-27B shapes (ROWS_TUNED), streamed or grouped at 9-16 rows (`_rows_streamed_or_grouped`,
+    GROUPED_MID), K split over programs past STREAM_MID_MAX_K (SPLIT_ROWS, int4 too)."""
     if 8 < m <= MAX_ROWS and NARROW_MAX_ROWS < meta.n < GEMV_WIDE_ROWS and meta.k > STREAM_MID_MAX_K \
             and _tiles_k(SPLIT_ROWS, meta.k) and _gated_fit(SPLIT_ROWS, gated):
         return SPLIT_ROWS
     if meta.scheme == "int4":
-        if m == 1 and meta.n >= GEMV_WIDE_ROWS:
+        if m != 1:
+            return None
+        if meta.n >= GEMV_WIDE_ROWS:
             return _gated_fit(_fit_k(ROWS_ONE, meta.k), gated)
-        if m == 1 and NARROWEST_ROWS < meta.n <= NARROW_MAX_ROWS and meta.k < 2 * meta.n:  # an o projection
+        if _is_long_k_down(meta.n, meta.k):
+            return _gated_fit(_fit_k(ROWS_ONE_LONG_K, meta.k), gated)
+        if NARROWEST_ROWS < meta.n <= NARROW_MAX_ROWS and meta.k < 2 * meta.n:  # an o projection
             return _gated_fit(_fit_k(STREAM_NARROW, meta.k), gated)
+        if meta.n > NARROW_MAX_ROWS and meta.k <= STREAM_MID_MAX_K:  # a q|k|v
+            return _gated_fit(_fit_k(STREAM_MID, meta.k), gated)
         return None
     if m > 1:
         if m > MAX_ROWS:
@@ -255,11 +269,19 @@ def launch_config(meta, m: int = 1, gated: bool = False) -> GemvConfig | None:
         return NARROWEST
     if meta.n >= GEMV_WIDE_ROWS:
         return _one_row_wide(meta.n, meta.k, gated)
+    if _is_long_k_down(meta.n, meta.k) and (cfg := _gated_fit(_fit_k(ROWS_ONE_LONG_K, meta.k), gated)) is not None:
+        return cfg
     if meta.k > STREAM_MID_MAX_K and (cfg := _gated_fit(_fit_split(SPLIT_ONE, meta.k), gated)) is not None:
         return cfg
     if meta.n > NARROW_MAX_ROWS:
         return _gated_fit(_fit_k(STREAM_MID, meta.k), gated) if meta.k <= STREAM_MID_MAX_K else None
     return _gated_fit(_fit_k(STREAM_LONG_K if meta.k >= 2 * meta.n else STREAM_NARROW, meta.k), gated)
+
+
+def _is_long_k_down(n: int, k: int) -> bool:
+    """Whether one row of an n x k layer takes ROWS_ONE_LONG_K: a down projection wide enough for its programs to
+    fill the SMs."""
+    return ROWS_ONE_LONG_K_MIN_ROWS <= n <= NARROW_MAX_ROWS and k >= 2 * n and k > STREAM_MID_MAX_K
 
 
 def _one_row_wide(n: int, k: int, gated: bool) -> GemvConfig | None:

@@ -29,7 +29,7 @@ STREAMED = (qg.GemvConfig(2, 4, 1, stream=True), qg.GemvConfig(8, 2, 4, stream=T
             qg.GemvConfig(2, 4, 1, early=True),
             # one row on the rows kernel (weights as the mma's A operand), plain and streamed
             qg.GemvConfig(4, 2, 1, rows=True), qg.GemvConfig(8, 2, 4, stream=True, rows=True),
-            qg.ROWS_ONE_WIDE, qg.ROWS_ONE_WIDE_LONG_K, qg.ROWS_ONE,
+            qg.ROWS_ONE_WIDE, qg.ROWS_ONE_WIDE_LONG_K, qg.ROWS_ONE, qg.ROWS_ONE_LONG_K,
             qg.GemvConfig(4, 1, 2, groups=2, splits=4, rows=True))  # K split over programs too
 # the streamed 2-16-row kernel: one K part and several, a whole short part in one step, early and late
 STREAMED_ROWS = (qg.STREAM_ROWS_WIDE, qg.STREAM_ROWS_MID, qg.STREAM_ROWS_NARROW, qg.GemvConfig(8, 2, 8, stream=True),
@@ -82,9 +82,11 @@ def test_dispatch_rule_keeps_cpu_narrow_and_folded_layers_off_the_gemv() -> None
     assert cfg("nvfp4", 34816, 5120, True) == qg.ROWS_ONE_WIDE_LONG_K and cfg("nvfp4", 34816, 5120) == qg.ROWS_ONE
     # K > 4096 between NARROWEST_ROWS and GEMV_WIDE_ROWS outputs: the rows kernel, K split over two programs where
     # that tiles K (Qwen3-8B down, Qwen3.6-27B out_proj), else unsplit (27B down: 136 spans)
-    assert cfg("nvfp4", 4096, 12288) == cfg("nvfp4", 5120, 6144) == cfg("nvfp4", 3072, 8192) == qg.SPLIT_ONE
-    assert cfg("nvfp4", 5120, 17408) == replace(qg.SPLIT_ONE, splits=1)
-    assert cfg("nvfp4", 4096, 12288, True) == qg.SPLIT_ONE  # SwiGLU: a 16-row group's lo and hi rows
+    assert cfg("nvfp4", 5120, 6144) == cfg("nvfp4", 3072, 8192) == qg.SPLIT_ONE
+    assert cfg("nvfp4", 5120, 17408) == cfg("nvfp4", 2560, 9216) == replace(qg.SPLIT_ONE, splits=1)
+    # ... but a down projection of 4096 to 4224 outputs on 16 warps, K unsplit (Qwen3-8B's down), int4 too
+    assert cfg("nvfp4", 4096, 12288) == cfg("int4", 4096, 12288) == cfg("nvfp4", 4096, 12288, True) == \
+        qg.ROWS_ONE_LONG_K  # SwiGLU: a 16-row group's lo and hi rows
     assert cfg("nvfp4", 4096, 4096 + 128) == qg._fit_k(qg.STREAM_NARROW, 4096 + 128)  # it does not tile K at all
     assert cfg("nvfp4", 2048, 4096) == qg.NARROWEST  # 35B out_proj
     assert cfg("nvfp4", 2048, 2048) == qg.STREAM_NARROW  # K short of NARROWEST's step
@@ -92,11 +94,11 @@ def test_dispatch_rule_keeps_cpu_narrow_and_folded_layers_off_the_gemv() -> None
     assert cfg("nvfp4", 4096, 1024) == qg.GemvConfig(8, 2, 4, stream=True, early=True)
     assert cfg("nvfp4", 4096, 512) == qg.GemvConfig(8, 1, 4, stream=True, early=True)
     assert cfg("nvfp4", 4096, 256) == qg.GemvConfig(8, 1, 2, stream=True, early=True)
-    # int4: an o projection streamed, from GEMV_WIDE_ROWS outputs the rows kernel, the rest on the dot path
-    assert cfg("int4", 4096, 4096) == qg.STREAM_NARROW
+    # int4: an o projection and a q|k|v streamed, from GEMV_WIDE_ROWS outputs the rows kernel, the rest on the dot path
+    assert cfg("int4", 4096, 4096) == qg.STREAM_NARROW and cfg("int4", 6144, 4096) == qg.STREAM_MID
     assert cfg("int4", 24576, 4096, True) == cfg("int4", 24576, 4096) == cfg("int4", 34816, 5120, True) == \
         cfg("int4", 9216, 2048) == qg.ROWS_ONE
-    assert cfg("int4", 6144, 4096) is None and cfg("int4", 4096, 12288) is None
+    assert cfg("int4", 5120, 6144) is None and cfg("int4", 5120, 17408) is None and cfg("int4", 2560, 9216) is None
 
 
 def test_rows_dispatch_rule() -> None:
@@ -407,7 +409,9 @@ def test_int4_dispatch_rule() -> None:
 
     assert cfg(128, gated=True) == cfg(32, gated=True) == cfg(128) == qg._fit_k(qg.ROWS_ONE, 512)
     assert cfg(16, gated=True) is None and cfg(128, torch.float16, gated=True) is None
-    assert cfg(128, n=qg.GEMV_WIDE_ROWS - 8, gated=True) is None  # narrower: the dot path
+    # narrower: streamed as a q|k|v, then (up to NARROWEST_ROWS outputs) the dot path
+    assert cfg(128, n=qg.GEMV_WIDE_ROWS - 8, gated=True) == qg._gated_fit(qg._fit_k(qg.STREAM_MID, 512), True)
+    assert cfg(128, n=qg.NARROWEST_ROWS, gated=True) is None
     rows = make_layer("int4", qg.WIDE_ROWS, 512, torch.bfloat16, group=128)
     assert qg.launch_config(ql.quant_meta(rows), 16) is None
     # 9-16 rows of a gate|up: the dot path, then the SwiGLU launch (two blocks of rows a program lost there)
