@@ -35,8 +35,8 @@ SHAPES = [("qkv", 6144, 4096), ("o", 4096, 4096), ("down", 4096, 12288), ("gate_
           ("27b_gate_up", 2 * 17408, 5120), ("lm_head", 151936, 4096),
           # Qwen3.6-35B-A3B: a Gated DeltaNet layer's in_proj (q|k|v|z) and out_proj, an attention layer's q|gate|k|v
           ("35b_in_proj", 12288, 2048), ("35b_out_proj", 2048, 4096), ("35b_qkv", 9216, 2048),
-          # Qwen3.6-27B's attention q|gate|k|v, Qwen3.5-4B's Gated DeltaNet in_proj
-          ("27b_qkv", 14336, 5120), ("4b_in_proj", 12288, 2560),
+          # Qwen3.6-27B's attention q|gate|k|v, Qwen3.5-4B's Gated DeltaNet in_proj and down
+          ("27b_qkv", 14336, 5120), ("4b_in_proj", 12288, 2560), ("4b_down", 2560, 9216),
           # Qwen3.6-27B's down, Gated DeltaNet in_proj (q|k|v|z) and out_proj (= its attention o_proj's shape)
           ("27b_down", 5120, 17408), ("27b_in_proj", 16384, 5120), ("27b_out_proj", 5120, 6144)]
 
@@ -76,9 +76,12 @@ SWEEP_STREAM_ROWS = [quant_gemv.GemvConfig(w, s, p, stream=True) for w in (4, 8,
                      for p in (1, 2, 4, 8) if p <= w and s * p <= 16]
 # one row on the rows kernel (weights as the mma's A operand: 2 bytes of x a weight byte against the GEMV's 4),
 # plain and streamed; 2-warp and one-span launches for more programs an SM (Qwen3.6-27B gate|up: (2, 2, 1) 86
-# registers, 11 an SM, 0.75 waves; (4, 1, 1) 60 registers, 8 an SM, 0.52; bench/waves.py's arithmetic, Triton 3.6)
+# registers, 11 an SM, 0.75 waves; (4, 1, 1) 60 registers, 8 an SM, 0.52; bench/waves.py's arithmetic, Triton 3.6);
+# beside ROWS_ONE_LONG_K's (16, 4, 8) (NVFP4: 128 registers and 8 stack bytes) the same K parts without its spill:
+# (16, 2, 8) 84 registers, (8, 4, 8) 126
 SWEEP_ROWS_AT_ONE = [quant_gemv.GemvConfig(w, s, p, stream=st, rows=True) for w, s, p in
-                     ((2, 2, 1), (4, 1, 1), (4, 2, 1), (4, 2, 2), (8, 2, 2), (8, 2, 4), (16, 4, 8))
+                     ((2, 2, 1), (4, 1, 1), (4, 2, 1), (4, 2, 2), (8, 2, 2), (8, 2, 4), (16, 4, 8), (16, 2, 8),
+                      (8, 4, 8))
                      for st in (False, True)]
 # 2-16 rows, R blocks of weight rows a program sharing each span's x loads (GemvConfig.groups): the launches that
 # compile without spills for sm_90 (bench/compile_sm90.py: R = 2 plain up to 2 spans a step, streamed 1; R = 4 plain
