@@ -229,53 +229,68 @@ def _fit_k(cfg: GemvConfig, k: int) -> GemvConfig | None:
 
 def launch_config(meta, m: int = 1, gated: bool = False) -> GemvConfig | None:
     """The launch for m rows of the layer, or None where quant_linear's dot path measured faster (H100 / H200,
-    bench/quant_gemv.py --sweep / --stream / --groups). int4, one row: from GEMV_WIDE_ROWS outputs the rows kernel
-    (ROWS_ONE), a down projection on the rows kernel too (ROWS_ONE_LONG_K), an o projection and a q|k|v streamed
-    (STREAM_NARROW, STREAM_MID). NVFP4, one row: the rows kernel from GEMV_WIDE_ROWS outputs (ROWS_ONE_WIDE* for
-    gate|up, else ROWS_ONE); up to 2048 outputs 8 parts over 16 warps (NARROWEST: 32 warps spilled); between the two,
-    K > STREAM_MID_MAX_K on the rows kernel (ROWS_ONE_LONG_K for a down projection, else SPLIT_ONE), else the
-    streamed kernel (STREAM_*). 2 to MAX_ROWS rows: the rows kernel (above), with launches of its own for the
-    measured Qwen3.6-27B shapes (ROWS_TUNED), streamed or grouped at 9-16 rows (`_rows_streamed_or_grouped`,
-    GROUPED_MID), K split over programs past STREAM_MID_MAX_K (SPLIT_ROWS, int4 too)."""
+    bench/quant_gemv.py --sweep / --stream / --groups / --splits): one row by scheme (`_int4_one_row`,
+    `_nvfp4_one_row`), 2 to MAX_ROWS NVFP4 rows on the rows kernel (`_nvfp4_rows`), and 9-16 rows of a layer between
+    NARROW_MAX_ROWS and GEMV_WIDE_ROWS outputs with K past STREAM_MID_MAX_K split over programs in both schemes
+    (SPLIT_ROWS)."""
     if 8 < m <= MAX_ROWS and NARROW_MAX_ROWS < meta.n < GEMV_WIDE_ROWS and meta.k > STREAM_MID_MAX_K \
             and _tiles_k(SPLIT_ROWS, meta.k) and _gated_fit(SPLIT_ROWS, gated):
         return SPLIT_ROWS
     if meta.scheme == "int4":
-        if m != 1:
-            return None
-        if meta.n >= GEMV_WIDE_ROWS:
-            return _gated_fit(_fit_k(ROWS_ONE, meta.k), gated)
-        if _is_long_k_down(meta.n, meta.k):
-            return _gated_fit(_fit_k(ROWS_ONE_LONG_K, meta.k), gated)
-        if NARROWEST_ROWS < meta.n <= NARROW_MAX_ROWS and meta.k < 2 * meta.n:  # an o projection
-            return _gated_fit(_fit_k(STREAM_NARROW, meta.k), gated)
-        if meta.n > NARROW_MAX_ROWS and meta.k <= STREAM_MID_MAX_K:  # a q|k|v
-            return _gated_fit(_fit_k(STREAM_MID, meta.k), gated)
-        return None
+        return _int4_one_row(meta.n, meta.k, gated) if m == 1 else None
     if m > 1:
-        if m > MAX_ROWS:
-            return None
-        if m > 8 and (meta.n, meta.k) in ROWS_TUNED:
-            cfg = ROWS_TUNED[(meta.n, meta.k)]
-        elif m > 8 and meta.n > NARROWEST_ROWS and meta.k >= STREAM_ROWS_MIN_K:
-            cfg = _rows_streamed_or_grouped(meta.n, meta.k)
-        elif m > 8 and NARROW_MAX_ROWS < meta.n < WIDE_ROWS and meta.k >= GROUPED_MIN_K:
-            cfg = GROUPED_MID
-        else:
-            cfg = ROWS_WIDE if meta.n >= WIDE_ROWS else ROWS_FEW if m <= 8 else \
-                ROWS_LONG_K if meta.k >= 2 * meta.n else None
-        return None if cfg is None else _fit_k(cfg, meta.k)
-    if meta.n <= NARROWEST_ROWS and _tiles_k(NARROWEST, meta.k):
+        return _nvfp4_rows(meta.n, meta.k, m)
+    return _nvfp4_one_row(meta.n, meta.k, gated)
+
+
+def _int4_one_row(n: int, k: int, gated: bool) -> GemvConfig | None:
+    """One int4 row: from GEMV_WIDE_ROWS outputs the rows kernel (ROWS_ONE), a down projection on it too
+    (ROWS_ONE_LONG_K), an o projection and a q|k|v streamed (STREAM_NARROW, STREAM_MID); the rest (the narrowest
+    layers, long-K layers other than those downs) on the dot path."""
+    if n >= GEMV_WIDE_ROWS:
+        cfg = ROWS_ONE
+    elif _is_long_k_down(n, k):
+        cfg = ROWS_ONE_LONG_K
+    elif NARROWEST_ROWS < n <= NARROW_MAX_ROWS and k < 2 * n:  # an o projection
+        cfg = STREAM_NARROW
+    elif n > NARROW_MAX_ROWS and k <= STREAM_MID_MAX_K:  # a q|k|v
+        cfg = STREAM_MID
+    else:
+        return None
+    return _gated_fit(_fit_k(cfg, k), gated)
+
+
+def _nvfp4_one_row(n: int, k: int, gated: bool) -> GemvConfig | None:
+    """One NVFP4 row: up to 2048 outputs 8 parts over 16 warps (NARROWEST: 32 warps spilled); from GEMV_WIDE_ROWS
+    outputs the rows kernel (`_one_row_wide`); between the two, K > STREAM_MID_MAX_K on the rows kernel
+    (ROWS_ONE_LONG_K for a down projection, else SPLIT_ONE), else the streamed kernel (STREAM_*)."""
+    if n <= NARROWEST_ROWS and _tiles_k(NARROWEST, k):
         return NARROWEST
-    if meta.n >= GEMV_WIDE_ROWS:
-        return _one_row_wide(meta.n, meta.k, gated)
-    if _is_long_k_down(meta.n, meta.k) and (cfg := _gated_fit(_fit_k(ROWS_ONE_LONG_K, meta.k), gated)) is not None:
+    if n >= GEMV_WIDE_ROWS:
+        return _one_row_wide(n, k, gated)
+    if _is_long_k_down(n, k) and (cfg := _gated_fit(_fit_k(ROWS_ONE_LONG_K, k), gated)) is not None:
         return cfg
-    if meta.k > STREAM_MID_MAX_K and (cfg := _gated_fit(_fit_split(SPLIT_ONE, meta.k), gated)) is not None:
+    if k > STREAM_MID_MAX_K and (cfg := _gated_fit(_fit_split(SPLIT_ONE, k), gated)) is not None:
         return cfg
-    if meta.n > NARROW_MAX_ROWS:
-        return _gated_fit(_fit_k(STREAM_MID, meta.k), gated) if meta.k <= STREAM_MID_MAX_K else None
-    return _gated_fit(_fit_k(STREAM_LONG_K if meta.k >= 2 * meta.n else STREAM_NARROW, meta.k), gated)
+    if n > NARROW_MAX_ROWS:
+        return _gated_fit(_fit_k(STREAM_MID, k), gated) if k <= STREAM_MID_MAX_K else None
+    return _gated_fit(_fit_k(STREAM_LONG_K if k >= 2 * n else STREAM_NARROW, k), gated)
+
+
+def _nvfp4_rows(n: int, k: int, m: int) -> GemvConfig | None:
+    """2 to MAX_ROWS NVFP4 rows on the rows kernel: launches of its own for the measured Qwen3.6-27B shapes
+    (ROWS_TUNED), streamed or grouped at 9-16 rows (`_rows_streamed_or_grouped`, GROUPED_MID), else by width."""
+    if m > MAX_ROWS:
+        return None
+    if m > 8 and (n, k) in ROWS_TUNED:
+        cfg = ROWS_TUNED[(n, k)]
+    elif m > 8 and n > NARROWEST_ROWS and k >= STREAM_ROWS_MIN_K:
+        cfg = _rows_streamed_or_grouped(n, k)
+    elif m > 8 and NARROW_MAX_ROWS < n < WIDE_ROWS and k >= GROUPED_MIN_K:
+        cfg = GROUPED_MID
+    else:
+        cfg = ROWS_WIDE if n >= WIDE_ROWS else ROWS_FEW if m <= 8 else ROWS_LONG_K if k >= 2 * n else None
+    return None if cfg is None else _fit_k(cfg, k)
 
 
 def _is_long_k_down(n: int, k: int) -> bool:
