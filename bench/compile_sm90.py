@@ -250,22 +250,20 @@ def cases() -> list[tuple[str, tuple, dict]]:
                  + (("atom.global.gpu.acq_rel.add",) if cfg.splits > 1 else ()))))
     # one row on the rows kernel as dispatched: SPLIT_ONE (Qwen3-8B's down, Qwen3.6-27B's out_proj and down; the
     # residual added), ROWS_ONE_WIDE* (the 8B's and the 27B's gate|up with SwiGLU) and ROWS_ONE (the 27B's and the
-    # 35B's in_proj and q|gate|k|v; int4's gate|up with SwiGLU), ROWS_ONE_LONG_K (the 8B's down, NVFP4 and int4)
+    # 35B's in_proj and q|gate|k|v; int4's gate|up with SwiGLU); SPLIT_ONE for int4 too (the 8B's down)
     for k, cfg, gated, int4 in ((12288, qv.SPLIT_ONE, False, False), (6144, qv.SPLIT_ONE, False, False),
                                 (17408, qv._fit_split(qv.SPLIT_ONE, 17408), False, False),
                                 (4096, qv.ROWS_ONE_WIDE, True, False), (5120, qv.ROWS_ONE_WIDE_LONG_K, True, False),
                                 (5120, qv.ROWS_ONE, False, False), (2048, qv.ROWS_ONE, False, False),
                                 (4096, qv.ROWS_ONE, True, True), (5120, qv.ROWS_ONE, True, True),
-                                (12288, qv.ROWS_ONE_LONG_K, False, False), (12288, qv.ROWS_ONE_LONG_K, False, True)):
+                                (12288, qv.SPLIT_ONE, False, True)):
         out.append((f"quant_gemv rows one row{' int4' if int4 else ''}{' gated' if gated else ''} K={k} {cfg}", (
             qv._rows_kernel, {**gemv_int4, "M": "i32"} if int4 else rows, dict(
                 K=k, HAS_GS=not int4, BN=cfg.block, SPANS=cfg.spans, P=cfg.parts, TWO=False,
                 HAS_RES=not gated, PDL=True, INT4=int4, G2=64 if int4 else 8, GATED=gated,
                 STREAM=cfg.stream, EARLY=cfg.early, R=cfg.groups, SPLITS=cfg.splits)),
-            # ROWS_ONE_LONG_K's NVFP4 launch with the residual: 8 stack bytes at 16 warps' 128 registers (the
-            # engine A/B, session 40, ran with them)
-            dict(div16=("X", "QW", "S", "Y"), num_warps=cfg.warps, num_stages=1,
-                 no_spill=int4 or cfg != qv.ROWS_ONE_LONG_K, ptx_has=pdl_ptx + ("mma.sync.aligned.m16n8k16",)
+            dict(div16=("X", "QW", "S", "Y"), num_warps=cfg.warps, num_stages=1, no_spill=True,
+                 ptx_has=pdl_ptx + ("mma.sync.aligned.m16n8k16",)
                  + (("atom.global.gpu.acq_rel.add",) if cfg.splits > 1 else ()))))
     tuned = [(k, True, cfg, n < k) for (n, k), cfg in qv.ROWS_TUNED.items()]  # Qwen3.6-27B; down adds the residual
     for k, two, cfg, res in ((4096, False, qv.ROWS_FEW, False), (12288, True, qv.ROWS_LONG_K, True),

@@ -77,8 +77,9 @@ SWEEP_STREAM_ROWS = [quant_gemv.GemvConfig(w, s, p, stream=True) for w in (4, 8,
 # one row on the rows kernel (weights as the mma's A operand: 2 bytes of x a weight byte against the GEMV's 4),
 # plain and streamed; 2-warp and one-span launches for more programs an SM (Qwen3.6-27B gate|up: (2, 2, 1) 86
 # registers, 11 an SM, 0.75 waves; (4, 1, 1) 60 registers, 8 an SM, 0.52; bench/waves.py's arithmetic, Triton 3.6);
-# beside ROWS_ONE_LONG_K's (16, 4, 8) (NVFP4: 128 registers and 8 stack bytes) the same K parts without its spill:
-# (16, 2, 8) 84 registers, (8, 4, 8) 126
+# beside (16, 4, 8) (the 8B's down: 12.9 us NVFP4, 13.0 int4 on the H200, but 128 registers and 136-176 spilled
+# bytes under Triton 3.9, 0-8 under 3.6) the same K parts without a spill in either: (16, 2, 8) 84-127 registers,
+# (8, 4, 8) 126-203
 SWEEP_ROWS_AT_ONE = [quant_gemv.GemvConfig(w, s, p, stream=st, rows=True) for w, s, p in
                      ((2, 2, 1), (4, 1, 1), (4, 2, 1), (4, 2, 2), (8, 2, 2), (8, 2, 4), (16, 4, 8), (16, 2, 8),
                       (8, 4, 8))

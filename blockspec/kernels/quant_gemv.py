@@ -137,13 +137,13 @@ ROWS_ONE_WIDE_LONG_K = GemvConfig(warps=4, spans=2, parts=1, stream=True, early=
 # 27B q|gate|k|v 16.8 against 20.8, 35B in_proj / q|gate|k|v 7.3 / 6.9 against 8.7 / 7.9. Qwen3-8B's q|k|v 6144 x
 # 4096 keeps its GEMV / dot path (int4 10.4 here against 8.5).
 ROWS_ONE = GemvConfig(warps=4, spans=2, parts=2, stream=True, rows=True)
-# One row of a down projection (K >= 2 N) of ROWS_ONE_LONG_K_MIN_ROWS to NARROW_MAX_ROWS outputs, NVFP4 and int4: the
-# rows kernel, 16 warps, K in 8 parts, streamed, no K split (128 programs of 32 rows for 4096 outputs: one an SM).
-# H200, bench/quant_gemv.py --stream --splits (quant_gemv_narrow_one_row_splits_h200_ac74e50.json), us: Qwen3-8B down
-# 4096 x 12288 NVFP4 12.9 against SPLIT_ONE's 13.8, int4 g128 13.0 against the dot path's 14.9. Narrower layers
-# (Qwen3.5-4B's down, 2560 x 9216: 80 such programs) keep SPLIT_ONE's K split, which fills more SMs.
-ROWS_ONE_LONG_K = GemvConfig(warps=16, spans=4, parts=8, stream=True, rows=True)
-ROWS_ONE_LONG_K_MIN_ROWS = 4096
+# One int4 row of a down projection (K >= 2 N, K > STREAM_MID_MAX_K) of INT4_SPLIT_MIN_ROWS to NARROW_MAX_ROWS outputs:
+# SPLIT_ONE, as NVFP4. H200, bench/quant_gemv.py --stream --splits (quant_gemv_narrow_one_row_splits_h200_ac74e50.json),
+# us: Qwen3-8B down 4096 x 12288 int4 g128 13.0 against the dot path's 14.9 (the rows kernel on 16 warps, K in 8 parts,
+# streamed: 13.0 too, and NVFP4 12.9 against SPLIT_ONE's 13.9, but 128 registers with 136-176 spilled bytes under
+# Triton 3.9, 0-8 under 3.6: not dispatched; the engine A/B of session 40 ran it). Qwen3.6-27B's 5120 x 17408 down
+# keeps the dot path (26.5 against 25.4, session 37).
+INT4_SPLIT_MIN_ROWS = 4096
 
 
 MAX_ROWS = 16  # two blocks of 8 tokens: a k = 15 verify block
@@ -244,13 +244,13 @@ def launch_config(meta, m: int = 1, gated: bool = False) -> GemvConfig | None:
 
 
 def _int4_one_row(n: int, k: int, gated: bool) -> GemvConfig | None:
-    """One int4 row: from GEMV_WIDE_ROWS outputs the rows kernel (ROWS_ONE), a down projection on it too
-    (ROWS_ONE_LONG_K), an o projection and a q|k|v streamed (STREAM_NARROW, STREAM_MID); the rest (the narrowest
-    layers, long-K layers other than those downs) on the dot path."""
+    """One int4 row: from GEMV_WIDE_ROWS outputs the rows kernel (ROWS_ONE), the 8B's down on it too, K split
+    (SPLIT_ONE), an o projection and a q|k|v streamed (STREAM_NARROW, STREAM_MID); the rest (the narrowest layers,
+    other long-K layers) on the dot path."""
+    if INT4_SPLIT_MIN_ROWS <= n <= NARROW_MAX_ROWS and k >= 2 * n and k > STREAM_MID_MAX_K:  # a down projection
+        return _gated_fit(_fit_split(SPLIT_ONE, k), gated)
     if n >= GEMV_WIDE_ROWS:
         cfg = ROWS_ONE
-    elif _is_long_k_down(n, k):
-        cfg = ROWS_ONE_LONG_K
     elif NARROWEST_ROWS < n <= NARROW_MAX_ROWS and k < 2 * n:  # an o projection
         cfg = STREAM_NARROW
     elif n > NARROW_MAX_ROWS and k <= STREAM_MID_MAX_K:  # a q|k|v
@@ -262,14 +262,12 @@ def _int4_one_row(n: int, k: int, gated: bool) -> GemvConfig | None:
 
 def _nvfp4_one_row(n: int, k: int, gated: bool) -> GemvConfig | None:
     """One NVFP4 row: up to 2048 outputs 8 parts over 16 warps (NARROWEST: 32 warps spilled); from GEMV_WIDE_ROWS
-    outputs the rows kernel (`_one_row_wide`); between the two, K > STREAM_MID_MAX_K on the rows kernel
-    (ROWS_ONE_LONG_K for a down projection, else SPLIT_ONE), else the streamed kernel (STREAM_*)."""
+    outputs the rows kernel (`_one_row_wide`); between the two, K > STREAM_MID_MAX_K on the rows kernel with K split
+    (SPLIT_ONE), else the streamed kernel (STREAM_*)."""
     if n <= NARROWEST_ROWS and _tiles_k(NARROWEST, k):
         return NARROWEST
     if n >= GEMV_WIDE_ROWS:
         return _one_row_wide(n, k, gated)
-    if _is_long_k_down(n, k) and (cfg := _gated_fit(_fit_k(ROWS_ONE_LONG_K, k), gated)) is not None:
-        return cfg
     if k > STREAM_MID_MAX_K and (cfg := _gated_fit(_fit_split(SPLIT_ONE, k), gated)) is not None:
         return cfg
     if n > NARROW_MAX_ROWS:
@@ -291,12 +289,6 @@ def _nvfp4_rows(n: int, k: int, m: int) -> GemvConfig | None:
     else:
         cfg = ROWS_WIDE if n >= WIDE_ROWS else ROWS_FEW if m <= 8 else ROWS_LONG_K if k >= 2 * n else None
     return None if cfg is None else _fit_k(cfg, k)
-
-
-def _is_long_k_down(n: int, k: int) -> bool:
-    """Whether one row of an n x k layer takes ROWS_ONE_LONG_K: a down projection wide enough for its programs to
-    fill the SMs."""
-    return ROWS_ONE_LONG_K_MIN_ROWS <= n <= NARROW_MAX_ROWS and k >= 2 * n and k > STREAM_MID_MAX_K
 
 
 def _one_row_wide(n: int, k: int, gated: bool) -> GemvConfig | None:

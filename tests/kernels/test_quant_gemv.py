@@ -29,7 +29,8 @@ STREAMED = (qg.GemvConfig(2, 4, 1, stream=True), qg.GemvConfig(8, 2, 4, stream=T
             qg.GemvConfig(2, 4, 1, early=True),
             # one row on the rows kernel (weights as the mma's A operand), plain and streamed
             qg.GemvConfig(4, 2, 1, rows=True), qg.GemvConfig(8, 2, 4, stream=True, rows=True),
-            qg.ROWS_ONE_WIDE, qg.ROWS_ONE_WIDE_LONG_K, qg.ROWS_ONE, qg.ROWS_ONE_LONG_K,
+            qg.ROWS_ONE_WIDE, qg.ROWS_ONE_WIDE_LONG_K, qg.ROWS_ONE, qg.SPLIT_ONE,
+            qg.GemvConfig(16, 4, 8, stream=True, rows=True),
             qg.GemvConfig(4, 1, 2, groups=2, splits=4, rows=True))  # K split over programs too
 # the streamed 2-16-row kernel: one K part and several, a whole short part in one step, early and late
 STREAMED_ROWS = (qg.STREAM_ROWS_WIDE, qg.STREAM_ROWS_MID, qg.STREAM_ROWS_NARROW, qg.GemvConfig(8, 2, 8, stream=True),
@@ -82,11 +83,9 @@ def test_dispatch_rule_keeps_cpu_narrow_and_folded_layers_off_the_gemv() -> None
     assert cfg("nvfp4", 34816, 5120, True) == qg.ROWS_ONE_WIDE_LONG_K and cfg("nvfp4", 34816, 5120) == qg.ROWS_ONE
     # K > 4096 between NARROWEST_ROWS and GEMV_WIDE_ROWS outputs: the rows kernel, K split over two programs where
     # that tiles K (Qwen3-8B down, Qwen3.6-27B out_proj), else unsplit (27B down: 136 spans)
-    assert cfg("nvfp4", 5120, 6144) == cfg("nvfp4", 3072, 8192) == qg.SPLIT_ONE
+    assert cfg("nvfp4", 4096, 12288) == cfg("nvfp4", 5120, 6144) == cfg("nvfp4", 3072, 8192) == qg.SPLIT_ONE
     assert cfg("nvfp4", 5120, 17408) == cfg("nvfp4", 2560, 9216) == replace(qg.SPLIT_ONE, splits=1)
-    # ... but a down projection of 4096 to 4224 outputs on 16 warps, K unsplit (Qwen3-8B's down), int4 too
-    assert cfg("nvfp4", 4096, 12288) == cfg("int4", 4096, 12288) == cfg("nvfp4", 4096, 12288, True) == \
-        qg.ROWS_ONE_LONG_K  # SwiGLU: a 16-row group's lo and hi rows
+    assert cfg("nvfp4", 4096, 12288, True) == qg.SPLIT_ONE  # SwiGLU: a 16-row group's lo and hi rows
     assert cfg("nvfp4", 4096, 4096 + 128) == qg._fit_k(qg.STREAM_NARROW, 4096 + 128)  # it does not tile K at all
     assert cfg("nvfp4", 2048, 4096) == qg.NARROWEST  # 35B out_proj
     assert cfg("nvfp4", 2048, 2048) == qg.STREAM_NARROW  # K short of NARROWEST's step
@@ -94,8 +93,10 @@ def test_dispatch_rule_keeps_cpu_narrow_and_folded_layers_off_the_gemv() -> None
     assert cfg("nvfp4", 4096, 1024) == qg.GemvConfig(8, 2, 4, stream=True, early=True)
     assert cfg("nvfp4", 4096, 512) == qg.GemvConfig(8, 1, 4, stream=True, early=True)
     assert cfg("nvfp4", 4096, 256) == qg.GemvConfig(8, 1, 2, stream=True, early=True)
-    # int4: an o projection and a q|k|v streamed, from GEMV_WIDE_ROWS outputs the rows kernel, the rest on the dot path
+    # int4: an o projection and a q|k|v streamed, from GEMV_WIDE_ROWS outputs the rows kernel, the 8B's down with K
+    # split (not the 27B's), the rest on the dot path
     assert cfg("int4", 4096, 4096) == qg.STREAM_NARROW and cfg("int4", 6144, 4096) == qg.STREAM_MID
+    assert cfg("int4", 4096, 12288) == qg.SPLIT_ONE
     assert cfg("int4", 24576, 4096, True) == cfg("int4", 24576, 4096) == cfg("int4", 34816, 5120, True) == \
         cfg("int4", 9216, 2048) == qg.ROWS_ONE
     assert cfg("int4", 5120, 6144) is None and cfg("int4", 5120, 17408) is None and cfg("int4", 2560, 9216) is None
