@@ -6,7 +6,7 @@ at once. Three read-only kernels read the same bytes, every weight rotated past 
     own are consumed, as the streamed kernels do);
   - `tiles`: the same programs, steps and loads, the bytes laid out so each program's step is one contiguous run of
     BN x P x STEP bytes (a layout the loader could write at load);
-  - `flat`: a grid-stride read of the whole buffer (bench/quant_ncu.py's read floor).
+  - `flat`: a grid-stride read of the whole buffer (bench/quant_ncu.py's read floor, the best of its launches).
 If `rows` reads far slower than `tiles`, the layout is a lever for the one-row GEMVs (measured at ~50% of copy
 against a ~90% floor for the gate|up's bytes, NOTES session 27); if not, the kernels' own work is.
 
@@ -73,17 +73,6 @@ if triton is not None:
         acc ^= ahead
         tl.store(OUT + pid, tl.xor_sum(tl.xor_sum(acc, 1), 0))
 
-    @triton.jit
-    def _flat_kernel(W, OUT, n_words, BLOCK: tl.constexpr, UNROLL: tl.constexpr):
-        """Grid-stride over n_words, UNROLL loads of BLOCK words in flight a step."""
-        pid = tl.program_id(0)
-        acc = tl.zeros([BLOCK], dtype=tl.int32)
-        for base in range(pid * BLOCK * UNROLL, n_words, tl.num_programs(0) * BLOCK * UNROLL):
-            for u in tl.static_range(UNROLL):
-                offs = base + u * BLOCK + tl.arange(0, BLOCK)
-                acc ^= tl.load(W + offs, mask=offs < n_words, other=0)
-        tl.store(OUT + pid, tl.xor_sum(acc, 0))
-
 
 def launch_fits(n: int, row_bytes: int, warps: int, spans: int, parts: int) -> bool:
     """Whether the launch tiles the layer as the rows kernel would: whole blocks of 16 warps / P rows, whole steps."""
@@ -114,24 +103,6 @@ def _xor_all(t: torch.Tensor) -> int:
     return int(np.bitwise_xor.reduce(t.flatten().cpu().numpy()))
 
 
-def flat_us(bufs, out, words: int) -> tuple[float, str]:
-    """The fastest of a few grid-stride launches (bench/quant_ncu.py's READ_SHAPES)."""
-    from quant_gemm import bench
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    best = (float("inf"), "")
-    for per_sm, warps, unroll in ((1, 4, 2), (2, 8, 2), (4, 8, 1), (2, 8, 4), (8, 4, 2)):
-        block = 32 * warps * 4
-        grid = min(per_sm * sms, triton.cdiv(words, block * unroll))
-        turn = itertools.cycle(bufs)
-
-        def fn(grid=grid, block=block, unroll=unroll, warps=warps, turn=turn):
-            _flat_kernel[(grid,)](next(turn), out, words, BLOCK=block, UNROLL=unroll, num_warps=warps)
-        us = bench(fn)
-        if us < best[0]:
-            best = (us, f"{grid} x {warps} warps, {unroll} loads")
-    return best
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="qkv,o,gate_up,down,27b_gate_up")
@@ -139,6 +110,7 @@ def main() -> None:
     args = ap.parse_args()
     from first_gpu import copy_bandwidth
     from quant_gemm import bench
+    from quant_ncu import read_floor_us
     bw = copy_bandwidth()
     launches = [tuple(int(v) for v in s.split("x")) for s in args.launches.split(",")]
     rows = []
@@ -150,7 +122,7 @@ def main() -> None:
                 for _ in range(max(1, -(-ROTATE_BYTES // nbytes)))]
         out = torch.empty(max(4096, n), dtype=torch.int32, device="cuda")
         whole = _xor_all(bufs[0])
-        flat, flat_cfg = flat_us(bufs, out, words)
+        flat, flat_cfg = read_floor_us(nbytes)
         row = dict(shape=name, n=n, row_bytes=row_bytes, bytes=nbytes, flat_us=flat, flat_launch=flat_cfg,
                    flat_pct=round(100 * nbytes / (flat * 1e-6) / bw, 1), launches=[])
         for warps, spans, parts in launches:
