@@ -47,30 +47,32 @@ if triton is not None:
     @triton.jit
     def _step_ptrs(W, pid, step, TILES: tl.constexpr, ROW_WORDS: tl.constexpr, PART_WORDS: tl.constexpr,
                    BN: tl.constexpr, P: tl.constexpr, STEP_WORDS: tl.constexpr, STEPS: tl.constexpr):
-        """The int32 words of one step of program pid: [BN P, STEP_WORDS], a lane's 4 words contiguous."""
+        """The int32 words of one step of block pid: [BN P, STEP_WORDS], a lane's 4 words contiguous."""
         t = tl.arange(0, BN * P)
         j = tl.arange(0, STEP_WORDS)
         if TILES:  # the step's BN x P runs one after another
-            base = (pid * STEPS + step).to(tl.int64) * (BN * P * STEP_WORDS)
+            base = (tl.cast(pid, tl.int64) * STEPS + step) * (BN * P * STEP_WORDS)
             return W + base + (t * STEP_WORDS)[:, None] + j[None, :]
-        row = (pid * BN + t // P).to(tl.int64)
+        row = tl.cast(pid, tl.int64) * BN + t // P
         part = t % P
         return W + (row * ROW_WORDS + part * PART_WORDS + step * STEP_WORDS)[:, None] + j[None, :]
 
     @triton.jit
-    def _pattern_kernel(W, OUT, TILES: tl.constexpr, ROW_WORDS: tl.constexpr, BN: tl.constexpr, P: tl.constexpr,
-                        STEP_WORDS: tl.constexpr):
-        """xor of every word program pid reads (one word stored, so no load is optimised away)."""
+    def _pattern_kernel(W, OUT, n_blocks, TILES: tl.constexpr, ROW_WORDS: tl.constexpr, BN: tl.constexpr,
+                        P: tl.constexpr, STEP_WORDS: tl.constexpr):
+        """xor of every word the program reads (one word stored, so no load is optimised away): the blocks pid,
+        pid + programs, ... (one each where there are as many programs as blocks, as in the rows kernel)."""
         pid = tl.program_id(0)
         PART_WORDS: tl.constexpr = ROW_WORDS // P
         STEPS: tl.constexpr = PART_WORDS // STEP_WORDS
         acc = tl.zeros([BN * P, STEP_WORDS], dtype=tl.int32)
-        ahead = tl.load(_step_ptrs(W, pid, 0, TILES, ROW_WORDS, PART_WORDS, BN, P, STEP_WORDS, STEPS))
-        for step in range(1, STEPS):
-            cur = ahead
-            ahead = tl.load(_step_ptrs(W, pid, step, TILES, ROW_WORDS, PART_WORDS, BN, P, STEP_WORDS, STEPS))
-            acc ^= cur
-        acc ^= ahead
+        for blk in range(pid, n_blocks, tl.num_programs(0)):
+            ahead = tl.load(_step_ptrs(W, blk, 0, TILES, ROW_WORDS, PART_WORDS, BN, P, STEP_WORDS, STEPS))
+            for step in range(1, STEPS):
+                cur = ahead
+                ahead = tl.load(_step_ptrs(W, blk, step, TILES, ROW_WORDS, PART_WORDS, BN, P, STEP_WORDS, STEPS))
+                acc ^= cur
+            acc ^= ahead
         tl.store(OUT + pid, tl.xor_sum(tl.xor_sum(acc, 1), 0))
 
 
@@ -80,22 +82,27 @@ def launch_fits(n: int, row_bytes: int, warps: int, spans: int, parts: int) -> b
     return n % bn == 0 and row_bytes % (parts * 64 * spans) == 0
 
 
-def pattern_fn(bufs, out, n: int, row_bytes: int, warps: int, spans: int, parts: int, tiles: bool):
-    """One launch a call over the next buffer of the rotation."""
+def pattern_fn(bufs, out, n: int, row_bytes: int, warps: int, spans: int, parts: int, tiles: bool,
+               programs: int = 0):
+    """One launch a call over the next buffer of the rotation: a program a block of rows, or (programs > 0) that
+    many programs looping over the blocks (the GEMVs' residency: their registers hold 3-5 programs an SM)."""
     bn = 16 * warps // parts
+    blocks = n // bn
+    grid = min(blocks, programs) if programs else blocks
     turn = itertools.cycle(bufs)
 
     def fn():
-        _pattern_kernel[(n // bn,)](next(turn), out, TILES=tiles, ROW_WORDS=row_bytes // 4, BN=bn, P=parts,
-                                    STEP_WORDS=16 * spans, num_warps=warps)
+        _pattern_kernel[(grid,)](next(turn), out, blocks, TILES=tiles, ROW_WORDS=row_bytes // 4, BN=bn, P=parts,
+                                 STEP_WORDS=16 * spans, num_warps=warps)
     return fn
 
 
-def pattern_xor(buf: torch.Tensor, n: int, row_bytes: int, warps: int, spans: int, parts: int, tiles: bool) -> int:
+def pattern_xor(buf: torch.Tensor, n: int, row_bytes: int, warps: int, spans: int, parts: int, tiles: bool,
+                programs: int = 0) -> int:
     """The xor of every word the pattern kernel read: equal to the buffer's whenever it read each word once."""
     bn = 16 * warps // parts
     out = torch.zeros(n // bn, dtype=torch.int32, device=buf.device)
-    pattern_fn([buf], out, n, row_bytes, warps, spans, parts, tiles)()
+    pattern_fn([buf], out, n, row_bytes, warps, spans, parts, tiles, programs)()
     return _xor_all(out)
 
 
@@ -107,12 +114,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="qkv,o,gate_up,down,27b_gate_up")
     ap.add_argument("--launches", default=LAUNCHES, help="warpsxspansxparts of the rows kernel, comma-separated")
+    ap.add_argument("--resident", default="0,3", help="programs an SM, comma-separated (0: a program a block)")
     args = ap.parse_args()
     from first_gpu import copy_bandwidth
     from quant_gemm import bench
     from quant_ncu import read_floor_us
     bw = copy_bandwidth()
     launches = [tuple(int(v) for v in s.split("x")) for s in args.launches.split(",")]
+    residents = [int(v) for v in args.resident.split(",")]
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows = []
     for name in args.shapes.split(","):
         n, row_bytes = SHAPES[name]
@@ -128,17 +138,19 @@ def main() -> None:
         for warps, spans, parts in launches:
             if not launch_fits(n, row_bytes, warps, spans, parts):
                 continue
-            entry = dict(warps=warps, spans=spans, parts=parts)
-            for tiles in (False, True):
-                key = "tiles" if tiles else "rows"
-                if pattern_xor(bufs[0], n, row_bytes, warps, spans, parts, tiles) != whole:
-                    raise SystemExit(f"{name} {warps}x{spans}x{parts} {key}: did not read every word once")
-                us = bench(pattern_fn(bufs, out, n, row_bytes, warps, spans, parts, tiles))
-                entry[f"{key}_us"] = us
-                entry[f"{key}_pct"] = round(100 * nbytes / (us * 1e-6) / bw, 1)
-            row["launches"].append(entry)
-            print(f"  {name} {warps}x{spans}x{parts}: rows {entry['rows_us']:.2f} us, tiles {entry['tiles_us']:.2f}",
-                  flush=True)
+            for resident in residents:
+                entry = dict(warps=warps, spans=spans, parts=parts, programs_an_sm=resident)
+                for tiles in (False, True):
+                    key = "tiles" if tiles else "rows"
+                    args_ = (n, row_bytes, warps, spans, parts, tiles, resident * sms)
+                    if pattern_xor(bufs[0], *args_) != whole:
+                        raise SystemExit(f"{name} {warps}x{spans}x{parts} {key}: did not read every word once")
+                    us = bench(pattern_fn(bufs, out, *args_))
+                    entry[f"{key}_us"] = us
+                    entry[f"{key}_pct"] = round(100 * nbytes / (us * 1e-6) / bw, 1)
+                row["launches"].append(entry)
+                print(f"  {name} {warps}x{spans}x{parts} ({resident or 'all'} an SM): rows {entry['rows_us']:.2f} us, "
+                      f"tiles {entry['tiles_us']:.2f}", flush=True)
         rows.append(row)
     out_dir = Path(os.environ.get("OUT") or Path(__file__).resolve().parent / "results")
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -146,9 +158,10 @@ def main() -> None:
                   copy_gbs=round(bw / 1e9, 1), rows=rows)
     (out_dir / "read_pattern.json").write_text(json.dumps(result, indent=1))
     print(f"{'shape':<12} {'MB':>6} {'flat us':>8} {'%copy':>6}  "
-          "launch (warps x spans x parts): rows us / % | tiles us / %")
+          "launch (warps x spans x parts / programs an SM): rows us / % | tiles us / %")
     for r in rows:
-        cells = "  ".join(f"{e['warps']}x{e['spans']}x{e['parts']}: {e['rows_us']:.1f} / {e['rows_pct']:.0f} | "
+        cells = "  ".join(f"{e['warps']}x{e['spans']}x{e['parts']}/{e['programs_an_sm'] or 'all'}: "
+                          f"{e['rows_us']:.1f} / {e['rows_pct']:.0f} | "
                           f"{e['tiles_us']:.1f} / {e['tiles_pct']:.0f}" for e in r["launches"])
         print(f"{r['shape']:<12} {r['bytes'] / 1e6:6.1f} {r['flat_us']:8.2f} {r['flat_pct']:6.1f}  {cells}")
 

@@ -21,10 +21,11 @@ for warps, spans, parts in ((4, 2, 2), (8, 2, 4), (4, 1, 1)):
     buf = torch.randint(-2**31, 2**31 - 1, (n * row_bytes // 4,), dtype=torch.int32,
                         generator=torch.Generator().manual_seed(warps + spans + parts))
     want = rp._xor_all(buf)
-    for tiles in (False, True):
-        assert rp.pattern_xor(buf, n, row_bytes, warps, spans, parts, tiles) == want, (warps, spans, parts, tiles)
+    for tiles, programs in ((False, 0), (True, 0), (False, 3), (True, 1)):  # a program a block, or looping
+        case = (n, row_bytes, warps, spans, parts, tiles, programs)
+        assert rp.pattern_xor(buf, *case) == want, case
         buf[5 + 64 * tiles] ^= 1 << 7  # one word changed: the kernel's xor moves with it
-        assert rp.pattern_xor(buf, n, row_bytes, warps, spans, parts, tiles) == want ^ (1 << 7)
+        assert rp.pattern_xor(buf, *case) == want ^ (1 << 7), case
         buf[5 + 64 * tiles] ^= 1 << 7
 print("ok")
 """
