@@ -29,13 +29,15 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import quant_gemv as qgv  # noqa: E402
+from quant_gemm import ROTATE_BYTES, bench  # noqa: E402
 
-# (name, weight rows, bytes a row): Qwen3-8B's NVFP4 layers (K / 2 bytes a row of 4-bit weights)
-SHAPES = {"qkv": (6144, 2048), "o": (4096, 2048), "gate_up": (24576, 2048), "down": (4096, 6144),
-          "27b_gate_up": (34816, 2560)}
-# (warps, spans a step, K parts) of the rows kernel: ROWS_ONE_WIDE, ROWS_ONE, SPLIT_ONE's unsplit shape, 16 warps
-LAUNCHES = "8x2x4,4x2x2,4x2x1,16x4x8"
-ROTATE_BYTES = 160 * 2**20  # > 3x the H100 / H200 L2, as bench/quant_gemm.py
+from blockspec.kernels import quant_gemv as qv  # noqa: E402
+
+SHAPES = {name: (n, k // 2) for name, n, k in qgv.SHAPES}  # the GEMV bench's layers: (rows, bytes a 4-bit row)
+# (warps, spans a step, K parts) of the rows kernel: its dispatched one-row launches and the 16-warp one (session 40)
+LAUNCHES = ",".join(f"{c.warps}x{c.spans}x{c.parts}" for c in (qv.ROWS_ONE_WIDE, qv.ROWS_ONE, qv.ROWS_ONE_WIDE_LONG_K)
+                    ) + ",16x4x8"
 
 try:  # the kernels run on a GPU, or on the CPU under TRITON_INTERPRET=1 (tests/bench/test_read_pattern.py)
     import triton
@@ -117,7 +119,6 @@ def main() -> None:
     ap.add_argument("--resident", default="0,3", help="programs an SM, comma-separated (0: a program a block)")
     args = ap.parse_args()
     from first_gpu import copy_bandwidth
-    from quant_gemm import bench
     from quant_ncu import read_floor_us
     bw = copy_bandwidth()
     launches = [tuple(int(v) for v in s.split("x")) for s in args.launches.split(",")]
