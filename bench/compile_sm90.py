@@ -248,15 +248,16 @@ def cases() -> list[tuple[str, tuple, dict]]:
             dict(div16=("X", "QW", "S", "Y"), num_warps=cfg.warps, num_stages=1, no_spill=cfg.groups <= 2,
                  ptx_has=pdl_ptx + ("mma.sync.aligned.m16n8k16",)
                  + (("atom.global.gpu.acq_rel.add",) if cfg.splits > 1 else ()))))
-    # one row on the rows kernel as dispatched: SPLIT_ONE (Qwen3-8B's down, Qwen3.6-27B's out_proj and down; the
-    # residual added), ROWS_ONE_WIDE* (the 8B's and the 27B's gate|up with SwiGLU) and ROWS_ONE (the 27B's and the
-    # 35B's in_proj and q|gate|k|v; int4's gate|up with SwiGLU); SPLIT_ONE for int4 too (the 8B's down)
-    for k, cfg, gated, int4 in ((12288, qv.SPLIT_ONE, False, False), (6144, qv.SPLIT_ONE, False, False),
+    # one row on the rows kernel as dispatched: ROWS_ONE_LONG_K (Qwen3-8B's down, NVFP4 and int4; the residual
+    # added), SPLIT_ONE (Qwen3.6-27B's out_proj and down; Llama-3-8B's down), ROWS_ONE_WIDE* (the 8B's and the 27B's
+    # gate|up with SwiGLU) and ROWS_ONE (the 27B's and the 35B's in_proj and q|gate|k|v; int4's gate|up with SwiGLU)
+    for k, cfg, gated, int4 in ((12288, qv.ROWS_ONE_LONG_K, False, False), (12288, qv.ROWS_ONE_LONG_K, False, True),
+                                (14336, qv.SPLIT_ONE, False, False), (6144, qv.SPLIT_ONE, False, False),
                                 (17408, qv._fit_split(qv.SPLIT_ONE, 17408), False, False),
                                 (4096, qv.ROWS_ONE_WIDE, True, False), (5120, qv.ROWS_ONE_WIDE_LONG_K, True, False),
                                 (5120, qv.ROWS_ONE, False, False), (2048, qv.ROWS_ONE, False, False),
                                 (4096, qv.ROWS_ONE, True, True), (5120, qv.ROWS_ONE, True, True),
-                                (12288, qv.SPLIT_ONE, False, True)):
+                                (14336, qv.SPLIT_ONE, False, True)):
         out.append((f"quant_gemv rows one row{' int4' if int4 else ''}{' gated' if gated else ''} K={k} {cfg}", (
             qv._rows_kernel, {**gemv_int4, "M": "i32"} if int4 else rows, dict(
                 K=k, HAS_GS=not int4, BN=cfg.block, SPANS=cfg.spans, P=cfg.parts, TWO=False,

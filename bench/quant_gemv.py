@@ -108,6 +108,12 @@ if torch.cuda.is_available():
         """--no-x: the pairs (1, 1) in place of x beside a span's bytes, no load (the results are wrong)."""
         return tl.full([BN, 64], 0x3F803F80, tl.int32)
 
+    @triton.jit
+    def _rows_x_free(x32, tok, tok_b, part, b0, KB: tl.constexpr, P: tl.constexpr, TWO: tl.constexpr):
+        """--no-x on the rows kernel: the pairs (1, 1) for both token blocks, no load (the results are wrong)."""
+        xa = (tok * 0).to(tl.int32)[:, None] + tl.full([1, 64], 0x3F803F80, tl.int32)
+        return xa, xa
+
 
 def _decode_shifts(src: str) -> str:
     """--decode shifts: the E2M1 decode of a load-time bit order in which each pair of codes is one shift and a
@@ -166,9 +172,9 @@ def main() -> None:
     ap.add_argument("--schemes", default="nvfp4,int4", help="nvfp4 and / or int4 (g128, asymmetric)")
     ap.add_argument("--rows", default="1", help="rows of x (comma-separated): 1 the GEMV, 2-16 the rows kernel")
     ap.add_argument("--gated", action="store_true", help="the gate|up shapes with SwiGLU too")
-    ap.add_argument("--no-x", action="store_true", help="with --stream: the streamed and parts kernels without "
-                    "their x loads (constant pairs, wrong results): how much of their time the x beside every weight "
-                    "byte costs (the L1 question of NOTES session 28)")
+    ap.add_argument("--no-x", action="store_true", help="the streamed, parts and rows kernels without their x "
+                    "loads (constant pairs, wrong results; the dispatched column too): how much of their time the x "
+                    "beside every weight byte costs (the L1 question of NOTES session 28)")
     ap.add_argument("--stream", action="store_true", help="+ the streamed launches (weights a step ahead, the "
                     "first step's before the PDL wait): quant_gemv._stream_kernel at one row, the rows kernel's "
                     "at 2-16; and one row on the rows kernel, plain and streamed")
@@ -186,6 +192,7 @@ def main() -> None:
         importlib.reload(quant_gemv)
     if args.no_x:  # before any kernel that reads it compiles
         quant_gemv._span_x = _x_free
+        quant_gemv._rows_x = _rows_x_free
     torch.manual_seed(0)
     bw = copy_bandwidth()
     rows = []

@@ -137,13 +137,15 @@ ROWS_ONE_WIDE_LONG_K = GemvConfig(warps=4, spans=2, parts=1, stream=True, early=
 # 27B q|gate|k|v 16.8 against 20.8, 35B in_proj / q|gate|k|v 7.3 / 6.9 against 8.7 / 7.9. Qwen3-8B's q|k|v 6144 x
 # 4096 keeps its GEMV / dot path (int4 10.4 here against 8.5).
 ROWS_ONE = GemvConfig(warps=4, spans=2, parts=2, stream=True, rows=True)
-# One int4 row of a down projection (K >= 2 N, K > STREAM_MID_MAX_K) of INT4_SPLIT_MIN_ROWS to NARROW_MAX_ROWS outputs:
-# SPLIT_ONE, as NVFP4. H200, bench/quant_gemv.py --stream --splits (quant_gemv_narrow_one_row_splits_h200_ac74e50.json),
-# us: Qwen3-8B down 4096 x 12288 int4 g128 13.0 against the dot path's 14.9 (the rows kernel on 16 warps, K in 8 parts,
-# streamed: 13.0 too, and NVFP4 12.9 against SPLIT_ONE's 13.9, but 128 registers with 136-176 spilled bytes under
-# Triton 3.9, 0-8 under 3.6: not dispatched; the engine A/B of session 40 ran it). Qwen3.6-27B's 5120 x 17408 down
-# keeps the dot path (26.5 against 25.4, session 37).
-INT4_SPLIT_MIN_ROWS = 4096
+# One row of a down projection (K >= 2 N, K > STREAM_MID_MAX_K) of DOWN_MIN_ROWS to NARROW_MAX_ROWS outputs, NVFP4 and
+# int4: the rows kernel, K in 8 parts over 8 warps, 4 spans a step, streamed, no K split (256 programs of 16 rows for
+# Qwen3-8B's 4096), where that tiles K; else SPLIT_ONE. H200, bench/quant_gemv.py --stream (quant_gemv_down_rows_one_
+# h200_6b02d0f.json), us: Qwen3-8B down 4096 x 12288 NVFP4 12.8 against SPLIT_ONE's 13.8, int4 g128 12.4 against
+# 12.9 (SPLIT_ONE took int4 off the dot path's 14.9 in session 40). The 16-warp launch (16, 4, 8) measured 12.6 /
+# 12.9 but spills 136-176 bytes a thread under Triton 3.9; this one spills under neither 3.6 nor 3.9. The 27B's
+# 5120 x 17408 down keeps SPLIT_ONE (NVFP4) / the dot path (int4: 25.9 against 27.6 streamed).
+ROWS_ONE_LONG_K = GemvConfig(warps=8, spans=4, parts=8, stream=True, rows=True)
+DOWN_MIN_ROWS = 4096
 
 
 MAX_ROWS = 16  # two blocks of 8 tokens: a k = 15 verify block
@@ -244,11 +246,11 @@ def launch_config(meta, m: int = 1, gated: bool = False) -> GemvConfig | None:
 
 
 def _int4_one_row(n: int, k: int, gated: bool) -> GemvConfig | None:
-    """One int4 row: from GEMV_WIDE_ROWS outputs the rows kernel (ROWS_ONE), the 8B's down on it too, K split
-    (SPLIT_ONE), an o projection and a q|k|v streamed (STREAM_NARROW, STREAM_MID); the rest (the narrowest layers,
+    """One int4 row: from GEMV_WIDE_ROWS outputs the rows kernel (ROWS_ONE), the 8B's down on it too
+    (`_down_one_row`), an o projection and a q|k|v streamed (STREAM_NARROW, STREAM_MID); the rest (the narrowest layers,
     other long-K layers) on the dot path."""
-    if INT4_SPLIT_MIN_ROWS <= n <= NARROW_MAX_ROWS and k >= 2 * n and k > STREAM_MID_MAX_K:  # a down projection
-        return _gated_fit(_fit_split(SPLIT_ONE, k), gated)
+    if _is_down(n, k):
+        return _gated_fit(_down_one_row(k), gated)
     if n >= GEMV_WIDE_ROWS:
         cfg = ROWS_ONE
     elif NARROWEST_ROWS < n <= NARROW_MAX_ROWS and k < 2 * n:  # an o projection
@@ -260,14 +262,27 @@ def _int4_one_row(n: int, k: int, gated: bool) -> GemvConfig | None:
     return _gated_fit(_fit_k(cfg, k), gated)
 
 
+def _is_down(n: int, k: int) -> bool:
+    """Whether an n x k layer is a down projection of ROWS_ONE_LONG_K's measured width (Qwen3-8B's 4096 x 12288)."""
+    return DOWN_MIN_ROWS <= n <= NARROW_MAX_ROWS and k >= 2 * n and k > STREAM_MID_MAX_K
+
+
+def _down_one_row(k: int) -> GemvConfig | None:
+    """One row of a down projection: ROWS_ONE_LONG_K where it tiles K as measured, else SPLIT_ONE (split where
+    that tiles K)."""
+    return ROWS_ONE_LONG_K if _tiles_k(ROWS_ONE_LONG_K, k) else _fit_split(SPLIT_ONE, k)
+
+
 def _nvfp4_one_row(n: int, k: int, gated: bool) -> GemvConfig | None:
     """One NVFP4 row: up to 2048 outputs 8 parts over 16 warps (NARROWEST: 32 warps spilled); from GEMV_WIDE_ROWS
-    outputs the rows kernel (`_one_row_wide`); between the two, K > STREAM_MID_MAX_K on the rows kernel with K split
-    (SPLIT_ONE), else the streamed kernel (STREAM_*)."""
+    outputs the rows kernel (`_one_row_wide`); between the two, a down projection as `_down_one_row` gives, other
+    K > STREAM_MID_MAX_K on the rows kernel with K split (SPLIT_ONE), else the streamed kernel (STREAM_*)."""
     if n <= NARROWEST_ROWS and _tiles_k(NARROWEST, k):
         return NARROWEST
     if n >= GEMV_WIDE_ROWS:
         return _one_row_wide(n, k, gated)
+    if _is_down(n, k) and (cfg := _gated_fit(_down_one_row(k), gated)) is not None:
+        return cfg
     if k > STREAM_MID_MAX_K and (cfg := _gated_fit(_fit_split(SPLIT_ONE, k), gated)) is not None:
         return cfg
     if n > NARROW_MAX_ROWS:

@@ -29,7 +29,7 @@ STREAMED = (qg.GemvConfig(2, 4, 1, stream=True), qg.GemvConfig(8, 2, 4, stream=T
             qg.GemvConfig(2, 4, 1, early=True),
             # one row on the rows kernel (weights as the mma's A operand), plain and streamed
             qg.GemvConfig(4, 2, 1, rows=True), qg.GemvConfig(8, 2, 4, stream=True, rows=True),
-            qg.ROWS_ONE_WIDE, qg.ROWS_ONE_WIDE_LONG_K, qg.ROWS_ONE, qg.SPLIT_ONE,
+            qg.ROWS_ONE_WIDE, qg.ROWS_ONE_WIDE_LONG_K, qg.ROWS_ONE, qg.SPLIT_ONE, qg.ROWS_ONE_LONG_K,
             qg.GemvConfig(16, 4, 8, stream=True, rows=True),
             qg.GemvConfig(4, 1, 2, groups=2, splits=4, rows=True))  # K split over programs too
 # the streamed 2-16-row kernel: one K part and several, a whole short part in one step, early and late
@@ -83,9 +83,12 @@ def test_dispatch_rule_keeps_cpu_narrow_and_folded_layers_off_the_gemv() -> None
     assert cfg("nvfp4", 34816, 5120, True) == qg.ROWS_ONE_WIDE_LONG_K and cfg("nvfp4", 34816, 5120) == qg.ROWS_ONE
     # K > 4096 between NARROWEST_ROWS and GEMV_WIDE_ROWS outputs: the rows kernel, K split over two programs where
     # that tiles K (Qwen3-8B down, Qwen3.6-27B out_proj), else unsplit (27B down: 136 spans)
-    assert cfg("nvfp4", 4096, 12288) == cfg("nvfp4", 5120, 6144) == cfg("nvfp4", 3072, 8192) == qg.SPLIT_ONE
+    assert cfg("nvfp4", 5120, 6144) == cfg("nvfp4", 3072, 8192) == qg.SPLIT_ONE
     assert cfg("nvfp4", 5120, 17408) == cfg("nvfp4", 2560, 9216) == replace(qg.SPLIT_ONE, splits=1)
-    assert cfg("nvfp4", 4096, 12288, True) == qg.SPLIT_ONE  # SwiGLU: a 16-row group's lo and hi rows
+    # a down projection of 4096-4224 outputs (Qwen3-8B): K in 8 parts, unsplit, where its 4-span steps tile K, else
+    # SPLIT_ONE (Llama-3-8B's K = 14336)
+    assert cfg("nvfp4", 4096, 12288) == cfg("nvfp4", 4096, 12288, True) == qg.ROWS_ONE_LONG_K
+    assert cfg("nvfp4", 4096, 14336) == qg.SPLIT_ONE
     assert cfg("nvfp4", 4096, 4096 + 128) == qg._fit_k(qg.STREAM_NARROW, 4096 + 128)  # it does not tile K at all
     assert cfg("nvfp4", 2048, 4096) == qg.NARROWEST  # 35B out_proj
     assert cfg("nvfp4", 2048, 2048) == qg.STREAM_NARROW  # K short of NARROWEST's step
@@ -93,10 +96,10 @@ def test_dispatch_rule_keeps_cpu_narrow_and_folded_layers_off_the_gemv() -> None
     assert cfg("nvfp4", 4096, 1024) == qg.GemvConfig(8, 2, 4, stream=True, early=True)
     assert cfg("nvfp4", 4096, 512) == qg.GemvConfig(8, 1, 4, stream=True, early=True)
     assert cfg("nvfp4", 4096, 256) == qg.GemvConfig(8, 1, 2, stream=True, early=True)
-    # int4: an o projection and a q|k|v streamed, from GEMV_WIDE_ROWS outputs the rows kernel, the 8B's down with K
-    # split (not the 27B's), the rest on the dot path
+    # int4: an o projection and a q|k|v streamed, from GEMV_WIDE_ROWS outputs the rows kernel, the 8B's down as
+    # NVFP4's (not the 27B's), the rest on the dot path
     assert cfg("int4", 4096, 4096) == qg.STREAM_NARROW and cfg("int4", 6144, 4096) == qg.STREAM_MID
-    assert cfg("int4", 4096, 12288) == qg.SPLIT_ONE
+    assert cfg("int4", 4096, 12288) == qg.ROWS_ONE_LONG_K and cfg("int4", 4096, 14336) == qg.SPLIT_ONE
     assert cfg("int4", 24576, 4096, True) == cfg("int4", 24576, 4096) == cfg("int4", 34816, 5120, True) == \
         cfg("int4", 9216, 2048) == qg.ROWS_ONE
     assert cfg("int4", 5120, 6144) is None and cfg("int4", 5120, 17408) is None and cfg("int4", 2560, 9216) is None
