@@ -41,5 +41,5 @@ def test_the_table_for_one_shape():
                           cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     row = proc.stdout.strip().splitlines()[-1].split()
-    assert row[:5] == ["nvfp4", "down", "4096", "12288", "1"] and "K/2" in row
-    assert int(row[-3]) == 256  # programs
+    assert row[:5] == ["nvfp4", "down", "4096", "12288", "1"] and "rows" in row and "K/2" not in row
+    assert int(row[-3]) == 256  # programs (ROWS_ONE_LONG_K: 16 rows each)

@@ -281,7 +281,7 @@ def test_one_row_split_runs_unsplit_when_captured_before_the_counters(monkeypatc
     import blockspec.kernels.arrivals as arrivals
 
     monkeypatch.setattr(arrivals, "_counters", {})
-    n, k = 4096, 12288  # Qwen3-8B's down
+    n, k = 5120, 6144  # Qwen3.6-27B's out_proj
     layer = make_layer("nvfp4", n, k, torch.bfloat16, seed=11).to("cuda")
     meta = ql.quant_meta(layer)
     x = torch.randn(1, k, dtype=torch.bfloat16, device="cuda")
