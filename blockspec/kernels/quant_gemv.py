@@ -19,8 +19,8 @@ g % P == n % P, and the P parts of a row are summed after the loop.
 weight row g and 4 of row g + 8 of a 16-row group), the tokens the B operand (the x pairs of token g, and of
 g + 8 for a second block of 8 tokens, beside those bytes), so each x register serves two weight rows and every
 C register is one (row, token) sum. K is split over the program's warps and summed once at the end. One row of a
-wide (ROWS_ONE_WIDE) or a narrow long-K layer (SPLIT_ONE) runs on it too: it loads 2 bytes of x a weight byte
-against the GEMV's 4, and measured faster there (bench/quant_gemv.py --stream / --splits).
+wide layer (ROWS_ONE_WIDE, ROWS_ONE) or a narrow long-K one (ROWS_ONE_LONG_K, SPLIT_ONE) runs on it too: it loads 2
+bytes of x a weight byte against the GEMV's 4, and measured faster there (bench/quant_gemv.py --stream / --splits).
 
 MoE experts take the same forms: one token the GEMV over each routed expert's weights (`_moe_kernel`), 2 to 64
 the rows kernel over moe_grouped's work items (`_moe_rows_kernel`: an expert and its tokens gathered through the
