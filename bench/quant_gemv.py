@@ -114,6 +114,17 @@ if torch.cuda.is_available():
         xa = (tok * 0).to(tl.int32)[:, None] + tl.full([1, 64], 0x3F803F80, tl.int32)
         return xa, xa
 
+    _ROWS_X = quant_gemv._rows_x  # the kernel's own x loads, for --x-one-token
+
+    @triton.jit
+    def _rows_x_one_token(x32, tok, tok_b, part, b0, KB: tl.constexpr, P: tl.constexpr, TWO: tl.constexpr):
+        """--x-one-token on the rows kernel: every row's x loaded as the kernel loads it, but the first block's
+        tokens all from token 0 and the second's (9-16 rows) from token 1 (the zero is b0 >> 30, which the compiler
+        cannot fold in the loop: the same loads, while the bytes they ask of the L2 shrink to two tokens'; the
+        address arithmetic is simpler, 0-30 registers fewer under Triton 3.6). The results are wrong."""
+        zero = b0 >> 30
+        return _ROWS_X(x32, tok * zero, tok_b * zero + 1, part, b0, KB, P, TWO)
+
 
 def _decode_shifts(src: str) -> str:
     """--decode shifts: the E2M1 decode of a load-time bit order in which each pair of codes is one shift and a
@@ -172,6 +183,10 @@ def main() -> None:
     ap.add_argument("--schemes", default="nvfp4,int4", help="nvfp4 and / or int4 (g128, asymmetric)")
     ap.add_argument("--rows", default="1", help="rows of x (comma-separated): 1 the GEMV, 2-16 the rows kernel")
     ap.add_argument("--gated", action="store_true", help="the gate|up shapes with SwiGLU too")
+    ap.add_argument("--x-one-token", action="store_true", help="the rows kernel loading x as it does, but every "
+                    "token's from token 0's row (wrong results; the dispatched column too): whether x costs at 9-16 "
+                    "rows by its bytes from L2 (then this is as fast as --no-x) or by its loads and registers (then as "
+                    "slow as the kernel)")
     ap.add_argument("--no-x", action="store_true", help="the streamed, parts and rows kernels without their x "
                     "loads (constant pairs, wrong results; the dispatched column too): how much of their time the x "
                     "beside every weight byte costs (the L1 question of NOTES session 28)")
@@ -193,6 +208,8 @@ def main() -> None:
     if args.no_x:  # before any kernel that reads it compiles
         quant_gemv._span_x = _x_free
         quant_gemv._rows_x = _rows_x_free
+    elif args.x_one_token:
+        quant_gemv._rows_x = _rows_x_one_token
     torch.manual_seed(0)
     bw = copy_bandwidth()
     rows = []
@@ -229,7 +246,8 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "quant_gemv.json").write_text(json.dumps(dict(
         device=torch.cuda.get_device_name(), commit=os.environ.get("COMMIT", "?"), copy_gbs=bw / 1e9,
-        dtype="bfloat16", decode=args.decode, schemes=args.schemes, int4=qgm.SCHEME_VARIANTS["int4"], rows=rows),
+        dtype="bfloat16", decode=args.decode, x="none" if args.no_x else "one token" if args.x_one_token else "loaded",
+        schemes=args.schemes, int4=qgm.SCHEME_VARIANTS["int4"], rows=rows),
         indent=1))
     print(f"{'scheme':6} {'shape':12} {'N':>6} {'K':>6} {'M':>3} {'swiglu':>6} {'dot us':>7} {'%copy':>6} "
           f"{'mma us':>8} {'%copy':>6} {'err':>7}  taken")
