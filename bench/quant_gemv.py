@@ -183,11 +183,12 @@ def main() -> None:
     ap.add_argument("--schemes", default="nvfp4,int4", help="nvfp4 and / or int4 (g128, asymmetric)")
     ap.add_argument("--rows", default="1", help="rows of x (comma-separated): 1 the GEMV, 2-16 the rows kernel")
     ap.add_argument("--gated", action="store_true", help="the gate|up shapes with SwiGLU too")
-    ap.add_argument("--x-one-token", action="store_true", help="the rows kernel loading x as it does, but every "
+    x_mode = ap.add_mutually_exclusive_group()  # both replace the rows kernel's x loads
+    x_mode.add_argument("--x-one-token", action="store_true", help="the rows kernel loading x as it does, but every "
                     "token's from token 0's row (wrong results; the dispatched column too): whether x costs at 9-16 "
                     "rows by its bytes from L2 (then this is as fast as --no-x) or by its loads and registers (then as "
                     "slow as the kernel)")
-    ap.add_argument("--no-x", action="store_true", help="the streamed, parts and rows kernels without their x "
+    x_mode.add_argument("--no-x", action="store_true", help="the streamed, parts and rows kernels without their x "
                     "loads (constant pairs, wrong results; the dispatched column too): how much of their time the x "
                     "beside every weight byte costs (the L1 question of NOTES session 28)")
     ap.add_argument("--stream", action="store_true", help="+ the streamed launches (weights a step ahead, the "

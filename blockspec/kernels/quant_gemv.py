@@ -246,11 +246,11 @@ def launch_config(meta, m: int = 1, gated: bool = False) -> GemvConfig | None:
 
 
 def _int4_one_row(n: int, k: int, gated: bool) -> GemvConfig | None:
-    """One int4 row: from GEMV_WIDE_ROWS outputs the rows kernel (ROWS_ONE), the 8B's down on it too
-    (`_down_one_row`), an o projection and a q|k|v streamed (STREAM_NARROW, STREAM_MID); the rest (the narrowest layers,
-    other long-K layers) on the dot path."""
+    """One int4 row: from GEMV_WIDE_ROWS outputs the rows kernel (ROWS_ONE), a down projection of 4096-4224 outputs
+    on it too (`_long_k_one_row`), an o projection and a q|k|v streamed (STREAM_NARROW, STREAM_MID); the rest (the
+    narrowest layers, other long-K layers) on the dot path."""
     if _is_down(n, k):
-        return _gated_fit(_down_one_row(k), gated)
+        return _gated_fit(_long_k_one_row(n, k), gated)
     if n >= GEMV_WIDE_ROWS:
         cfg = ROWS_ONE
     elif NARROWEST_ROWS < n <= NARROW_MAX_ROWS and k < 2 * n:  # an o projection
@@ -267,23 +267,21 @@ def _is_down(n: int, k: int) -> bool:
     return DOWN_MIN_ROWS <= n <= NARROW_MAX_ROWS and k >= 2 * n and k > STREAM_MID_MAX_K
 
 
-def _down_one_row(k: int) -> GemvConfig | None:
-    """One row of a down projection: ROWS_ONE_LONG_K where it tiles K as measured, else SPLIT_ONE (split where
-    that tiles K)."""
-    return ROWS_ONE_LONG_K if _tiles_k(ROWS_ONE_LONG_K, k) else _fit_split(SPLIT_ONE, k)
+def _long_k_one_row(n: int, k: int) -> GemvConfig | None:
+    """One row of a layer with K > STREAM_MID_MAX_K on the rows kernel: ROWS_ONE_LONG_K for a down projection it
+    tiles as measured, else SPLIT_ONE (split where that tiles K)."""
+    return ROWS_ONE_LONG_K if _is_down(n, k) and _tiles_k(ROWS_ONE_LONG_K, k) else _fit_split(SPLIT_ONE, k)
 
 
 def _nvfp4_one_row(n: int, k: int, gated: bool) -> GemvConfig | None:
     """One NVFP4 row: up to 2048 outputs 8 parts over 16 warps (NARROWEST: 32 warps spilled); from GEMV_WIDE_ROWS
-    outputs the rows kernel (`_one_row_wide`); between the two, a down projection as `_down_one_row` gives, other
-    K > STREAM_MID_MAX_K on the rows kernel with K split (SPLIT_ONE), else the streamed kernel (STREAM_*)."""
+    outputs the rows kernel (`_one_row_wide`); between the two, K > STREAM_MID_MAX_K on the rows kernel
+    (`_long_k_one_row`), else the streamed kernel (STREAM_*)."""
     if n <= NARROWEST_ROWS and _tiles_k(NARROWEST, k):
         return NARROWEST
     if n >= GEMV_WIDE_ROWS:
         return _one_row_wide(n, k, gated)
-    if _is_down(n, k) and (cfg := _gated_fit(_down_one_row(k), gated)) is not None:
-        return cfg
-    if k > STREAM_MID_MAX_K and (cfg := _gated_fit(_fit_split(SPLIT_ONE, k), gated)) is not None:
+    if k > STREAM_MID_MAX_K and (cfg := _gated_fit(_long_k_one_row(n, k), gated)) is not None:
         return cfg
     if n > NARROW_MAX_ROWS:
         return _gated_fit(_fit_k(STREAM_MID, k), gated) if k <= STREAM_MID_MAX_K else None

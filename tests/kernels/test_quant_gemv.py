@@ -82,7 +82,7 @@ def test_dispatch_rule_keeps_cpu_narrow_and_folded_layers_off_the_gemv() -> None
     assert cfg("nvfp4", 24576, 4096, True) == cfg("nvfp4", 24576, 4096) == qg.ROWS_ONE_WIDE
     assert cfg("nvfp4", 34816, 5120, True) == qg.ROWS_ONE_WIDE_LONG_K and cfg("nvfp4", 34816, 5120) == qg.ROWS_ONE
     # K > 4096 between NARROWEST_ROWS and GEMV_WIDE_ROWS outputs: the rows kernel, K split over two programs where
-    # that tiles K (Qwen3-8B down, Qwen3.6-27B out_proj), else unsplit (27B down: 136 spans)
+    # that tiles K (Qwen3.6-27B out_proj), else unsplit (27B down: 136 spans)
     assert cfg("nvfp4", 5120, 6144) == cfg("nvfp4", 3072, 8192) == qg.SPLIT_ONE
     assert cfg("nvfp4", 5120, 17408) == cfg("nvfp4", 2560, 9216) == replace(qg.SPLIT_ONE, splits=1)
     # a down projection of 4096-4224 outputs (Qwen3-8B): K in 8 parts, unsplit, where its 4-span steps tile K, else
