@@ -126,6 +126,25 @@ if torch.cuda.is_available():
         return _ROWS_X(x32, tok * zero, tok_b * zero + 1, part, b0, KB, P, TWO)
 
 
+    @triton.jit
+    def _rows_x_line(x32, tok, tok_b, part, b0, KB: tl.constexpr, P: tl.constexpr, TWO: tl.constexpr):
+        """--x-line on the rows kernel: each token's x loaded as 16-byte loads in which its 4 lanes read 64 bytes of
+        one 128-byte line (lane t's 16 pairs: 8 t' .. 8 t' + 7 and 32 + 8 t' .. of the span, t' = 3 t % 4), not
+        lane t's 64 contiguous bytes, whose four loads each touch two lines a token. The same loads, registers and
+        L2 bytes; the weights stay in their order, so the results are wrong: whether the L1 lines an x load
+        touches are what x costs at 9-16 rows (NOTES session 42)."""
+        KP: tl.constexpr = KB // P
+        c = tl.arange(0, 64)
+        c = 8 * ((3 * (c // 16)) % 4) + c % 8 + 32 * ((c // 8) % 2)
+        col = (part * KP + b0)[:, None] + c[None, :]
+        xa = tl.load(x32 + tok[:, None] * KB + col)
+        if TWO:
+            xb = tl.load(x32 + tok_b[:, None] * KB + col)
+        else:
+            xb = xa
+        return xa, xb
+
+
 def _decode_shifts(src: str) -> str:
     """--decode shifts: the E2M1 decode of a load-time bit order in which each pair of codes is one shift and a
     mask away (4 pairs: a mask, two shift + mask, three shifts + three masks), run on today's order: the right
@@ -183,11 +202,14 @@ def main() -> None:
     ap.add_argument("--schemes", default="nvfp4,int4", help="nvfp4 and / or int4 (g128, asymmetric)")
     ap.add_argument("--rows", default="1", help="rows of x (comma-separated): 1 the GEMV, 2-16 the rows kernel")
     ap.add_argument("--gated", action="store_true", help="the gate|up shapes with SwiGLU too")
-    x_mode = ap.add_mutually_exclusive_group()  # both replace the rows kernel's x loads
+    x_mode = ap.add_mutually_exclusive_group()  # each replaces the rows kernel's x loads
     x_mode.add_argument("--x-one-token", action="store_true", help="the rows kernel loading x as it does, but every "
                     "token's from token 0's row (wrong results; the dispatched column too): whether x costs at 9-16 "
                     "rows by its bytes from L2 (then this is as fast as --no-x) or by its loads and registers (then as "
                     "slow as the kernel)")
+    x_mode.add_argument("--x-line", action="store_true", help="the rows kernel loading each token's x 64 bytes "
+                        "of one 128-byte line a load, not two lines (the same loads and L2 bytes, in another order: "
+                        "wrong results, the dispatched column too): whether the L1 lines x touches are its cost")
     x_mode.add_argument("--no-x", action="store_true", help="the streamed, parts and rows kernels without their x "
                     "loads (constant pairs, wrong results; the dispatched column too): how much of their time the x "
                     "beside every weight byte costs (the L1 question of NOTES session 28)")
@@ -211,6 +233,8 @@ def main() -> None:
         quant_gemv._rows_x = _rows_x_free
     elif args.x_one_token:
         quant_gemv._rows_x = _rows_x_one_token
+    elif args.x_line:
+        quant_gemv._rows_x = _rows_x_line
     torch.manual_seed(0)
     bw = copy_bandwidth()
     rows = []
@@ -247,7 +271,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "quant_gemv.json").write_text(json.dumps(dict(
         device=torch.cuda.get_device_name(), commit=os.environ.get("COMMIT", "?"), copy_gbs=bw / 1e9,
-        dtype="bfloat16", decode=args.decode, x="none" if args.no_x else "one token" if args.x_one_token else "loaded",
+        dtype="bfloat16", decode=args.decode, x=x_loads(args),
         schemes=args.schemes, int4=qgm.SCHEME_VARIANTS["int4"], rows=rows),
         indent=1))
     print(f"{'scheme':6} {'shape':12} {'N':>6} {'K':>6} {'M':>3} {'swiglu':>6} {'dot us':>7} {'%copy':>6} "
@@ -258,6 +282,11 @@ def main() -> None:
               f"{'mma' if r['dispatched'] else 'dot'}"
               + "".join(swept(key, r[key], r["bytes"], bw) for key in ("best", "stream", "groups", "splits")
                         if r.get(key)))
+
+
+def x_loads(args) -> str:
+    """How the kernels' x loads ran (the JSON's "x")."""
+    return "none" if args.no_x else "one token" if args.x_one_token else "one line" if args.x_line else "loaded"
 
 
 def swept(key: str, c: dict, nbytes: int, bw: float) -> str:
