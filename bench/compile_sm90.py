@@ -129,7 +129,9 @@ def cases() -> list[tuple[str, tuple, dict]]:
             PDL=True, **tile)),
             dict(div16=("X", "QW", "S", "Y"), ptx_has=pdl_ptx)))
     # the decoder's folds on Qwen3-8B's int4 g128 / NVFP4 shapes (qkv: norm; gate_up: norm + SwiGLU), as quant_linear
-    # launches them: the dot path at 1 and 16 rows, NVFP4's one-row reduction path, 64-row tiles (SwiGLU only)
+    # launches them: the dot path at 1 and 16 rows, NVFP4's one-row reduction path, 64-row tiles (SwiGLU only);
+    # NVFP4 in the lane order its GPU layers load in, bar the norm folds (no model folds a norm into a quantized
+    # projection, models/layers/linear.folded_linear; lane order adds 8 spilled bytes to the 16-row qkv fold)
     folds = [(m, "qkv", 6144, True, False) for m in (1, 16)] + [(m, "gate_up", 24576, True, True) for m in (1, 16)]
     for scheme, (m, label, n, norm, gated) in itertools.product(("int4", "nvfp4"),
                                                                 folds + [(64, "gate_up", 24576, False, True)]):
@@ -142,7 +144,8 @@ def cases() -> list[tuple[str, tuple, dict]]:
                 SCHEME=scheme, K=4096, G=group, NG=4096 // group, SCALE_ROW_DIV=1, HAS_ZERO=meta.has_zero,
                 PER_ROW=False, HAS_GS=meta.has_gs, GS_FACTOR=1.0, HAS_BIAS=False, HAS_NORM=norm, GATED=gated,
                 HAS_RES=False, USE_DOT=cfg.use_dot, FAST=True, DOT_PRECISION="tf32", BLOCK_M=cfg.block_m,
-                BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=cfg.split, PDL=True)),
+                BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=cfg.split, PDL=True,
+                LANE=scheme == "nvfp4" and not norm)),
             dict(div16=("X", "QW", "S", "Y", "NW"), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                  no_spill=True, ptx_has=pdl_ptx)))
     # --deterministic: the quantized GEMM's one config a layer (the 16-row dot tile), compiled unspecialised on M
@@ -177,7 +180,7 @@ def cases() -> list[tuple[str, tuple, dict]]:
                                 (12288, True, qv.NARROW, True), (4096, True, qv.NARROWEST, True)):
         kern, extra = (qv._wide_kernel, {}) if cfg.parts == 1 else (qv._parts_kernel, dict(P=cfg.parts))
         out.append((f"quant_gemv nvfp4 K={k} HAS_GS={has_gs} HAS_RES={res} {cfg}", (kern, gemv, dict(
-            K=k, HAS_GS=has_gs, BN=cfg.block, SPANS=cfg.spans, HAS_RES=res, PDL=True, **extra)),
+            K=k, HAS_GS=has_gs, BN=cfg.block, SPANS=cfg.spans, HAS_RES=res, PDL=True, LANE=True, **extra)),
             dict(div16=("X", "QW", "S", "Y"), num_warps=cfg.warps, num_stages=1, no_spill=True,
                  ptx_has=pdl_ptx + ("mma.sync.aligned.m16n8k16",))))
     gemv_int4 = {**gemv, "S": "*i32"}  # int4: the scale|zero words
@@ -192,7 +195,8 @@ def cases() -> list[tuple[str, tuple, dict]]:
             (qv._parts_kernel, dict(P=cfg.parts))
         out.append((f"quant_gemv int4={int4} G={group} GATED={gated} K={k} {cfg}", (
             kern, gemv_int4 if int4 else gemv, dict(K=k, HAS_GS=not int4, BN=cfg.block, SPANS=cfg.spans, PDL=True,
-                                                    INT4=int4, G2=group // 2, GATED=gated, **extra)),
+                                                    INT4=int4, G2=group // 2, GATED=gated, LANE=not int4,
+                                                    **extra)),
             dict(div16=("X", "QW", "S", "Y"), num_warps=cfg.warps, num_stages=1, no_spill=True,
                  ptx_has=pdl_ptx + ("mma.sync.aligned.m16n8k16",))))
     # the streamed one-row kernel (weights a step ahead, the first step before the PDL wait)
@@ -203,7 +207,7 @@ def cases() -> list[tuple[str, tuple, dict]]:
         out.append((f"quant_gemv stream int4={int4} GATED={gated} HAS_RES={res} K={k} {cfg}", (
             qv._stream_kernel, gemv_int4 if int4 else gemv, dict(
                 K=k, HAS_GS=not int4, BN=cfg.block, SPANS=cfg.spans, P=cfg.parts, HAS_RES=res, PDL=True, INT4=int4,
-                G2=64 if int4 else 8, GATED=gated, EARLY=cfg.early)),
+                G2=64 if int4 else 8, GATED=gated, EARLY=cfg.early, LANE=not int4)),
             dict(div16=("X", "QW", "S", "Y"), num_warps=cfg.warps, num_stages=1, no_spill=True,
                  ptx_has=pdl_ptx + ("mma.sync.aligned.m16n8k16",))))
     rows = {**gemv, "M": "i32"}
@@ -214,7 +218,7 @@ def cases() -> list[tuple[str, tuple, dict]]:
         out.append((f"quant_gemv rows stream int4={int4} GATED={gated} HAS_RES={res} K={k} TWO={two} {cfg}", (
             qv._rows_kernel, {**(gemv_int4 if int4 else gemv), "M": "i32"}, dict(
                 K=k, HAS_GS=not int4, BN=cfg.block, SPANS=cfg.spans, P=cfg.parts, TWO=two, HAS_RES=res, PDL=True,
-                INT4=int4, G2=64 if int4 else 8, GATED=gated, STREAM=True, EARLY=cfg.early)),
+                INT4=int4, G2=64 if int4 else 8, GATED=gated, STREAM=True, EARLY=cfg.early, LANE=not int4)),
             dict(div16=("X", "QW", "S", "Y"), num_warps=cfg.warps, num_stages=1, no_spill=True,
                  ptx_has=pdl_ptx + ("mma.sync.aligned.m16n8k16",))))
     # R blocks a program sharing each span's x loads (GemvConfig.groups; swept by bench/quant_gemv.py --groups), and K
@@ -244,7 +248,7 @@ def cases() -> list[tuple[str, tuple, dict]]:
             qv._rows_kernel, {**(gemv_int4 if int4 else gemv), "M": "i32"}, dict(
                 K=k, HAS_GS=not int4, BN=cfg.block, SPANS=cfg.spans, P=cfg.parts, TWO=True, HAS_RES=res, PDL=True,
                 INT4=int4, G2=64 if int4 else 8, GATED=gated, STREAM=cfg.stream, EARLY=cfg.early, R=cfg.groups,
-                SPLITS=cfg.splits)),
+                SPLITS=cfg.splits, LANE=not int4)),
             dict(div16=("X", "QW", "S", "Y"), num_warps=cfg.warps, num_stages=1, no_spill=cfg.groups <= 2,
                  ptx_has=pdl_ptx + ("mma.sync.aligned.m16n8k16",)
                  + (("atom.global.gpu.acq_rel.add",) if cfg.splits > 1 else ()))))
@@ -262,7 +266,7 @@ def cases() -> list[tuple[str, tuple, dict]]:
             qv._rows_kernel, {**gemv_int4, "M": "i32"} if int4 else rows, dict(
                 K=k, HAS_GS=not int4, BN=cfg.block, SPANS=cfg.spans, P=cfg.parts, TWO=False,
                 HAS_RES=not gated, PDL=True, INT4=int4, G2=64 if int4 else 8, GATED=gated,
-                STREAM=cfg.stream, EARLY=cfg.early, R=cfg.groups, SPLITS=cfg.splits)),
+                STREAM=cfg.stream, EARLY=cfg.early, R=cfg.groups, SPLITS=cfg.splits, LANE=not int4)),
             dict(div16=("X", "QW", "S", "Y"), num_warps=cfg.warps, num_stages=1, no_spill=True,
                  ptx_has=pdl_ptx + ("mma.sync.aligned.m16n8k16",)
                  + (("atom.global.gpu.acq_rel.add",) if cfg.splits > 1 else ()))))
@@ -272,7 +276,7 @@ def cases() -> list[tuple[str, tuple, dict]]:
                              *tuned):
         out.append((f"quant_gemv rows K={k} TWO={two} HAS_RES={res} {cfg}", (qv._rows_kernel, rows, dict(
             K=k, HAS_GS=True, BN=cfg.block, SPANS=cfg.spans, P=cfg.parts, TWO=two, HAS_RES=res, PDL=True,
-            R=cfg.groups)),
+            R=cfg.groups, LANE=True)),
             dict(div16=("X", "QW", "S", "Y"), num_warps=cfg.warps, num_stages=1, no_spill=True,
                  ptx_has=pdl_ptx + ("mma.sync.aligned.m16n8k16",))))
     for int4, group, gated, k, two, cfg in ((True, 128, False, 12288, True, qv.ROWS_LONG_K),
@@ -282,7 +286,7 @@ def cases() -> list[tuple[str, tuple, dict]]:
         out.append((f"quant_gemv rows int4={int4} G={group} GATED={gated} K={k} TWO={two} {cfg}", (
             qv._rows_kernel, {**(gemv_int4 if int4 else gemv), "M": "i32"}, dict(
                 K=k, HAS_GS=not int4, BN=cfg.block, SPANS=cfg.spans, P=cfg.parts, TWO=two, PDL=True, INT4=int4,
-                G2=group // 2, GATED=gated)),
+                G2=group // 2, GATED=gated, LANE=not int4)),
             dict(div16=("X", "QW", "S", "Y"), num_warps=cfg.warps, num_stages=1, no_spill=True,
                  ptx_has=pdl_ptx + ("mma.sync.aligned.m16n8k16",))))
     moe = {"X": "*bf16", "IDS": "*i64", "QW": "*u8", "S": "*u8", "GS": "*fp32", "SQW_OFF16": "i64", "SS_OFF16": "i64",

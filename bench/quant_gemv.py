@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import quant_gemm as qgm  # noqa: E402
 from first_gpu import copy_bandwidth  # noqa: E402
 
-from blockspec.kernels import quant_gemv, quant_tiles  # noqa: E402
+from blockspec.kernels import lane_order, quant_gemv, quant_tiles  # noqa: E402
 from blockspec.kernels import quant_linear as ql  # noqa: E402
 from blockspec.kernels.activation import silu_mul  # noqa: E402
 
@@ -213,6 +213,8 @@ def main() -> None:
     x_mode.add_argument("--no-x", action="store_true", help="the streamed, parts and rows kernels without their x "
                     "loads (constant pairs, wrong results; the dispatched column too): how much of their time the x "
                     "beside every weight byte costs (the L1 question of NOTES session 28)")
+    ap.add_argument("--natural-order", action="store_true", help="NVFP4 layers in their checkpoint order, not the "
+                    "lane order the loader puts a GPU model's dense NVFP4 layers in (kernels/lane_order.py)")
     ap.add_argument("--stream", action="store_true", help="+ the streamed launches (weights a step ahead, the "
                     "first step's before the PDL wait): quant_gemv._stream_kernel at one row, the rows kernel's "
                     "at 2-16; and one row on the rows kernel, plain and streamed")
@@ -241,6 +243,10 @@ def main() -> None:
     for scheme in args.schemes.split(","):
         for name, n, k in [s for s in SHAPES if s[0] in args.shapes.split(",")]:
             layer = qgm.random_layer(scheme, n, k)
+            if args.natural_order:
+                pass
+            elif lane_order.fits(layer):  # as the loader stores a GPU model's dense NVFP4 layers
+                lane_order.to_lane_order(layer)
             layers = qgm.rotation(layer)
             meta = ql.quant_meta(layer)
             for m in map(int, args.rows.split(",")):
@@ -271,7 +277,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "quant_gemv.json").write_text(json.dumps(dict(
         device=torch.cuda.get_device_name(), commit=os.environ.get("COMMIT", "?"), copy_gbs=bw / 1e9,
-        dtype="bfloat16", decode=args.decode, x=x_loads(args),
+        dtype="bfloat16", decode=args.decode, x=x_loads(args), natural_order=args.natural_order,
         schemes=args.schemes, int4=qgm.SCHEME_VARIANTS["int4"], rows=rows),
         indent=1))
     print(f"{'scheme':6} {'shape':12} {'N':>6} {'K':>6} {'M':>3} {'swiglu':>6} {'dot us':>7} {'%copy':>6} "

@@ -396,12 +396,21 @@ if HAVE_TRITON:
     import triton.language as tl
 
     from blockspec.kernels._triton import release_dependents, wait_for_inputs
+    from blockspec.kernels.lane_order import lane_cols
 
     _E2M1_MMA_C = tl.constexpr(_E2M1_MMA)
     _INT4_MMA_C = tl.constexpr(_INT4_MMA)
     _SPAN_CONSTRAINTS_C = tl.constexpr(_SPAN_CONSTRAINTS)
     _PACK_WORD_C = tl.constexpr(_PACK_WORD)
     _FP4_BIAS = tl.constexpr(FP4_GLOBAL_BIAS)
+
+    @triton.jit
+    def _x_cols(kb, LANE: tl.constexpr):
+        """The x pairs beside a span's weight bytes kb: the same columns, or (LANE: a layer stored in lane order,
+        kernels/lane_order.py) their original columns."""
+        if LANE:
+            kb = lane_cols(kb, 8)
+        return kb
 
     @triton.jit
     def _scale_pairs(sa, sb, BN: tl.constexpr):
@@ -498,7 +507,7 @@ if HAVE_TRITON:
 
     @triton.jit
     def _wide_span(acc1, acc2, QW, x32, S, rows64, n_mask, b0, KB: tl.constexpr, NG: tl.constexpr,
-                   BN: tl.constexpr, INT4: tl.constexpr = False, G2: tl.constexpr = 8):
+                   BN: tl.constexpr, INT4: tl.constexpr = False, G2: tl.constexpr = 8, LANE: tl.constexpr = False):
         """acc1, acc2 += one 64-byte span of the rows (bytes b0 ..) against x (see the module docstring). n_mask
         None: every row is one to read (the caller points rows past N at a real one; a masked load zeroes its
         registers first, ~1 instruction a word)."""
@@ -510,7 +519,7 @@ if HAVE_TRITON:
         else:
             w = tl.load(wp, mask=n_mask[:, None], other=0)
             row_mask = n_mask[None, :]
-        xp = tl.load(x32 + b0 + kb)  # x as bf16 pairs, pair i beside weight byte i
+        xp = tl.load(x32 + b0 + _x_cols(kb, LANE))  # x as bf16 pairs, pair i beside weight byte i
         if INT4:
             sa = _int4_words(S, (rows64 * NG)[None, :], b0, row_mask, NG, G2)
             sb = sa
@@ -560,7 +569,7 @@ if HAVE_TRITON:
     def _wide_kernel(X, QW, S, GS, Y, N, K: tl.constexpr, HAS_GS: tl.constexpr, BN: tl.constexpr,
                      SPANS: tl.constexpr, HAS_RES: tl.constexpr = False, PDL: tl.constexpr = False,
                      INT4: tl.constexpr = False, G2: tl.constexpr = 8, GATED: tl.constexpr = False,
-                     EARLY: tl.constexpr = False):
+                     EARLY: tl.constexpr = False, LANE: tl.constexpr = False):
         """One K part (wide layers). Kept as first measured: the parts kernel at P = 1 (its loads written the
         same) compiled to another schedule, ~20% slower on gate|up (bench/quant_gemv.py, H100). INT4: S holds the
         scale|zero words, G2 bytes a group. GATED: SiLU(gate) * up to Y [1, N / 2] (`_tile_rows`). EARLY: dependents
@@ -579,7 +588,8 @@ if HAVE_TRITON:
             release_dependents(PDL)
         for b0 in range(0, KB, 64 * SPANS):
             for u in tl.static_range(SPANS):
-                acc1, acc2 = _wide_span(acc1, acc2, QW, x32, S, rows64, None, b0 + 64 * u, KB, NG, BN, INT4, G2)
+                acc1, acc2 = _wide_span(acc1, acc2, QW, x32, S, rows64, None, b0 + 64 * u, KB, NG, BN, INT4, G2,
+                                        LANE)
         y = _sums_scaled(_c_sums(acc1, acc2, BN), GS, INT4, HAS_GS)  # [BN, t, c]: tile column 2 t + c of the 8
         if not EARLY:
             release_dependents(PDL)
@@ -620,12 +630,12 @@ if HAVE_TRITON:
         return w
 
     @triton.jit
-    def _span_x(x32, b0, KB: tl.constexpr, BN: tl.constexpr, P: tl.constexpr, live=None):
+    def _span_x(x32, b0, KB: tl.constexpr, BN: tl.constexpr, P: tl.constexpr, live=None, LANE: tl.constexpr = False):
         """x as bf16 pairs beside the span's weight bytes [BN, 64] (pair i beside byte i), none where not `live`:
         loaded [P, 64] once and broadcast over the rows of each part. Triton moves that broadcast through shared
         memory (2 barriers a span); loading x straight in the tile's lane layout instead (each lane its own 16
         pairs, no barrier) measured 10-90% slower in every one-row kernel (bench/NOTES.md session 37)."""
-        kb = tl.arange(0, 64)
+        kb = _x_cols(tl.arange(0, 64), LANE)
         ptrs = x32 + (tl.arange(0, P) * (KB // P))[:, None] + b0 + kb[None, :]
         if live is None:
             xp = tl.load(ptrs)
@@ -653,13 +663,13 @@ if HAVE_TRITON:
 
     @triton.jit
     def _span_loads(QW, x32, S, wrow, part, n_mask, b0, KB: tl.constexpr, NG: tl.constexpr, BN: tl.constexpr,
-                    P: tl.constexpr, INT4: tl.constexpr = False, G2: tl.constexpr = 8):
+                    P: tl.constexpr, INT4: tl.constexpr = False, G2: tl.constexpr = 8, LANE: tl.constexpr = False):
         """What one 64-byte span (bytes b0 .. of each column's K part) reads: the weight bytes, x beside them and
         the scales, in that order (the parts kernel's launches were timed so). Nothing past the part's end is
         read (b0 may be one span beyond)."""
         live = b0 < KB // P
         w = _span_bytes(QW, wrow, part, n_mask, b0, KB, P, live)
-        xp = _span_x(x32, b0, KB, BN, P, live)
+        xp = _span_x(x32, b0, KB, BN, P, live, LANE)
         sa, sb = _span_scales(S, wrow, part, n_mask, b0, KB, NG, P, INT4, G2, live)
         return w, xp, sa, sb
 
@@ -684,7 +694,8 @@ if HAVE_TRITON:
     @triton.jit
     def _parts_kernel(X, QW, S, GS, Y, N, K: tl.constexpr, HAS_GS: tl.constexpr, BN: tl.constexpr,
                       SPANS: tl.constexpr, P: tl.constexpr, HAS_RES: tl.constexpr = False, PDL: tl.constexpr = False,
-                      INT4: tl.constexpr = False, G2: tl.constexpr = 8, GATED: tl.constexpr = False):
+                      INT4: tl.constexpr = False, G2: tl.constexpr = 8, GATED: tl.constexpr = False,
+                      LANE: tl.constexpr = False):
         # BN tile columns = BN / P tile rows x P parts of K (column c: tile row c // P, part c % P); P divides 8,
         # so the 8 columns of a warp's mma hold whole rows and part(g) = g % P. `_tile_rows` maps tile rows to
         # weight rows (GATED: gate rows, then the up rows)
@@ -697,11 +708,11 @@ if HAVE_TRITON:
         acc2 = tl.zeros([BN, 64], dtype=tl.float32)
         wait_for_inputs(PDL)
         # software-pipelined by one span: the next span's loads are issued before this one's mma
-        w, xp, sa, sb = _span_loads(QW, x32, S, wrow, part, n_mask, 0, KB, NG, BN, P, INT4, G2)
+        w, xp, sa, sb = _span_loads(QW, x32, S, wrow, part, n_mask, 0, KB, NG, BN, P, INT4, G2, LANE)
         for b0 in range(0, KB // P, 64 * SPANS):
             for u in tl.static_range(SPANS):
                 nw, nxp, nsa, nsb = _span_loads(QW, x32, S, wrow, part, n_mask, b0 + 64 * (u + 1), KB, NG, BN, P,
-                                                INT4, G2)
+                                                INT4, G2, LANE)
                 acc1, acc2 = _span_mma(acc1, acc2, w, xp, sa, sb, BN, INT4)
                 w, xp, sa, sb = nw, nxp, nsa, nsb
         y = _parts_sums(acc1, acc2, GS, BN, P, INT4, HAS_GS)
@@ -737,7 +748,7 @@ if HAVE_TRITON:
     def _stream_kernel(X, QW, S, GS, Y, N, K: tl.constexpr, HAS_GS: tl.constexpr, BN: tl.constexpr,
                        SPANS: tl.constexpr, P: tl.constexpr, HAS_RES: tl.constexpr = False, PDL: tl.constexpr = False,
                        INT4: tl.constexpr = False, G2: tl.constexpr = 8, GATED: tl.constexpr = False,
-                       EARLY: tl.constexpr = False):
+                       EARLY: tl.constexpr = False, LANE: tl.constexpr = False):
         # The parts kernel's tiles and sums, its weights streamed a step of SPANS spans ahead: each step issues the
         # next step's weight loads before its own mmas (SPANS x 16 bytes a lane in flight, x read from L1 beside
         # each span), and the first step's are issued before the PDL wait, while the kernel before this one still
@@ -763,11 +774,12 @@ if HAVE_TRITON:
             for u in tl.static_range(SPANS):
                 ahead = ahead + (_span_weights(QW, S, wrow, part, None, b0 + STEP + 64 * u, KB, NG, P, INT4, G2),)
                 w, sa, sb = ring[u]
-                acc1, acc2 = _span_mma(acc1, acc2, w, _span_x(x32, b0 + 64 * u, KB, BN, P), sa, sb, BN, INT4)
+                xp = _span_x(x32, b0 + 64 * u, KB, BN, P, None, LANE)
+                acc1, acc2 = _span_mma(acc1, acc2, w, xp, sa, sb, BN, INT4)
             ring = ahead
         for u in tl.static_range(SPANS):
             w, sa, sb = ring[u]
-            acc1, acc2 = _span_mma(acc1, acc2, w, _span_x(x32, LAST + 64 * u, KB, BN, P), sa, sb, BN, INT4)
+            acc1, acc2 = _span_mma(acc1, acc2, w, _span_x(x32, LAST + 64 * u, KB, BN, P, None, LANE), sa, sb, BN, INT4)
         y = _parts_sums(acc1, acc2, GS, BN, P, INT4, HAS_GS)
         if not EARLY:
             release_dependents(PDL)
@@ -821,8 +833,8 @@ def gemv(x: torch.Tensor, layer, meta, cfg: GemvConfig, residual: torch.Tensor |
         scales = layer.scales.view(torch.uint8)
     gs = layer.global_scale if meta.has_gs else x
     common = dict(K=meta.k, HAS_GS=meta.has_gs, BN=cfg.block, SPANS=cfg.spans, HAS_RES=residual is not None, PDL=on,
-                  INT4=int4, G2=meta.group // 2 if int4 else 8, GATED=gated, num_warps=cfg.warps, num_stages=1,
-                  launch_pdl=on)
+                  INT4=int4, G2=meta.group // 2 if int4 else 8, GATED=gated, LANE=getattr(layer, "lane_order", False),
+                  num_warps=cfg.warps, num_stages=1, launch_pdl=on)
     grid = launch_grid(cfg, m, meta.n)
     kernel, own = launch_kernel(cfg, m)
     if kernel is _rows_kernel:
@@ -902,11 +914,12 @@ if HAVE_TRITON:
         return _span_words(lo), _span_words(tl.load(QW + hi_row[:, None] * KB + col))
 
     @triton.jit
-    def _rows_x(x32, tok, tok_b, part, b0, KB: tl.constexpr, P: tl.constexpr, TWO: tl.constexpr):
+    def _rows_x(x32, tok, tok_b, part, b0, KB: tl.constexpr, P: tl.constexpr, TWO: tl.constexpr,
+                LANE: tl.constexpr = False):
         """The x pairs beside the span's bytes (byte i of a row = x pair i of the token) of tokens tok and (TWO)
         tok_b, [BN, 64] each (tokens past M clamped by the caller)."""
         KP: tl.constexpr = KB // P
-        col = (part * KP + b0)[:, None] + tl.arange(0, 64)[None, :]
+        col = (part * KP + b0)[:, None] + _x_cols(tl.arange(0, 64), LANE)[None, :]
         xa = tl.load(x32 + tok[:, None] * KB + col)
         if TWO:
             xb = tl.load(x32 + tok_b[:, None] * KB + col)
@@ -934,11 +947,12 @@ if HAVE_TRITON:
 
     @triton.jit
     def _rows_loads(QW, x32, S, lo_row, hi_row, part, tok, tok_b, b0, KB: tl.constexpr, NG: tl.constexpr,
-                    P: tl.constexpr, TWO: tl.constexpr, INT4: tl.constexpr = False, G2: tl.constexpr = 8):
+                    P: tl.constexpr, TWO: tl.constexpr, INT4: tl.constexpr = False, G2: tl.constexpr = 8,
+                    LANE: tl.constexpr = False):
         """One 64-byte span: the rows' bytes, x beside them, the scales, in that order (the rows kernel's launches
         were timed so)."""
         wl, wh = _rows_bytes(QW, lo_row, hi_row, part, b0, KB, P)
-        xa, xb = _rows_x(x32, tok, tok_b, part, b0, KB, P, TWO)
+        xa, xb = _rows_x(x32, tok, tok_b, part, b0, KB, P, TWO, LANE)
         sla, slb, sha, shb = _rows_scales(S, lo_row, hi_row, part, b0, KB, NG, P, INT4, G2)
         return wl, wh, xa, xb, sla, slb, sha, shb
 
@@ -983,13 +997,13 @@ if HAVE_TRITON:
     @triton.jit
     def _rows_span_loop(acc_a, acc_b, QW, x32, S, lo_row, hi_row, part, tok, tok_b, KB: tl.constexpr,
                         NG: tl.constexpr, BN: tl.constexpr, SPANS: tl.constexpr, P: tl.constexpr, TWO: tl.constexpr,
-                        INT4: tl.constexpr = False, G2: tl.constexpr = 8):
+                        INT4: tl.constexpr = False, G2: tl.constexpr = 8, LANE: tl.constexpr = False):
         """acc_a, acc_b += the products of the tile rows' K parts: every span of weight rows lo_row / hi_row
         against x rows tok / tok_b (row indices into x32, KB words a row)."""
         for b0 in range(0, KB // P, 64 * SPANS):
             for u in tl.static_range(SPANS):
                 wl, wh, xa, xb, sla, slb, sha, shb = _rows_loads(QW, x32, S, lo_row, hi_row, part, tok, tok_b,
-                                                                 b0 + 64 * u, KB, NG, P, TWO, INT4, G2)
+                                                                 b0 + 64 * u, KB, NG, P, TWO, INT4, G2, LANE)
                 acc_a, acc_b = _rows_mma(acc_a, acc_b, wl, wh, xa, xb, sla, slb, sha, shb, BN, TWO, INT4)
         return acc_a, acc_b
 
@@ -1083,11 +1097,12 @@ if HAVE_TRITON:
 
     @triton.jit
     def _groups_step(accs, ring, x32, part, tok, tok_b, b0, KB: tl.constexpr, BN: tl.constexpr,
-                     SPANS: tl.constexpr, P: tl.constexpr, TWO: tl.constexpr, INT4: tl.constexpr, R: tl.constexpr):
+                     SPANS: tl.constexpr, P: tl.constexpr, TWO: tl.constexpr, INT4: tl.constexpr, R: tl.constexpr,
+                     LANE: tl.constexpr = False):
         """One step's products for R blocks (`_groups_ahead`'s weights): each span's x loaded once, its registers
         the mma's B operand for every block."""
         for u in tl.static_range(SPANS):
-            xa, xb = _rows_x(x32, tok, tok_b, part, b0 + 64 * u, KB, P, TWO)
+            xa, xb = _rows_x(x32, tok, tok_b, part, b0 + 64 * u, KB, P, TWO, LANE)
             new = ()
             for i in tl.static_range(R):
                 wl, wh, sla, slb, sha, shb = ring[u * R + i]
@@ -1099,7 +1114,7 @@ if HAVE_TRITON:
     @triton.jit
     def _groups_loop(accs, ring, QW, x32, S, rows, part, tok, tok_b, KB: tl.constexpr, NG: tl.constexpr,
                      BN: tl.constexpr, SPANS: tl.constexpr, P: tl.constexpr, TWO: tl.constexpr, INT4: tl.constexpr,
-                     G2: tl.constexpr, R: tl.constexpr, STREAM: tl.constexpr):
+                     G2: tl.constexpr, R: tl.constexpr, STREAM: tl.constexpr, LANE: tl.constexpr = False):
         """accs (a tuple of R (acc_a, acc_b)) += the R blocks' products over the K part. STREAM: `ring` holds the
         first step's weights (loaded before the PDL wait) and each step issues the next step's before its mmas;
         else each step loads its own, all its weights before its x and mmas."""
@@ -1108,13 +1123,13 @@ if HAVE_TRITON:
         if STREAM:
             for b0 in range(0, LAST, STEP):
                 ahead = _groups_ahead(QW, S, rows, part, b0 + STEP, KB, NG, P, SPANS, INT4, G2, R)
-                accs = _groups_step(accs, ring, x32, part, tok, tok_b, b0, KB, BN, SPANS, P, TWO, INT4, R)
+                accs = _groups_step(accs, ring, x32, part, tok, tok_b, b0, KB, BN, SPANS, P, TWO, INT4, R, LANE)
                 ring = ahead
-            accs = _groups_step(accs, ring, x32, part, tok, tok_b, LAST, KB, BN, SPANS, P, TWO, INT4, R)
+            accs = _groups_step(accs, ring, x32, part, tok, tok_b, LAST, KB, BN, SPANS, P, TWO, INT4, R, LANE)
         else:
             for b0 in range(0, KB // P, STEP):
                 step = _groups_ahead(QW, S, rows, part, b0, KB, NG, P, SPANS, INT4, G2, R)
-                accs = _groups_step(accs, step, x32, part, tok, tok_b, b0, KB, BN, SPANS, P, TWO, INT4, R)
+                accs = _groups_step(accs, step, x32, part, tok, tok_b, b0, KB, BN, SPANS, P, TWO, INT4, R, LANE)
         return accs
 
     @triton.jit
@@ -1122,7 +1137,7 @@ if HAVE_TRITON:
                      SPANS: tl.constexpr, P: tl.constexpr, TWO: tl.constexpr, HAS_RES: tl.constexpr = False,
                      PDL: tl.constexpr = False, INT4: tl.constexpr = False, G2: tl.constexpr = 8,
                      GATED: tl.constexpr = False, STREAM: tl.constexpr = False, EARLY: tl.constexpr = False,
-                     R: tl.constexpr = 1, SPLITS: tl.constexpr = 1):
+                     R: tl.constexpr = 1, SPLITS: tl.constexpr = 1, LANE: tl.constexpr = False):
         # tile row r = 8 w + g (warp w, lane row g) reads K part w % P of the weight rows 16 (w // P) + g (lo) and
         # + 8 (hi) of the block's, and x of token g (and g + 8). GATED (N = 2I rows of [gate; up]): the 16-row
         # group j holds the gate rows of outputs 8 j .. 8 j + 7 as its lo rows and their up rows as its hi rows.
@@ -1163,10 +1178,10 @@ if HAVE_TRITON:
             lo_row, hi_row = rows[0]
             acc_a, acc_b = accs[0]
             accs = (_rows_span_loop(acc_a, acc_b, QW, x32, S, lo_row, hi_row, part, tok, tok_b, KB, NG, BN, SPANS,
-                                    PK, TWO, INT4, G2),)
+                                    PK, TWO, INT4, G2, LANE),)
         else:
             accs = _groups_loop(accs, ring, QW, x32, S, rows, part, tok, tok_b, KB, NG, BN, SPANS, PK, TWO, INT4, G2,
-                                R, STREAM)
+                                R, STREAM, LANE)
         if not EARLY:
             release_dependents(PDL)
         for i in tl.static_range(R):  # the blocks' token halves: stored, or (SPLITS) their sums to the workspace
@@ -1206,10 +1221,12 @@ class Nvfp4Shared:
 
 def shared_fits(shared: Nvfp4Shared, gate_up, down) -> bool:
     """Whether the shared expert's layers hold the routed experts' NVFP4 layout (QuantOperand gate_up / down):
-    their shapes, group size, a global scale where they have one, contiguous, no act-order permutation."""
+    their shapes, group size, a global scale where they have one, contiguous, no act-order permutation and not in
+    the dense kernels' lane order (kernels/lane_order.py: the loader leaves shared experts out of it)."""
     def fits(layer, w) -> bool:
         return (getattr(layer, "scheme", None) == "nvfp4" and layer.group_size == w.meta.group
                 and (layer.out_features, layer.in_features) == (w.n, w.k) and getattr(layer, "perm", None) is None
+                and not getattr(layer, "lane_order", False)
                 and getattr(layer, "bias", None) is None and (layer.global_scale is not None) == w.meta.has_gs
                 and layer.qweight.is_contiguous() and layer.scales.is_contiguous()
                 and layer.qweight.device == w.qweight.device and _shared_offsets(w, layer) is not None)

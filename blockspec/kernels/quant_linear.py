@@ -57,6 +57,7 @@ from blockspec.kernels import quant_gemv
 from blockspec.kernels._triton import HAVE_TRITON, INTERPRET, pdl, use_triton
 from blockspec.kernels.activation import silu_mul, silu_mul_ref
 from blockspec.kernels.deterministic_linear import deterministic_linear, deterministic_linear_ref
+from blockspec.kernels.lane_order import restore_columns
 from blockspec.kernels.quant_tiles import FP4_GLOBAL_BIAS
 from blockspec.kernels.rms_norm import rms_norm, rms_norm_ref
 from blockspec.models.layers.quant_linear import (
@@ -142,6 +143,7 @@ class QuantWeights:
     in_features: int
     bias: torch.Tensor | None = None
     scale_zero: torch.Tensor | None = None
+    lane_order: bool = False  # NVFP4 bytes in the mma kernels' lane order (kernels/lane_order.to_lane_order)
 
     def __post_init__(self) -> None:
         if (self.scale_zero is None and self.zeros is not None and self.scales.shape == self.zeros.shape
@@ -153,9 +155,10 @@ class QuantWeights:
 
 
 def dequantize_layer(layer, dtype: torch.dtype) -> torch.Tensor:
-    """dequantize() over a QuantLinear-like module's attributes."""
-    return dequantize(layer.scheme, layer.qweight, layer.scales, layer.zeros, layer.global_scale, layer.group_size,
-                      layer.out_features, layer.in_features, dtype)
+    """dequantize() over a QuantLinear-like module's attributes (columns in their original order: lane_order)."""
+    w = dequantize(layer.scheme, layer.qweight, layer.scales, layer.zeros, layer.global_scale, layer.group_size,
+                   layer.out_features, layer.in_features, dtype)
+    return restore_columns(w) if getattr(layer, "lane_order", False) else w
 
 
 def quant_linear_ref(x: torch.Tensor, layer, residual: torch.Tensor | None = None, *,
@@ -183,6 +186,7 @@ if HAVE_TRITON:
     from blockspec.kernels._triton import release_dependents, wait_for_inputs
 
     # the per-scheme tiles, shared with the MoE kernels
+    from blockspec.kernels.lane_order import lane_cols
     from blockspec.kernels.quant_tiles import _dequant_tile, _int4_tile, _tile_scales
 
     @triton.jit
@@ -286,7 +290,7 @@ if HAVE_TRITON:
                              HAS_RES: tl.constexpr, USE_DOT: tl.constexpr, FAST: tl.constexpr,
                              DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                              BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr = False,
-                             POST_SCALE: tl.constexpr = False):
+                             POST_SCALE: tl.constexpr = False, LANE: tl.constexpr = False):
         # Program (pid_n, pid_m) owns BLOCK_N output columns of BLOCK_M rows. Each step of the K loop covers
         # SPLIT * BLOCK_K columns of the weight: slice s = [k0 + s * BLOCK_K, + BLOCK_K). The dot path computes
         # the weight-as-A product acc[s] += W_s @ x_s^T as one batched dot (the warps split over the slices)
@@ -306,6 +310,8 @@ if HAVE_TRITON:
         # - GATED: output column n is silu(gate) * up of weight rows n (gate) and N + n (up): two dequantized
         #   tiles and two accumulators a step; N is the output width, the weight has 2N rows.
         # - HAS_RES: Y is the residual, read, added to and written back.
+        # LANE: the layer is stored in the mma kernels' lane order (kernels/lane_order.py): x and the norm weight
+        # are read at each stored column's original column.
         dtype = Y.dtype.element_ty
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)
@@ -339,6 +345,8 @@ if HAVE_TRITON:
             w, ws = _step_weights(QW, S, Z, rows, n_mask, k0, z_row, SPLIT, SCHEME, K, G, NG, SCALE_ROW_DIV, HAS_ZERO,
                                   PER_ROW, POST_SCALE, FAST, TILE, EVEN_K, BLOCK_K)
             ks = kk[:, None] + tl.arange(0, BLOCK_K)[None, :]  # [S, BK]
+            if LANE:  # (K a multiple of 128: in range exactly where ks is)
+                ks = lane_cols(ks, 16)
             if USE_DOT:
                 xv = _x_tile(x_rows, m_mask, ks, K, EVEN_K)
             elif EVEN_K:  # one row
@@ -395,9 +403,10 @@ if HAVE_TRITON:
     @triton.jit
     def _dequant_kernel(QW, S, Z, GS, W, N, SCHEME: tl.constexpr, K: tl.constexpr, G: tl.constexpr,
                         NG: tl.constexpr, SCALE_ROW_DIV: tl.constexpr, HAS_ZERO: tl.constexpr, PER_ROW: tl.constexpr,
-                        HAS_GS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                        HAS_GS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LANE: tl.constexpr = False):
         """The whole weight as W [N, K] (W's dtype), for the prefill path (then cuBLAS). Bound by writing W:
-        the plain float32 dequantizers are fast enough here."""
+        the plain float32 dequantizers are fast enough here. LANE: each stored column written to its original
+        column (kernels/lane_order.py)."""
         offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < N
         rows = offs_n.to(tl.int64)
@@ -412,8 +421,10 @@ if HAVE_TRITON:
         if HAS_GS:
             w = w * tl.load(GS).to(tl.float32)
         ks = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-        tl.store(W + rows[:, None] * K + ks[None, :], w.to(W.dtype.element_ty),
-                 mask=n_mask[:, None] & (ks < K)[None, :])
+        mask = n_mask[:, None] & (ks < K)[None, :]
+        if LANE:
+            ks = lane_cols(ks, 16)
+        tl.store(W + rows[:, None] * K + ks[None, :], w.to(W.dtype.element_ty), mask=mask)
 
 
     # --deterministic: the same kernel compiled once for every row count (Triton would otherwise compile variants
@@ -737,7 +748,8 @@ def _gemm_triton(x: torch.Tensor, layer, meta: QuantMeta, residual: torch.Tensor
         HAS_BIAS=layer.bias is not None, HAS_NORM=norm_weight is not None, GATED=gated,
         HAS_RES=residual is not None, USE_DOT=cfg.use_dot, FAST=fast, DOT_PRECISION=dot_precision,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=cfg.split, PDL=on,
-        POST_SCALE=post_scale, num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=on)
+        POST_SCALE=post_scale, LANE=getattr(layer, "lane_order", False), num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, launch_pdl=on)
     return out
 
 
@@ -751,7 +763,7 @@ def dequantize_triton(layer, dtype: torch.dtype, meta: QuantMeta | None = None) 
         *kernel_operands(layer, meta), gs, w, meta.n,
         SCHEME=meta.scheme, K=meta.k, G=meta.group, NG=meta.n_groups, SCALE_ROW_DIV=meta.scale_row_div,
         HAS_ZERO=meta.has_zero, PER_ROW=meta.per_row, HAS_GS=meta.has_gs, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=4)
+        LANE=getattr(layer, "lane_order", False), num_warps=4)
     return w
 
 

@@ -43,6 +43,7 @@ from blockspec.device import cuda_capability
 from blockspec.errors import ConfigError
 from blockspec.kernels._triton import use_triton
 from blockspec.kernels.activation import silu_mul
+from blockspec.kernels.lane_order import restore_columns
 from blockspec.kernels.skinny_linear import linear
 from blockspec.models.layers.moe import BACKENDS, SILU, GatedActivation, experts_fused, experts_loop, fused_applies
 
@@ -198,6 +199,7 @@ class _QuantTensors(nn.Module):
         else:
             self.register_buffer("scale_zero", None, persistent=False)
         self.register_buffer("perm", None)  # act-order input permutation (int64 [K]), set by the loader
+        self.lane_order = False  # NVFP4 bytes in the mma kernels' lane order (kernels/lane_order.py), set at load
         self.init_dummy()
 
     # ---- int4 with 16-bit scales: one packed tensor, scales and zeros as views of it ----------------------
@@ -283,9 +285,11 @@ class _QuantTensors(nn.Module):
             self.global_scale.fill_(1.0)
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """The full-precision weights [..., N, K] (columns in permuted order when `perm` is set)."""
-        return dequantize(self.scheme, self.qweight, self.scales, self.zeros, self.global_scale, self.group_size,
-                          dtype or self.dtype)
+        """The full-precision weights [..., N, K] (columns in permuted order when `perm` is set; a layer stored in
+        the mma kernels' lane order has its columns put back: kernels/lane_order.py)."""
+        w = dequantize(self.scheme, self.qweight, self.scales, self.zeros, self.global_scale, self.group_size,
+                       dtype or self.dtype)
+        return restore_columns(w) if self.lane_order else w
 
     def extra_repr(self) -> str:
         return (f"{self.scheme}, in_features={self.in_features}, out_features={self.out_features}, "
@@ -395,6 +399,7 @@ class QuantLinear(_QuantTensors):
             view._alias_scale_zero(self.dtype)
         view._buffers["global_scale"] = self.global_scale
         view._buffers["perm"] = self.perm
+        view.lane_order = self.lane_order
         if self.bias is not None:
             view.bias = nn.Parameter(self.bias[start:end], requires_grad=False)
         return view
