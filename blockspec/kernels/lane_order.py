@@ -89,5 +89,9 @@ if HAVE_TRITON:
         """The original column of stored column c, for the kernels' x (and norm weight) loads. RUN: the units of c
         a lane's run holds, 8 where c counts bytes (x pairs: the mma kernels) and 16 where it counts weights (x
         elements); a block is 8 runs. `source_columns` in Triton, contiguous in runs, so x loads stay vectors."""
-        j = c % (8 * RUN)
-        return c - j + RUN * ((j // (2 * RUN)) ^ 3) + j % RUN + 4 * RUN * ((j // RUN) % 2)
+        # (c // (8 RUN)) 8 RUN + RUN s + c % RUN + 4 RUN h, s = 3 - t (t xor 3): written with divisions, remainders
+        # and a subtraction from a constant so that Triton's axis analysis still sees runs of RUN contiguous columns
+        # (an xor, or c minus its remainder, reads as no contiguity at all: scalar x loads in another layout, which
+        # the rows kernel's lane mapping cannot take)
+        return ((c // (8 * RUN)) * (8 * RUN) + RUN * (3 - (c // (2 * RUN)) % 4) + c % RUN
+                + 4 * RUN * ((c // RUN) % 2))

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -464,8 +465,12 @@ def finalize_quantized(model: nn.Module) -> None:
 def _lane_order(model: nn.Module) -> None:
     """Store every dense NVFP4 layer on a GPU in the 1-16-row mma kernels' lane order (kernels/lane_order.py: x
     read 64 bytes of a line a load; Qwen3-8B's 16-row verify layers 5-25% faster on an H200), bar a shared expert's,
-    which the MoE kernels read as one more routed expert in the experts' own order."""
-    if not (HAVE_TRITON and not INTERPRET):
+    which the MoE kernels read as one more routed expert in the experts' own order. BLOCKSPEC_LANE_ORDER=off keeps
+    the checkpoint's order (bench/env_variants.py times both)."""
+    switch = os.environ.get("BLOCKSPEC_LANE_ORDER", "on")
+    if switch not in ("on", "off"):
+        raise ConfigError(f"BLOCKSPEC_LANE_ORDER={switch!r}: use on or off")
+    if switch == "off" or not (HAVE_TRITON and not INTERPRET):
         return
     shared = {id(m) for block in model.modules() if getattr(block, "shared_expert", None) is not None
               for m in block.shared_expert.modules()}
