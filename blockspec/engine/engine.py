@@ -28,6 +28,7 @@ from blockspec.engine.scheduler import Scheduler
 from blockspec.engine.sequence import Sequence
 from blockspec.engine.state_pool import allocate_state, block_allocator, resize_for_k
 from blockspec.errors import ConfigError, OutOfMemoryError, RequestError
+from blockspec.kernels import lane_order
 from blockspec.loader.quant.config import declared_quantization
 from blockspec.loader.quant.online import draft_head_copy, online_scheme
 from blockspec.loader.tokenizer import load_eos_token_ids, load_tokenizer
@@ -145,6 +146,10 @@ class Engine:
             load_weights(model, self.model_dir, self.device, self.dtype)
         elif quant is not None:
             finalize_quantized(model)
+        if quant is not None and not self.config.deterministic:
+            ordered = lane_order.order_model(model)
+            if ordered:
+                log.info("%d NVFP4 layers stored in the mma kernels' lane order", ordered)
         if self.config.deterministic:
             model.set_deterministic(True)
         log.info("numerics: %s", deterministic.report(self.config.deterministic, self.device))

@@ -19,9 +19,12 @@ the one-row K-split launch without a spill under Triton 3.9).
 
 from __future__ import annotations
 
+import os
+
 import torch
 
-from blockspec.kernels._triton import HAVE_TRITON
+from blockspec.errors import ConfigError
+from blockspec.kernels._triton import HAVE_TRITON, INTERPRET
 
 BLOCK = 128  # weights a permuted block: one 64-byte span of the mma kernels
 _SPAN_BYTES = BLOCK // 2
@@ -70,6 +73,27 @@ def to_lane_order(layer) -> None:
     s8 = s.view(torch.uint8)
     s8.copy_(s8.view(n, -1, _GROUPS).index_select(-1, source_groups().to(s.device)).view(s8.shape))
     layer.lane_order = True
+
+
+def order_model(model: torch.nn.Module) -> int:
+    """Store a loaded model's dense NVFP4 layers on a GPU in lane order (QuantLinear-like modules: a `lane_order`
+    attribute, `fits`), bar a shared expert's, which the MoE kernels read as one more routed expert in the experts'
+    own order; returns how many. BLOCKSPEC_LANE_ORDER=off keeps the checkpoint's order (bench/env_variants.py
+    times both). The engine calls it after loading, except with --deterministic, whose one launch a layer is
+    quant_linear's dot path: lane order only helps the 1-16-row mma kernels."""
+    switch = os.environ.get("BLOCKSPEC_LANE_ORDER", "on")
+    if switch not in ("on", "off"):
+        raise ConfigError(f"BLOCKSPEC_LANE_ORDER={switch!r}: use on or off")
+    if switch == "off" or not HAVE_TRITON or INTERPRET:
+        return 0
+    shared = {id(m) for block in model.modules() if getattr(block, "shared_expert", None) is not None
+              for m in block.shared_expert.modules()}
+    done = 0
+    for module in model.modules():
+        if hasattr(module, "lane_order") and id(module) not in shared and fits(module) and module.qweight.is_cuda:
+            to_lane_order(module)
+            done += 1
+    return done
 
 
 def restore_columns(w: torch.Tensor) -> torch.Tensor:

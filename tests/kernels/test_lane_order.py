@@ -1,8 +1,8 @@
 """NVFP4 layers in the mma kernels' lane order (kernels/lane_order.py): the permutation's maps agree with each
 other and with the kernels' (Triton) map, dequantize() puts the columns back, and every kernel that reads a
 lane-order layer (quant_linear's dot path with its folds, its dequantize kernel, quant_gemv's 1-16-row mma
-kernels) gives the natural-order layer's result; the loader puts a GPU model's dense NVFP4 layers in lane order
-and leaves shared experts out."""
+kernels) gives the natural-order layer's result; a GPU model's dense NVFP4 layers go into lane order, shared
+experts and CPU tensors stay as loaded, and BLOCKSPEC_LANE_ORDER is checked."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ import pytest
 import torch
 from torch import nn
 
+from blockspec.errors import ConfigError
 from blockspec.kernels import lane_order as lo
 from blockspec.kernels import quant_gemv as qg
 from blockspec.kernels import quant_linear as ql
 from blockspec.kernels._triton import HAVE_TRITON
-from blockspec.loader.quant import finalize_quantized
 from blockspec.models.layers.quant_linear import QuantLinear
 from tests.kernels.test_quant_linear import (  # launch: the fixture
     EPS,
@@ -65,6 +65,15 @@ def test_dequantize_puts_the_columns_back() -> None:
     assert torch.equal(layer.row_slice(8, 24).dequantize(), before[8:24])  # a row slice keeps the order
     x = torch.randn(3, 256, dtype=torch.bfloat16)
     torch.testing.assert_close(layer(x), x @ before.t())  # the CPU path: the reference on the restored weight
+
+
+def test_the_switch_is_checked_and_cpu_layers_stay_as_loaded(monkeypatch) -> None:
+    model = nn.Sequential(QuantLinear("nvfp4", 256, 32, 16))
+    monkeypatch.setenv("BLOCKSPEC_LANE_ORDER", "yes")
+    with pytest.raises(ConfigError, match="BLOCKSPEC_LANE_ORDER"):
+        lo.order_model(model)
+    monkeypatch.setenv("BLOCKSPEC_LANE_ORDER", "on")
+    assert lo.order_model(model) == 0 and not model[0].lane_order  # the CPU path reads the checkpoint's order
 
 
 def test_only_dense_nvfp4_layers_of_whole_blocks_fit() -> None:
@@ -158,7 +167,7 @@ def test_mma_kernels_read_x_at_the_original_columns(m: int, cfg: qg.GemvConfig, 
 
 
 @gpu
-def test_the_loader_orders_dense_nvfp4_layers_but_not_shared_experts() -> None:
+def test_a_model_orders_its_dense_nvfp4_layers_but_not_shared_experts(monkeypatch) -> None:
     class Expert(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -173,7 +182,10 @@ def test_the_loader_orders_dense_nvfp4_layers_but_not_shared_experts() -> None:
 
     model = Block()
     weights = {name: m.dequantize() for name, m in model.named_modules() if isinstance(m, QuantLinear)}
-    finalize_quantized(model)
+    monkeypatch.setenv("BLOCKSPEC_LANE_ORDER", "off")
+    assert lo.order_model(model) == 0 and not model.o_proj.lane_order
+    monkeypatch.setenv("BLOCKSPEC_LANE_ORDER", "on")
+    assert lo.order_model(model) == 1
     assert model.o_proj.lane_order and not model.shared_expert.down_proj.lane_order and not model.q_proj.lane_order
     for name, m in model.named_modules():
         if isinstance(m, QuantLinear):

@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -25,8 +24,6 @@ import torch
 from torch import nn
 
 from blockspec.errors import ConfigError
-from blockspec.kernels import lane_order
-from blockspec.kernels._triton import HAVE_TRITON, INTERPRET
 from blockspec.loader.quant.config import LayerScheme, QuantConfig
 from blockspec.loader.quant.formats import (
     STACKED,
@@ -443,8 +440,7 @@ def _apply_act_order(holder: _QuantTensors, experts: list[int | None], g_idx: di
 
 
 def finalize_quantized(model: nn.Module) -> None:
-    """Quantized layers the model reads as plain weights (the LM head) become dequantized Linears; dense NVFP4
-    layers on a GPU go into the mma kernels' lane order (`_lane_order`)."""
+    """Quantized layers the model reads as plain weights (the LM head) become dequantized Linears."""
     for name, module in list(model.named_modules()):
         if isinstance(module, QuantLinear) and name.rpartition(".")[2] in DEQUANTIZE_AFTER_LOAD:
             weight = module.dequantize()
@@ -459,22 +455,4 @@ def finalize_quantized(model: nn.Module) -> None:
             setattr(model.get_submodule(parent) if parent else model, child, plain)
             log.info("note: %s is stored quantized; it is kept dequantized in %s (the logits read its weight)",
                      name, str(weight.dtype).removeprefix("torch."))
-    _lane_order(model)
 
-
-def _lane_order(model: nn.Module) -> None:
-    """Store every dense NVFP4 layer on a GPU in the 1-16-row mma kernels' lane order (kernels/lane_order.py: x
-    read 64 bytes of a line a load; Qwen3-8B's 16-row verify layers 5-25% faster on an H200), bar a shared expert's,
-    which the MoE kernels read as one more routed expert in the experts' own order. BLOCKSPEC_LANE_ORDER=off keeps
-    the checkpoint's order (bench/env_variants.py times both)."""
-    switch = os.environ.get("BLOCKSPEC_LANE_ORDER", "on")
-    if switch not in ("on", "off"):
-        raise ConfigError(f"BLOCKSPEC_LANE_ORDER={switch!r}: use on or off")
-    if switch == "off" or not (HAVE_TRITON and not INTERPRET):
-        return
-    shared = {id(m) for block in model.modules() if getattr(block, "shared_expert", None) is not None
-              for m in block.shared_expert.modules()}
-    for module in model.modules():
-        if isinstance(module, QuantLinear) and id(module) not in shared and module.qweight.is_cuda \
-                and lane_order.fits(module):
-            lane_order.to_lane_order(module)
