@@ -214,7 +214,7 @@ def main() -> None:
                     "loads (constant pairs, wrong results; the dispatched column too): how much of their time the x "
                     "beside every weight byte costs (the L1 question of NOTES session 28)")
     ap.add_argument("--natural-order", action="store_true", help="NVFP4 layers in their checkpoint order, not the "
-                    "lane order the loader puts a GPU model's dense NVFP4 layers in (kernels/lane_order.py)")
+                    "lane order the engine puts a GPU model's dense NVFP4 layers in (kernels/lane_order.py)")
     ap.add_argument("--stream", action="store_true", help="+ the streamed launches (weights a step ahead, the "
                     "first step's before the PDL wait): quant_gemv._stream_kernel at one row, the rows kernel's "
                     "at 2-16; and one row on the rows kernel, plain and streamed")
@@ -245,7 +245,7 @@ def main() -> None:
             layer = qgm.random_layer(scheme, n, k)
             if args.natural_order:
                 pass
-            elif lane_order.fits(layer):  # as the loader stores a GPU model's dense NVFP4 layers
+            elif lane_order.fits(layer):  # as the engine stores a GPU model's dense NVFP4 layers
                 lane_order.to_lane_order(layer)
             layers = qgm.rotation(layer)
             meta = ql.quant_meta(layer)
