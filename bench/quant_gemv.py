@@ -215,6 +215,10 @@ def main() -> None:
                     "beside every weight byte costs (the L1 question of NOTES session 28)")
     ap.add_argument("--natural-order", action="store_true", help="NVFP4 layers in their checkpoint order, not the "
                     "lane order the engine puts a GPU model's dense NVFP4 layers in (kernels/lane_order.py)")
+    ap.add_argument("--dot-orders", action="store_true", help="only quant_linear's dot path (the launch NVFP4 layers "
+                    "take at 17-1023 rows, and at 1-16 where the mma kernels do not apply) on each NVFP4 shape in "
+                    "checkpoint order and in lane order, in alternating rounds in one process, each checked "
+                    "against the reference (any --rows; NOTES session 42's open question)")
     ap.add_argument("--stream", action="store_true", help="+ the streamed launches (weights a step ahead, the "
                     "first step's before the PDL wait): quant_gemv._stream_kernel at one row, the rows kernel's "
                     "at 2-16; and one row on the rows kernel, plain and streamed")
@@ -239,6 +243,8 @@ def main() -> None:
         quant_gemv._rows_x = _rows_x_line
     torch.manual_seed(0)
     bw = copy_bandwidth()
+    if args.dot_orders:
+        return dot_orders(args, bw)
     rows = []
     for scheme in args.schemes.split(","):
         for name, n, k in [s for s in SHAPES if s[0] in args.shapes.split(",")]:
@@ -288,6 +294,39 @@ def main() -> None:
               f"{'mma' if r['dispatched'] else 'dot'}"
               + "".join(swept(key, r[key], r["bytes"], bw) for key in ("best", "stream", "groups", "splits")
                         if r.get(key)))
+
+
+def dot_orders(args, bw: float) -> None:
+    """--dot-orders: the dot path's time on checkpoint-order and lane-order copies of each NVFP4 shape, medians of
+    3 alternating rounds, and the lane-order result's error against the reference."""
+    rows = []
+    for name, n, k in [s for s in SHAPES if s[0] in args.shapes.split(",")]:
+        natural = qgm.random_layer("nvfp4", n, k)
+        lane = ql.QuantWeights(**{f: (v.clone() if isinstance(v, torch.Tensor) else v)
+                                  for f, v in vars(natural).items()})
+        lane_order.to_lane_order(lane)
+        rotations = {"natural": qgm.rotation(natural), "lane": qgm.rotation(lane)}
+        for m in map(int, args.rows.split(",")):
+            x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+            err = qgm.rel_err(qgm.quant_fn(x, [lane], "plain", None)(), ql.quant_linear_ref(x, natural))
+            times = {o: [] for o in rotations}
+            for _ in range(3):
+                for order, layers in rotations.items():
+                    times[order].append(qgm.bench(qgm.quant_fn(x, layers, "plain", None)))
+            med = {o: sorted(t)[1] for o, t in times.items()}
+            rows.append(dict(shape=name, n=n, k=k, m=m, bytes=qgm.bytes_read(natural), natural_us=med["natural"],
+                             lane_us=med["lane"], lane_err=err, rounds=times))
+            print(rows[-1], flush=True)
+        del rotations
+    out = Path(os.environ.get("OUT", "bench/results"))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "quant_gemv_dot_orders.json").write_text(json.dumps(dict(
+        device=torch.cuda.get_device_name(), commit=os.environ.get("COMMIT", "?"), copy_gbs=bw / 1e9,
+        dtype="bfloat16", what="quant_linear's dot path, NVFP4 in checkpoint and lane order", rows=rows), indent=1))
+    print(f"{'shape':12} {'N':>6} {'K':>6} {'M':>4} {'natural us':>10} {'lane us':>8} {'lane/nat':>8} {'lane err':>8}")
+    for r in rows:
+        print(f"{r['shape']:12} {r['n']:6} {r['k']:6} {r['m']:4} {r['natural_us']:10.1f} {r['lane_us']:8.1f} "
+              f"{r['lane_us'] / r['natural_us']:8.2f} {r['lane_err']:8.1e}")
 
 
 def x_loads(args) -> str:
