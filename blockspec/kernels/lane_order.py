@@ -56,9 +56,13 @@ def source_columns(k: int) -> torch.Tensor:
 
 def fits(layer) -> bool:
     """A layer the lane order applies to: a dense NVFP4 QuantLinear without an act-order permutation, K a multiple
-    of 128 (the mma kernels' span)."""
-    return (getattr(layer, "scheme", None) == "nvfp4" and layer.qweight.dim() == 2 and layer.in_features % BLOCK == 0
-            and getattr(layer, "perm", None) is None and not getattr(layer, "lane_order", False))
+    of 128 (the mma kernels' span), its bytes and scales [N, K / 2] and [N, K / 16] and contiguous."""
+    if getattr(layer, "scheme", None) != "nvfp4" or getattr(layer, "lane_order", False) \
+            or getattr(layer, "perm", None) is not None:
+        return False
+    q, s, k = layer.qweight, layer.scales, layer.in_features
+    return (k % BLOCK == 0 and q.dim() == 2 and tuple(s.shape) == (q.shape[0], k // 16) and q.shape[1] == k // 2
+            and q.is_contiguous() and s.is_contiguous())
 
 
 @torch.no_grad()

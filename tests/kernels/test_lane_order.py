@@ -83,6 +83,9 @@ def test_only_dense_nvfp4_layers_of_whole_blocks_fit() -> None:
     permuted = QuantLinear("nvfp4", 256, 32, 16)
     permuted.perm = torch.arange(256).flip(0)  # act-order
     assert not lo.fits(permuted)
+    strided = QuantLinear("nvfp4", 256, 32, 16)
+    strided._buffers["scales"] = torch.empty(32, 32, dtype=strided.scales.dtype)[:, :16]  # a view, not contiguous
+    assert not lo.fits(strided)
     layer = QuantLinear("nvfp4", 256, 32, 16)
     lo.to_lane_order(layer)
     assert not lo.fits(layer)
