@@ -104,45 +104,37 @@ if torch.cuda.is_available():
     import triton.language as tl
 
     @triton.jit
-    def _x_free(x32, b0, KB: tl.constexpr, BN: tl.constexpr, P: tl.constexpr, live=None):
+    def _x_free(x32, b0, KB: tl.constexpr, BN: tl.constexpr, P: tl.constexpr, live=None, LANE: tl.constexpr = False):
         """--no-x: the pairs (1, 1) in place of x beside a span's bytes, no load (the results are wrong)."""
         return tl.full([BN, 64], 0x3F803F80, tl.int32)
 
     @triton.jit
-    def _rows_x_free(x32, tok, tok_b, part, b0, KB: tl.constexpr, P: tl.constexpr, TWO: tl.constexpr):
+    def _rows_x_free(x32, tok, tok_b, part, b0, KB: tl.constexpr, P: tl.constexpr, TWO: tl.constexpr,
+                     LANE: tl.constexpr = False):
         """--no-x on the rows kernel: the pairs (1, 1) for both token blocks, no load (the results are wrong)."""
         xa = (tok * 0).to(tl.int32)[:, None] + tl.full([1, 64], 0x3F803F80, tl.int32)
         return xa, xa
 
-    _ROWS_X = quant_gemv._rows_x  # the kernel's own x loads, for --x-one-token
+    _ROWS_X = quant_gemv._rows_x  # the kernel's own x loads, for --x-one-token and --x-line
 
     @triton.jit
-    def _rows_x_one_token(x32, tok, tok_b, part, b0, KB: tl.constexpr, P: tl.constexpr, TWO: tl.constexpr):
+    def _rows_x_one_token(x32, tok, tok_b, part, b0, KB: tl.constexpr, P: tl.constexpr, TWO: tl.constexpr,
+                          LANE: tl.constexpr = False):
         """--x-one-token on the rows kernel: every row's x loaded as the kernel loads it, but the first block's
         tokens all from token 0 and the second's (9-16 rows) from token 1 (the zero is b0 >> 30, which the compiler
         cannot fold in the loop: the same loads, while the bytes they ask of the L2 shrink to two tokens'; the
         address arithmetic is simpler, 0-30 registers fewer under Triton 3.6). The results are wrong."""
         zero = b0 >> 30
-        return _ROWS_X(x32, tok * zero, tok_b * zero + 1, part, b0, KB, P, TWO)
-
+        return _ROWS_X(x32, tok * zero, tok_b * zero + 1, part, b0, KB, P, TWO, LANE)
 
     @triton.jit
-    def _rows_x_line(x32, tok, tok_b, part, b0, KB: tl.constexpr, P: tl.constexpr, TWO: tl.constexpr):
-        """--x-line on the rows kernel: each token's x loaded as 16-byte loads in which its 4 lanes read 64 bytes of
-        one 128-byte line (lane t's 16 pairs: 8 t' .. 8 t' + 7 and 32 + 8 t' .. of the span, t' = 3 t % 4), not
-        lane t's 64 contiguous bytes, whose four loads each touch two lines a token. The same loads, registers and
-        L2 bytes; the weights stay in their order, so the results are wrong: whether the L1 lines an x load
-        touches are what x costs at 9-16 rows (NOTES session 42)."""
-        KP: tl.constexpr = KB // P
-        c = tl.arange(0, 64)
-        c = 8 * ((3 * (c // 16)) % 4) + c % 8 + 32 * ((c // 8) % 2)
-        col = (part * KP + b0)[:, None] + c[None, :]
-        xa = tl.load(x32 + tok[:, None] * KB + col)
-        if TWO:
-            xb = tl.load(x32 + tok_b[:, None] * KB + col)
-        else:
-            xb = xa
-        return xa, xb
+    def _rows_x_line(x32, tok, tok_b, part, b0, KB: tl.constexpr, P: tl.constexpr, TWO: tl.constexpr,
+                     LANE: tl.constexpr = False):
+        """--x-line on the rows kernel: x loaded at the lane order's columns (kernels/lane_order.py: a token's 4
+        lanes read 64 bytes of one 128-byte line a 16-byte load, not lane t's 64 contiguous bytes, whose four loads
+        each touch two lines a token) beside weights in checkpoint order. The same loads, registers and L2 bytes,
+        wrong results: whether the L1 lines an x load touches are what x costs at 9-16 rows (NOTES session 42)."""
+        return _ROWS_X(x32, tok, tok_b, part, b0, KB, P, TWO, True)
 
 
 def _decode_shifts(src: str) -> str:
@@ -208,8 +200,9 @@ def main() -> None:
                     "rows by its bytes from L2 (then this is as fast as --no-x) or by its loads and registers (then as "
                     "slow as the kernel)")
     x_mode.add_argument("--x-line", action="store_true", help="the rows kernel loading each token's x 64 bytes "
-                        "of one 128-byte line a load, not two lines (the same loads and L2 bytes, in another order: "
-                        "wrong results, the dispatched column too): whether the L1 lines x touches are its cost")
+                        "of one 128-byte line a load, not two lines, beside weights in checkpoint order (the same "
+                        "loads and L2 bytes, in another order: wrong results, the dispatched column too): whether "
+                        "the L1 lines x touches are its cost")
     x_mode.add_argument("--no-x", action="store_true", help="the streamed, parts and rows kernels without their x "
                     "loads (constant pairs, wrong results; the dispatched column too): how much of their time the x "
                     "beside every weight byte costs (the L1 question of NOTES session 28)")
@@ -249,9 +242,7 @@ def main() -> None:
     for scheme in args.schemes.split(","):
         for name, n, k in [s for s in SHAPES if s[0] in args.shapes.split(",")]:
             layer = qgm.random_layer(scheme, n, k)
-            if args.natural_order:
-                pass
-            elif lane_order.fits(layer):  # as the engine stores a GPU model's dense NVFP4 layers
+            if not (args.natural_order or args.x_line) and lane_order.fits(layer):  # as the engine stores them
                 lane_order.to_lane_order(layer)
             layers = qgm.rotation(layer)
             meta = ql.quant_meta(layer)

@@ -102,10 +102,7 @@ def order_model(model: torch.nn.Module) -> int:
 
 def restore_columns(w: torch.Tensor) -> torch.Tensor:
     """A lane-order layer's dequantized weight [..., N, K] with its columns back in the original order."""
-    k = w.shape[-1]
-    order = torch.empty(k, dtype=torch.long, device=w.device)
-    order[source_columns(k).to(w.device)] = torch.arange(k, device=w.device)
-    return w.index_select(-1, order)
+    return w.index_select(-1, torch.argsort(source_columns(w.shape[-1])).to(w.device))
 
 
 if HAVE_TRITON:

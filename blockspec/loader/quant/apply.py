@@ -455,4 +455,3 @@ def finalize_quantized(model: nn.Module) -> None:
             setattr(model.get_submodule(parent) if parent else model, child, plain)
             log.info("note: %s is stored quantized; it is kept dequantized in %s (the logits read its weight)",
                      name, str(weight.dtype).removeprefix("torch."))
-
